@@ -1,0 +1,127 @@
+"""``burstfs``: mount, unmount and drain from the command line.
+
+Exit codes: 0 success, 1 runtime failure, 2 bad input (click's usage errors too).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from .cachelock import CacheLock
+from .config import DEFAULT_COMMIT_MARKERS, DrainOptions, MountConfig, S3Options, parse_remote_url
+from .errors import BurstfsError, ConfigError
+from .mountinfo import find_burstfs_mount
+
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'8M', '512MiB', '20G' -> bytes."""
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = value[-1:] if value[-1:] in _SIZE_UNITS and not value[-1:].isdigit() else ""
+    number = value[: len(value) - len(unit)]
+    try:
+        return int(float(number) * _SIZE_UNITS[unit])
+    except ValueError:
+        raise ConfigError(f"not a size: {text!r} (examples: 8M, 512MiB, 20G)") from None
+
+
+def _fail(exc: BurstfsError) -> None:
+    click.echo(f"burstfs: {exc}", err=True)
+    sys.exit(EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAILURE)
+
+
+@click.group()
+@click.version_option(package_name="burstfs")
+def main() -> None:
+    """A burst buffer for training checkpoints: local-speed writes, drained to object storage."""
+
+
+@main.command()
+@click.argument("mountpoint", type=click.Path(path_type=Path))
+@click.option("--cache", "cache_dir", required=True, type=click.Path(path_type=Path),
+              help="Local tier directory (tmpfs or NVMe); holds staged data and the journal.")
+@click.option("--remote", required=True, help="s3://BUCKET/PREFIX or file:///DIR")
+@click.option("--foreground", "-f", is_flag=True, help="Do not daemonize (systemd, Kubernetes).")
+@click.option("--log-level", default="INFO", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.option("--fsync", "fsync_mode", default="local", show_default=True, type=click.Choice(["local", "remote"]),
+              help="local: fsync returns once the local tier and journal hold the data; remote: once durable remotely.")
+@click.option("--allow-other", is_flag=True, help="Let other users access the mount (kernel checks permissions).")
+@click.option("--no-writeback-cache", is_flag=True, help="Send every write to the daemon at once (slower).")
+@click.option("--cache-size", default=None, help="Bytes of the local tier to use (e.g. 20G); default: all of it.")
+@click.option("--endpoint-url", default=None, help="S3 endpoint (MinIO, Ceph RGW...); default $AWS_ENDPOINT_URL or AWS.")
+@click.option("--region", default=None, help="S3 region.")
+@click.option("--part-size", default="8M", show_default=True, help="Multipart part and checksum chunk size.")
+@click.option("--concurrency", default=8, show_default=True, help="Parts in flight per file.")
+@click.option("--max-files", default=4, show_default=True, help="Files draining at once.")
+@click.option("--compress", type=click.Choice(["none", "lz4"]), default="none", show_default=True)
+@click.option("--commit-marker", "commit_markers", multiple=True,
+              help=f"Pattern of files that publish a checkpoint (repeatable). Default: {', '.join(DEFAULT_COMMIT_MARKERS)}")
+@click.option("--metrics-addr", default=None, help="Serve Prometheus metrics on HOST:PORT.")
+def mount(mountpoint: Path, cache_dir: Path, remote: str, foreground: bool, log_level: str, fsync_mode: str,
+          allow_other: bool, no_writeback_cache: bool, cache_size: str | None, endpoint_url: str | None,
+          region: str | None, part_size: str, concurrency: int, max_files: int, compress: str,
+          commit_markers: tuple[str, ...], metrics_addr: str | None) -> None:  # fmt: skip
+    """Mount burstfs at MOUNTPOINT; returns once the mount is live."""
+    from .daemon import mount as run
+
+    try:
+        config = MountConfig(
+            mountpoint=mountpoint.absolute(),
+            cache_dir=cache_dir.absolute(),
+            remote=parse_remote_url(remote),
+            s3=S3Options(endpoint_url=endpoint_url, region=region),
+            drain=DrainOptions(
+                part_size=parse_size(part_size),
+                concurrency=concurrency,
+                max_files=max_files,
+                compress=None if compress == "none" else compress,
+                commit_markers=commit_markers or DEFAULT_COMMIT_MARKERS,
+            ),
+            fsync_remote=fsync_mode == "remote",
+            allow_other=allow_other,
+            writeback_cache=not no_writeback_cache,
+            cache_size=parse_size(cache_size) if cache_size else None,
+            log_level=log_level.upper(),
+            metrics_addr=metrics_addr,
+        )
+        sys.exit(run(config, foreground=foreground))
+    except BurstfsError as exc:
+        _fail(exc)
+
+
+@main.command()
+@click.argument("mountpoint", type=click.Path(path_type=Path))
+@click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for the daemon to exit.")
+def unmount(mountpoint: Path, timeout: float) -> None:
+    """Unmount MOUNTPOINT and wait for its daemon to stop.
+
+    Files not yet durable stay staged and journaled in the cache dir; the next
+    mount (or `burstfs drain --cache DIR`) drains them.
+    """
+    found = find_burstfs_mount(mountpoint)
+    if found is None or found[0] != Path(os.path.realpath(mountpoint)):
+        _fail(ConfigError(f"{mountpoint} is not a burstfs mount point"))
+        return
+    point, cache_dir = found
+    lock = CacheLock(cache_dir)
+    pid = lock.owner_pid()
+    result = subprocess.run(["fusermount3", "-u", str(point)], capture_output=True, text=True)
+    if result.returncode != 0:
+        _fail(BurstfsError(f"unmounting {point} failed: {result.stderr.strip()} (files still open? try: fuser -m {point})"))
+    deadline = time.monotonic() + timeout
+    while pid is not None and lock.owner_pid() is not None:
+        if time.monotonic() > deadline:
+            _fail(BurstfsError(f"daemon pid {pid} did not exit within {timeout:.0f}s after unmount"))
+        time.sleep(0.05)
+    click.echo(f"unmounted {point} (cache {cache_dir})")

@@ -1,0 +1,699 @@
+"""The file-system core: namespace, file data on the local tier, and the journal.
+
+Everything POSIX means here is decided in this module, independent of FUSE: the
+pyfuse3 front only translates requests and errors.  Tests drive this class
+in-process (see tests/test_core.py), as s3ql drives its ``Operations``.
+
+Invariants:
+- every namespace change and every close of a changed file is committed to the
+  journal before the call returns;
+- the data of an inode lives in ``LocalTier.path(ino)`` while ``inode.local``;
+- an inode is destroyed (row and data file) only when it has no name, no open
+  handle and no kernel lookup reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import itertools
+import logging
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Protocol
+
+import trio
+
+from .committer import GroupCommitter
+from .errors import FsError
+from .journal import (
+    DURABLE,
+    INCOMPLETE,
+    META,
+    NOT_LOCAL_STATES,
+    ROOT_INO,
+    STAGED,
+    WRITING,
+    InodeRow,
+    Journal,
+    Op,
+    insert_inode_op,
+    update_inode_op,
+)
+from .localtier import LocalTier
+
+log = logging.getLogger("burstfs.core")
+
+NAME_MAX = 255
+XATTR_USER = b"user."
+XATTR_RESERVED = b"user.burstfs."  # computed, read-only attributes (drain state)
+
+
+class DrainHooks(Protocol):
+    """What the core needs from the mover (absent when nothing drains)."""
+
+    def file_closed(self) -> None:
+        """A file was journaled as staged: wake the drain."""
+
+    def namespace_changed(self) -> None:
+        """A rename or unlink happened: durable objects may need moving or deleting."""
+
+    async def wait_durable(self, ino: int, generation: int) -> None:
+        """Return once ``generation`` of ``ino`` is durable; raise if it cannot be."""
+
+
+class Fetcher(Protocol):
+    """What the core needs from the restore path to read a file that is not local."""
+
+    async def ensure_local(self, ino: int, offset: int, size: int) -> None:
+        """Return once bytes [offset, offset+size) of ``ino`` are on the local tier."""
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Inode:
+    """In-memory state of one file, directory or symlink."""
+
+    ino: int
+    kind: str  # "file" | "dir" | "symlink"
+    mode: int  # full st_mode, type bits included
+    uid: int
+    gid: int
+    parent: int  # 0 once unlinked
+    name: bytes
+    size: int = 0
+    atime_ns: int = 0
+    mtime_ns: int = 0
+    ctime_ns: int = 0
+    target: bytes | None = None
+    children: dict[bytes, int] | None = None
+    subdirs: int = 0
+    xattrs: dict[bytes, bytes] = dataclasses.field(default_factory=dict)
+    generation: int = 0
+    dirty: bool = False  # changed since its last journaled close
+    local: bool = True  # data complete on the local tier
+    lookups: int = 0  # kernel references (lookup/forget)
+    handles: int = 0  # open file handles
+
+    @property
+    def nlink(self) -> int:
+        if self.kind == "dir":
+            return 2 + self.subdirs
+        return 1 if self.parent else 0
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Handle:
+    inode: Inode
+    writable: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class StatFs:
+    block_size: int
+    blocks: int
+    blocks_free: int
+    files: int
+    files_free: int
+    name_max: int = NAME_MAX
+
+
+def _now_ns() -> int:
+    return time.time_ns()
+
+
+def _check_name(name: bytes) -> None:
+    if len(name) > NAME_MAX:
+        raise FsError(errno.ENAMETOOLONG)
+    if not name or name in (b".", b"..") or b"/" in name:
+        raise FsError(errno.EINVAL)
+
+
+class BurstCore:
+    """The namespace and data of one mount, journaled."""
+
+    def __init__(
+        self,
+        cache_dir: Path,
+        journal: Journal,
+        *,
+        fsync_remote: bool = False,
+        offload_writes: bool = True,
+    ) -> None:
+        self.cache_dir = Path(cache_dir)
+        self.journal = journal
+        self.tier = LocalTier(self.cache_dir)
+        self.committer = GroupCommitter(journal)
+        self.drain: DrainHooks | None = None
+        self.fetcher: Fetcher | None = None
+        self.fsync_remote = fsync_remote
+        self.offload_writes = offload_writes
+        self.inodes: dict[int, Inode] = {}
+        self.handles: dict[int, Handle] = {}
+        self.dir_handles: dict[int, list[tuple[bytes, int]]] = {}
+        self._next_fh = itertools.count(1)
+        self._recover()
+        self._next_ino = itertools.count(max(self.inodes) + 1)
+        self._next_close_seq = itertools.count(journal.max_close_seq() + 1)
+
+    # -- start-up -----------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Rebuild the namespace from the journal after a clean stop or a crash."""
+        rows = self.journal.inodes()
+        if not rows:
+            now = _now_ns()
+            root = InodeRow(ROOT_INO, ROOT_INO, b"", "dir", stat.S_IFDIR | 0o755, os.getuid(),
+                            os.getgid(), 0, now, now, now, None, META, 0, 0, None, None, None,
+                            None, None, None, 0, time.time(), 0)  # fmt: skip
+            self.journal.apply([insert_inode_op(root)])
+            rows = [root]
+        ops: list[Op] = []
+        for row in rows:
+            if row.parent == 0:  # unlinked while open when the daemon stopped
+                ops.append(("DELETE FROM inodes WHERE ino=?", (row.ino,)))
+                ops.append(("DELETE FROM xattrs WHERE ino=?", (row.ino,)))
+                continue
+            if row.state == WRITING:
+                ops.append(update_inode_op(row.ino, state=INCOMPLETE, updated=time.time()))
+                ops.append(self.journal.log_event(row.ino, "incomplete", "open for writing at crash"))
+                log.warning("event=recover_incomplete ino=%d name=%s", row.ino, row.name)
+            self.inodes[row.ino] = self._inode_from_row(row)
+        for ino, name, value in self.journal.xattrs():
+            if ino in self.inodes:
+                self.inodes[ino].xattrs[name] = value
+        for inode in list(self.inodes.values()):
+            if inode.ino == ROOT_INO:
+                continue
+            parent = self.inodes.get(inode.parent)
+            if parent is None or parent.children is None:  # parent lost: should never happen
+                log.error("event=recover_orphan ino=%d parent=%d", inode.ino, inode.parent)
+                continue
+            parent.children[inode.name] = inode.ino
+            if inode.kind == "dir":
+                parent.subdirs += 1
+        for ino in self.tier.data_inodes() - set(self.inodes):
+            self.tier.remove(ino)
+        if ops:
+            self.journal.apply(ops)
+        log.info("event=recovered inodes=%d", len(self.inodes))
+
+    def _inode_from_row(self, row: InodeRow) -> Inode:
+        inode = Inode(
+            ino=row.ino, kind=row.kind, mode=row.mode, uid=row.uid, gid=row.gid,
+            parent=row.parent, name=row.name, size=row.size, atime_ns=row.atime_ns,
+            mtime_ns=row.mtime_ns, ctime_ns=row.ctime_ns, target=row.target,
+            generation=row.generation, local=row.state not in NOT_LOCAL_STATES,
+        )  # fmt: skip
+        if row.kind == "dir":
+            inode.children = {}
+        return inode
+
+    # -- lookups ------------------------------------------------------------------
+
+    def inode(self, ino: int) -> Inode:
+        try:
+            return self.inodes[ino]
+        except KeyError:
+            raise FsError(errno.ENOENT) from None
+
+    def _dir(self, ino: int) -> Inode:
+        inode = self.inode(ino)
+        if inode.children is None:
+            raise FsError(errno.ENOTDIR)
+        return inode
+
+    def child(self, parent: int, name: bytes) -> Inode:
+        if name == b".":
+            return self._dir(parent)
+        if name == b"..":
+            return self.inode(self._dir(parent).parent)
+        ino = self._dir(parent).children.get(name)  # type: ignore[union-attr]
+        if ino is None:
+            raise FsError(errno.ENOENT)
+        return self.inodes[ino]
+
+    async def lookup(self, parent: int, name: bytes) -> Inode:
+        inode = self.child(parent, name)
+        inode.lookups += 1
+        return inode
+
+    def forget(self, ino: int, count: int) -> None:
+        inode = self.inodes.get(ino)
+        if inode is None:
+            return
+        inode.lookups = max(0, inode.lookups - count)
+        self._maybe_destroy(inode)
+
+    def path_of(self, inode: Inode) -> str | None:
+        parts = []
+        while inode.ino != ROOT_INO:
+            if inode.parent == 0:
+                return None
+            parts.append(os.fsdecode(inode.name))
+            inode = self.inodes[inode.parent]
+        return "/".join(reversed(parts))
+
+    # -- creating and removing names -----------------------------------------------
+
+    def _new_inode(self, parent: Inode, name: bytes, kind: str, mode: int, uid: int, gid: int) -> Inode:
+        _check_name(name)
+        if name in parent.children:  # type: ignore[operator]
+            raise FsError(errno.EEXIST)
+        if parent.mode & stat.S_ISGID:  # BSD group semantics under a setgid directory
+            gid = parent.gid
+            if kind == "dir":
+                mode |= stat.S_ISGID
+        now = _now_ns()
+        inode = Inode(next(self._next_ino), kind, mode, uid, gid, parent.ino, name,
+                      atime_ns=now, mtime_ns=now, ctime_ns=now)  # fmt: skip
+        if kind == "dir":
+            inode.children = {}
+        return inode
+
+    def _row(self, inode: Inode, state: str) -> InodeRow:
+        return InodeRow(inode.ino, inode.parent, inode.name, inode.kind, inode.mode, inode.uid,
+                        inode.gid, inode.size, inode.atime_ns, inode.mtime_ns, inode.ctime_ns,
+                        inode.target, state, inode.generation, 0, None, None, None, None, None,
+                        None, 0, time.time(), 0)  # fmt: skip
+
+    def _link(self, parent: Inode, inode: Inode) -> None:
+        self.inodes[inode.ino] = inode
+        parent.children[inode.name] = inode.ino  # type: ignore[index]
+        if inode.kind == "dir":
+            parent.subdirs += 1
+        parent.mtime_ns = parent.ctime_ns = _now_ns()
+
+    def _touch_parent_op(self, parent: Inode) -> Op:
+        return update_inode_op(parent.ino, mtime_ns=parent.mtime_ns, ctime_ns=parent.ctime_ns)
+
+    async def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
+        parent = self._dir(parent_ino)
+        inode = self._new_inode(parent, name, "dir", stat.S_IFDIR | stat.S_IMODE(mode), uid, gid)
+        self._link(parent, inode)
+        inode.lookups += 1
+        await self.committer.commit([insert_inode_op(self._row(inode, META)), self._touch_parent_op(parent)])
+        return inode
+
+    async def symlink(self, parent_ino: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
+        parent = self._dir(parent_ino)
+        inode = self._new_inode(parent, name, "symlink", stat.S_IFLNK | 0o777, uid, gid)
+        inode.target = target
+        inode.size = len(target)
+        self._link(parent, inode)
+        inode.lookups += 1
+        await self.committer.commit([insert_inode_op(self._row(inode, META)), self._touch_parent_op(parent)])
+        return inode
+
+    def readlink(self, ino: int) -> bytes:
+        inode = self.inode(ino)
+        if inode.target is None:
+            raise FsError(errno.EINVAL)
+        return inode.target
+
+    async def create(
+        self, parent_ino: int, name: bytes, mode: int, flags: int, uid: int, gid: int
+    ) -> tuple[int, Inode]:
+        """Create and open a regular file (O_EXCL is the kernel's: we only see new names)."""
+        parent = self._dir(parent_ino)
+        if not stat.S_ISREG(mode) and stat.S_IFMT(mode) != 0:
+            raise FsError(errno.EPERM, "only regular files, directories and symlinks are supported")
+        inode = self._new_inode(parent, name, "file", stat.S_IFREG | stat.S_IMODE(mode), uid, gid)
+        inode.dirty = True
+        self.tier.create(inode.ino)
+        self._link(parent, inode)
+        inode.lookups += 1
+        await self.committer.commit([insert_inode_op(self._row(inode, WRITING)), self._touch_parent_op(parent)])
+        return self._open_handle(inode, writable=True), inode
+
+    async def unlink(self, parent_ino: int, name: bytes) -> None:
+        parent = self._dir(parent_ino)
+        inode = self.child(parent_ino, name)
+        if inode.kind == "dir":
+            raise FsError(errno.EISDIR)
+        await self.committer.commit(self._unlink_ops(parent, inode) + [self._touch_parent_op(parent)])
+        self._maybe_destroy(inode)
+        self._namespace_changed()
+
+    async def rmdir(self, parent_ino: int, name: bytes) -> None:
+        parent = self._dir(parent_ino)
+        inode = self.child(parent_ino, name)
+        if inode.kind != "dir":
+            raise FsError(errno.ENOTDIR)
+        if inode.children:
+            raise FsError(errno.ENOTEMPTY)
+        await self.committer.commit(self._unlink_ops(parent, inode) + [self._touch_parent_op(parent)])
+        self._maybe_destroy(inode)
+
+    def _unlink_ops(self, parent: Inode, inode: Inode) -> list[Op]:
+        """Detach ``inode`` from its name; the journal queues its remote object for deletion."""
+        del parent.children[inode.name]  # type: ignore[union-attr]
+        if inode.kind == "dir":
+            parent.subdirs -= 1
+        inode.parent = 0
+        now = _now_ns()
+        parent.mtime_ns = parent.ctime_ns = inode.ctime_ns = now
+        return [
+            ("INSERT INTO remote_deletes (key, reason) SELECT remote_key, 'unlink' FROM inodes "
+             "WHERE ino=? AND remote_key IS NOT NULL", (inode.ino,)),
+            update_inode_op(inode.ino, parent=0, remote_key=None, ctime_ns=now),
+            self.journal.log_event(inode.ino, "unlink", os.fsdecode(inode.name)),
+        ]  # fmt: skip
+
+    def _maybe_destroy(self, inode: Inode) -> None:
+        """Drop an unlinked inode once nothing references it any more."""
+        if inode.parent or inode.lookups or inode.handles or inode.ino == ROOT_INO:
+            return
+        self.inodes.pop(inode.ino, None)
+        if inode.kind == "file":
+            self.tier.remove(inode.ino)
+        # Not awaited: losing this record in a crash is harmless (start-up drops
+        # unlinked rows), and forget() must not block.
+        self.committer.enqueue(
+            [("DELETE FROM inodes WHERE ino=? AND parent=0", (inode.ino,)),
+             ("DELETE FROM xattrs WHERE ino=?", (inode.ino,))]
+        )  # fmt: skip
+
+    async def rename(self, old_parent_ino: int, old_name: bytes, new_parent_ino: int,
+                     new_name: bytes, flags: int) -> None:  # fmt: skip
+        """rename(2): atomically replaces a file target or an empty directory target."""
+        from pyfuse3 import RENAME_EXCHANGE, RENAME_NOREPLACE
+
+        if flags & RENAME_EXCHANGE:
+            raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
+        _check_name(new_name)
+        old_parent = self._dir(old_parent_ino)
+        new_parent = self._dir(new_parent_ino)
+        inode = self.child(old_parent_ino, old_name)
+        ops: list[Op] = []
+        target_ino = new_parent.children.get(new_name)  # type: ignore[union-attr]
+        target = self.inodes[target_ino] if target_ino is not None else None
+        if target is inode:
+            return
+        if target is not None:
+            if flags & RENAME_NOREPLACE:
+                raise FsError(errno.EEXIST)
+            if inode.kind == "dir" and target.kind != "dir":
+                raise FsError(errno.ENOTDIR)
+            if inode.kind != "dir" and target.kind == "dir":
+                raise FsError(errno.EISDIR)
+            if target.children:
+                raise FsError(errno.ENOTEMPTY)
+        if inode.kind == "dir":  # the VFS checks this too; keep the core safe on its own
+            ancestor = new_parent
+            while ancestor.ino != ROOT_INO:
+                if ancestor is inode:
+                    raise FsError(errno.EINVAL)
+                ancestor = self.inodes[ancestor.parent]
+        if target is not None:
+            ops += self._unlink_ops(new_parent, target)
+        del old_parent.children[old_name]  # type: ignore[union-attr]
+        new_parent.children[new_name] = inode.ino  # type: ignore[index]
+        if inode.kind == "dir":
+            old_parent.subdirs -= 1
+            new_parent.subdirs += 1
+        inode.parent, inode.name = new_parent.ino, new_name
+        now = _now_ns()
+        inode.ctime_ns = old_parent.mtime_ns = old_parent.ctime_ns = now
+        new_parent.mtime_ns = new_parent.ctime_ns = now
+        ops += [
+            update_inode_op(inode.ino, parent=new_parent.ino, name=new_name, ctime_ns=now),
+            self._touch_parent_op(old_parent),
+            self._touch_parent_op(new_parent),
+            self.journal.log_event(inode.ino, "rename", f"{os.fsdecode(old_name)} -> {os.fsdecode(new_name)}"),
+        ]
+        await self.committer.commit(ops)
+        if target is not None:
+            self._maybe_destroy(target)
+        self._namespace_changed()
+
+    def _namespace_changed(self) -> None:
+        if self.drain is not None:
+            self.drain.namespace_changed()
+
+    # -- attributes -----------------------------------------------------------------
+
+    async def setattr(
+        self,
+        ino: int,
+        *,
+        mode: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        size: int | None = None,
+        atime_ns: int | None = None,
+        mtime_ns: int | None = None,
+        fh: int | None = None,
+    ) -> Inode:
+        inode = self.inode(ino)
+        now = _now_ns()
+        fields: dict[str, int] = {}
+        if size is not None:
+            if inode.kind != "file":
+                raise FsError(errno.EISDIR if inode.kind == "dir" else errno.EINVAL)
+            await self._ensure_local(inode)
+            await self._mark_writing(inode)
+            await trio.to_thread.run_sync(self.tier.truncate, ino, size)
+            inode.size = size
+            inode.mtime_ns = now
+            fields.update(size=size, mtime_ns=now)
+        if mode is not None:
+            inode.mode = stat.S_IFMT(inode.mode) | stat.S_IMODE(mode)
+            fields["mode"] = inode.mode
+        if uid is not None:
+            inode.uid = fields["uid"] = uid
+        if gid is not None:
+            inode.gid = fields["gid"] = gid
+        if atime_ns is not None:
+            inode.atime_ns = fields["atime_ns"] = atime_ns
+        if mtime_ns is not None:
+            inode.mtime_ns = fields["mtime_ns"] = mtime_ns
+        inode.ctime_ns = fields["ctime_ns"] = now
+        ops = [update_inode_op(ino, **fields)]
+        if size is not None and not self._has_writer(inode) and fh is None:
+            ops += self._close_ops(inode)  # truncate(2) on a path: a complete change
+        await self.committer.commit(ops)
+        if size is not None and not inode.dirty:
+            self._file_closed()
+        return inode
+
+    def _has_writer(self, inode: Inode) -> bool:
+        return any(h.writable and h.inode is inode for h in self.handles.values())
+
+    # -- file data ------------------------------------------------------------------
+
+    def _open_handle(self, inode: Inode, writable: bool) -> int:
+        self.tier.acquire(inode.ino)
+        inode.handles += 1
+        fh = next(self._next_fh)
+        self.handles[fh] = Handle(inode, writable)
+        return fh
+
+    async def open(self, ino: int, flags: int) -> int:
+        inode = self.inode(ino)
+        if inode.kind == "dir":
+            raise FsError(errno.EISDIR)
+        if inode.kind != "file":
+            raise FsError(errno.ELOOP)
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        if writable or flags & os.O_TRUNC:
+            await self._ensure_local(inode)
+        fh = self._open_handle(inode, writable)
+        if flags & os.O_TRUNC and inode.size:
+            await self.setattr(ino, size=0, fh=fh)
+        return fh
+
+    async def _ensure_local(self, inode: Inode, offset: int = 0, size: int | None = None) -> None:
+        """Fetch (part of) a file that is only on the remote before it is read or changed."""
+        if inode.local:
+            return
+        if self.fetcher is None:
+            raise FsError(errno.EIO, "file is not on the local tier and no remote is configured")
+        await self.fetcher.ensure_local(inode.ino, offset, inode.size if size is None else size)
+
+    async def _mark_writing(self, inode: Inode) -> None:
+        """The first change after a close is journaled, so a crash flags the file incomplete."""
+        if inode.dirty:
+            return
+        inode.dirty = True
+        await self.committer.commit([update_inode_op(inode.ino, state=WRITING, updated=time.time())])
+
+    async def read(self, fh: int, offset: int, size: int) -> bytes:
+        handle = self.handles[fh]
+        inode = handle.inode
+        if not inode.local:
+            await self._ensure_local(inode, offset, size)
+        fd = self.tier.fd(inode.ino)
+        assert fd is not None
+        return os.pread(fd, size, offset)
+
+    async def write(self, fh: int, offset: int, data: bytes) -> int:
+        handle = self.handles[fh]
+        inode = handle.inode
+        if not handle.writable:
+            raise FsError(errno.EBADF)
+        if not inode.dirty:
+            await self._mark_writing(inode)
+        fd = self.tier.fd(inode.ino)
+        assert fd is not None
+        if self.offload_writes and len(data) >= 65536:
+            written = await trio.to_thread.run_sync(os.pwrite, fd, data, offset)
+        else:
+            written = os.pwrite(fd, data, offset)
+        end = offset + written
+        if end > inode.size:
+            inode.size = end
+        inode.mtime_ns = inode.ctime_ns = _now_ns()
+        return written
+
+    def _close_ops(self, inode: Inode) -> list[Op]:
+        """Journal a changed file as closed: a new generation, queued to drain."""
+        inode.dirty = False
+        inode.generation += 1
+        seq = next(self._next_close_seq)
+        return [
+            update_inode_op(
+                inode.ino, state=STAGED, generation=inode.generation, close_seq=seq,
+                size=inode.size, mtime_ns=inode.mtime_ns, ctime_ns=inode.ctime_ns, digest=None,
+                chunks=None, chunk_size=None, error=None, attempts=0, updated=time.time(),
+                local_bytes=inode.size,
+            ),  # fmt: skip
+            self.journal.log_event(inode.ino, "closed", f"generation={inode.generation} size={inode.size}"),
+        ]
+
+    def _file_closed(self) -> None:
+        if self.drain is not None:
+            self.drain.file_closed()
+
+    async def flush(self, fh: int) -> None:
+        """close(2): a changed file is journaled before close returns (tenet 1)."""
+        handle = self.handles.get(fh)
+        if handle is None or not handle.writable or not handle.inode.dirty:
+            return
+        inode = handle.inode
+        if inode.parent == 0:  # unlinked while open: nothing to publish
+            inode.dirty = False
+            return
+        await self.committer.commit(self._close_ops(inode))
+        self._file_closed()
+
+    async def release(self, fh: int) -> None:
+        handle = self.handles.pop(fh, None)
+        if handle is None:
+            return
+        inode = handle.inode
+        if handle.writable and inode.dirty and inode.parent and not self._has_writer(inode):
+            await self.committer.commit(self._close_ops(inode))
+            self._file_closed()
+        inode.handles -= 1
+        self.tier.release(inode.ino)
+        self._maybe_destroy(inode)
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        handle = self.handles[fh]
+        inode = handle.inode
+        fd = self.tier.fd(inode.ino)
+        assert fd is not None
+        await trio.to_thread.run_sync(os.fdatasync if datasync else os.fsync, fd)
+        ops = self._close_ops(inode) if inode.dirty and inode.parent else []
+        await self.committer.commit(ops, sync=True)
+        if ops:
+            self._file_closed()
+        if self.fsync_remote and self.drain is not None and inode.parent:
+            await self.drain.wait_durable(inode.ino, inode.generation)
+
+    # -- directories ----------------------------------------------------------------
+
+    def opendir(self, ino: int) -> int:
+        inode = self._dir(ino)
+        fh = next(self._next_fh)
+        self.dir_handles[fh] = list(inode.children.items())  # type: ignore[union-attr]
+        return fh
+
+    def readdir(self, fh: int, start: int) -> list[tuple[bytes, Inode]]:
+        """Entries from index ``start`` on (a snapshot taken at opendir)."""
+        entries = self.dir_handles[fh]
+        return [(name, self.inodes[ino]) for name, ino in entries[start:] if ino in self.inodes]
+
+    def releasedir(self, fh: int) -> None:
+        self.dir_handles.pop(fh, None)
+
+    # -- extended attributes --------------------------------------------------------
+
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        inode = self.inode(ino)
+        if name.startswith(XATTR_RESERVED):
+            return self.reserved_xattr(inode, name)
+        try:
+            return inode.xattrs[name]
+        except KeyError:
+            raise FsError(errno.ENODATA) from None
+
+    def reserved_xattr(self, inode: Inode, name: bytes) -> bytes:
+        """``user.burstfs.*``: the file's drain state, read from the journal."""
+        row = self.journal.inode(inode.ino)
+        if row is None or inode.kind != "file":
+            raise FsError(errno.ENODATA)
+        key = name[len(XATTR_RESERVED):].decode()
+        values = {
+            "state": WRITING if inode.dirty else row.state,
+            "generation": str(row.generation),
+            "digest": row.digest or "",
+            "remote_key": row.remote_key or "",
+            "error": row.error or "",
+        }
+        if key not in values or (not values[key] and key != "state"):
+            raise FsError(errno.ENODATA)
+        return values[key].encode()
+
+    def listxattr(self, ino: int) -> list[bytes]:
+        inode = self.inode(ino)
+        names = list(inode.xattrs)
+        if inode.kind == "file":
+            names.append(XATTR_RESERVED + b"state")
+        return names
+
+    async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
+        inode = self.inode(ino)
+        if not name.startswith(XATTR_USER):
+            raise FsError(errno.ENOTSUP, "only user.* extended attributes are supported")
+        if name.startswith(XATTR_RESERVED):
+            raise FsError(errno.EPERM, "user.burstfs.* attributes are read-only")
+        inode.xattrs[name] = value
+        inode.ctime_ns = _now_ns()
+        await self.committer.commit([("INSERT OR REPLACE INTO xattrs VALUES (?, ?, ?)", (ino, name, value))])
+
+    async def removexattr(self, ino: int, name: bytes) -> None:
+        inode = self.inode(ino)
+        if name not in inode.xattrs:
+            raise FsError(errno.ENODATA)
+        del inode.xattrs[name]
+        await self.committer.commit([("DELETE FROM xattrs WHERE ino=? AND name=?", (ino, name))])
+
+    # -- file system ----------------------------------------------------------------
+
+    def statfs(self) -> StatFs:
+        """The local tier's capacity: what a writer can still put here right now."""
+        st = self.tier.statvfs()
+        return StatFs(
+            block_size=st.f_frsize,
+            blocks=st.f_blocks,
+            blocks_free=st.f_bavail,
+            files=max(st.f_files, len(self.inodes)),
+            files_free=st.f_favail if st.f_files else 1 << 20,
+        )
+
+    def file_state(self, ino: int) -> str:
+        """Drain state of a file as the journal and memory know it (used by status)."""
+        inode = self.inode(ino)
+        if inode.dirty:
+            return WRITING
+        row = self.journal.inode(ino)
+        return row.state if row else DURABLE
+
+    def close(self) -> None:
+        """Close data descriptors.  Files still open for writing stay journaled as
+        ``writing`` and are flagged incomplete by the next start."""
+        self.handles.clear()
+        self.tier.close_all()

@@ -1,0 +1,185 @@
+"""Mount lifecycle: checks before mounting, daemonizing, the trio main loop, shutdown.
+
+``burstfs mount`` returns only when the mount is live: the daemon reports
+``ready`` (or the reason it failed) through a pipe to the waiting parent.  All
+checks run before anything is mounted, so a failed start leaves nothing mounted
+and changes nothing in an existing cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from .cachelock import CacheLock
+from .config import MountConfig
+from .core import BurstCore
+from .errors import BurstfsError, ConfigError
+from .fuse_ops import BurstOperations
+from .journal import Journal
+from .log import setup_logging
+from .mountinfo import FSNAME_PREFIX, is_mounted
+
+log = logging.getLogger("burstfs.daemon")
+
+
+def preflight(config: MountConfig) -> None:
+    """Refuse bad input before touching anything (tenet 5)."""
+    mnt = config.mountpoint
+    if not mnt.exists():
+        raise ConfigError(f"mount point {mnt} does not exist (create it with: mkdir -p {mnt})")
+    if not mnt.is_dir():
+        raise ConfigError(f"mount point {mnt} is not a directory")
+    if is_mounted(mnt):
+        raise ConfigError(f"{mnt} is already a mount point (unmount it first: burstfs unmount {mnt})")
+    real_mnt = Path(os.path.realpath(mnt))
+    real_cache = Path(os.path.realpath(config.cache_dir))
+    if real_cache == real_mnt or real_mnt in real_cache.parents:
+        raise ConfigError(f"cache dir {config.cache_dir} must not be inside the mount point {mnt}")
+    if not os.path.exists("/dev/fuse"):
+        raise ConfigError("/dev/fuse is missing: load the fuse module (modprobe fuse) or pass --device /dev/fuse to the container")
+    if shutil.which("fusermount3") is None:
+        raise ConfigError("fusermount3 not found: install fuse3 (apt-get install fuse3)")
+    cache = config.cache_dir
+    if cache.exists() and not cache.is_dir():
+        raise ConfigError(f"cache dir {cache} is not a directory")
+    if not cache.exists():
+        if not cache.parent.is_dir():
+            raise ConfigError(f"cannot create cache dir {cache}: {cache.parent} does not exist")
+        if not os.access(cache.parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"cannot create cache dir {cache}: {cache.parent} is not writable")
+    elif not os.access(cache, os.W_OK | os.X_OK):
+        raise ConfigError(f"cache dir {cache} is not writable")
+
+
+def open_cache(config: MountConfig) -> tuple[CacheLock, Journal]:
+    """Lock the cache dir and open its journal; refuse a cache that belongs to another remote."""
+    config.cache_dir.mkdir(mode=0o700, exist_ok=True)
+    lock = CacheLock(config.cache_dir)
+    lock.acquire()
+    try:
+        journal = Journal(config.cache_dir)
+        recorded = journal.get_meta("remote")
+        if recorded is None:
+            journal.set_meta("remote", str(config.remote))
+        elif recorded != str(config.remote):
+            journal.close()
+            raise ConfigError(
+                f"cache dir {config.cache_dir} holds files for remote {recorded}, not {config.remote}; "
+                "use another --cache, or drain and remove this one first"
+            )
+    except BaseException:
+        lock.release()
+        raise
+    return lock, journal
+
+
+def fuse_options(config: MountConfig) -> set[str]:
+    options = set(pyfuse3.default_options)  # default_permissions: the kernel checks modes
+    options |= {f"fsname={FSNAME_PREFIX}{os.path.realpath(config.cache_dir)}", "subtype=burstfs"}
+    if config.allow_other:
+        options.add("allow_other")
+    return options
+
+
+async def serve(config: MountConfig, core: BurstCore, on_ready: Callable[[], None]) -> None:
+    """Run the mount until it is unmounted or the daemon is told to stop."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(core.committer.run)
+        nursery.start_soon(_stop_on_signals, nursery.cancel_scope)
+        on_ready()
+        log.info("event=mounted mountpoint=%s cache=%s remote=%s", config.mountpoint, config.cache_dir, config.remote)
+        await pyfuse3.main(min_tasks=4, max_tasks=64)
+        nursery.cancel_scope.cancel()
+
+
+async def _stop_on_signals(scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("event=signal signal=%s action=unmount", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return
+
+
+def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
+    """Mount, serve until unmounted, then leave the cache consistent for the next start."""
+    lock, journal = open_cache(config)
+    try:
+        core = BurstCore(config.cache_dir, journal, fsync_remote=config.fsync_remote)
+        ops = BurstOperations(core, writeback_cache=config.writeback_cache)
+        try:
+            pyfuse3.init(ops, str(config.mountpoint), fuse_options(config))
+        except RuntimeError as exc:
+            raise BurstfsError(f"mounting {config.mountpoint} failed: {exc}") from exc
+        unmounted = False
+        try:
+            trio.run(serve, config, core, on_ready)
+            unmounted = True
+        finally:
+            pyfuse3.close(unmount=not unmounted or is_mounted(config.mountpoint))
+            core.close()
+        log.info("event=unmounted mountpoint=%s", config.mountpoint)
+    finally:
+        journal.close()
+        lock.release()
+
+
+def mount(config: MountConfig, *, foreground: bool) -> int:
+    """``burstfs mount``: returns the process exit code once the mount is live (or failed)."""
+    preflight(config)
+    log_file = config.cache_dir / "burstfs.log"
+    if foreground:
+        config.cache_dir.mkdir(mode=0o700, exist_ok=True)
+        setup_logging(config.log_level, log_file=log_file, stderr=True)
+        run_mount(config, on_ready=lambda: None)
+        return 0
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid:  # the parent waits for the daemon's verdict
+        os.close(write_fd)
+        with os.fdopen(read_fd) as pipe:
+            verdict = pipe.read()
+        if verdict.startswith("ready"):
+            return 0
+        sys.stderr.write(verdict.removeprefix("error: ") or "burstfs: the daemon died during start-up\n")
+        os.waitpid(pid, 0)
+        return 1
+    os.close(read_fd)
+    _become_daemon()
+    status = os.fdopen(write_fd, "w")
+
+    def ready() -> None:
+        status.write("ready\n")
+        status.close()
+
+    code = 0
+    try:
+        config.cache_dir.mkdir(mode=0o700, exist_ok=True)
+        setup_logging(config.log_level, log_file=log_file, stderr=False)
+        run_mount(config, on_ready=ready)
+    except BaseException as exc:  # the parent prints it; the log keeps the details
+        code = 1
+        log.error("event=daemon_failed error=%s", exc)
+        if not status.closed:
+            message = str(exc) if isinstance(exc, BurstfsError) else "".join(traceback.format_exception(exc))
+            status.write(f"error: burstfs: {message}\n")
+            status.close()
+    os._exit(code)
+
+
+def _become_daemon() -> None:
+    os.setsid()
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    os.chdir("/")

@@ -1,0 +1,229 @@
+"""The FUSE front: pyfuse3 ``Operations`` translated onto :class:`BurstCore`.
+
+Thin by design.  Every handler is wrapped by :func:`_errors_to_fuse`, the one
+place where exceptions become errnos: a handler raises only ``FUSEError``, so no
+request, however odd, can end the mount.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import pyfuse3
+
+from .core import BurstCore, Inode
+from .errors import BurstfsError, to_errno
+
+log = logging.getLogger("burstfs.fuse")
+
+# The namespace changes only through this mount (remote listings are merged by
+# the core), so the kernel may cache names and attributes for a while.
+ATTR_TIMEOUT = 60.0
+ENTRY_TIMEOUT = 60.0
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def _errors_to_fuse(handler: F) -> F:
+    @functools.wraps(handler)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await handler(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except (BurstfsError, OSError) as exc:
+            code = to_errno(exc)
+            if code in (errno.EIO, errno.ENOSPC):
+                log.error("event=request_failed op=%s errno=%s error=%s", handler.__name__,
+                          errno.errorcode.get(code, code), exc)  # fmt: skip
+            raise pyfuse3.FUSEError(code) from None
+        except Exception:
+            log.exception("event=request_bug op=%s", handler.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def entry_attributes(inode: Inode) -> pyfuse3.EntryAttributes:
+    attr = pyfuse3.EntryAttributes()
+    attr.st_ino = inode.ino
+    attr.generation = 0
+    attr.entry_timeout = ENTRY_TIMEOUT
+    attr.attr_timeout = ATTR_TIMEOUT
+    attr.st_mode = inode.mode
+    attr.st_nlink = inode.nlink
+    attr.st_uid = inode.uid
+    attr.st_gid = inode.gid
+    attr.st_rdev = 0
+    attr.st_size = inode.size
+    attr.st_blksize = 1 << 20  # large I/O: checkpoint writers use st_blksize as buffer size
+    attr.st_blocks = (inode.size + 511) // 512
+    attr.st_atime_ns = inode.atime_ns
+    attr.st_mtime_ns = inode.mtime_ns
+    attr.st_ctime_ns = inode.ctime_ns
+    return attr
+
+
+class BurstOperations(pyfuse3.Operations):
+    """pyfuse3 handlers; each is one call into the core."""
+
+    enable_writeback_cache = True
+
+    def __init__(self, core: BurstCore, *, writeback_cache: bool = True) -> None:
+        super().__init__()
+        self.core = core
+        self.enable_writeback_cache = writeback_cache
+
+    @_errors_to_fuse
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return entry_attributes(await self.core.lookup(parent_inode, name))
+
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for ino, count in inode_list:
+            try:
+                self.core.forget(ino, count)
+            except Exception:  # forget cannot report errors; never let it end the mount
+                log.exception("event=forget_failed ino=%d", ino)
+
+    @_errors_to_fuse
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return entry_attributes(self.core.inode(inode))
+
+    @_errors_to_fuse
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                      fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:  # fmt: skip
+        updated = await self.core.setattr(
+            inode,
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            size=attr.st_size if fields.update_size else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+            fh=fh,
+        )
+        return entry_attributes(updated)
+
+    @_errors_to_fuse
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        return self.core.readlink(inode)
+
+    @_errors_to_fuse
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:  # fmt: skip
+        fh, inode = await self.core.create(parent_inode, name, mode, os.O_WRONLY, ctx.uid, ctx.gid)
+        await self.core.release(fh)
+        return entry_attributes(inode)
+
+    @_errors_to_fuse
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return entry_attributes(await self.core.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
+
+    @_errors_to_fuse
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        await self.core.unlink(parent_inode, name)
+
+    @_errors_to_fuse
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        await self.core.rmdir(parent_inode, name)
+
+    @_errors_to_fuse
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:  # fmt: skip
+        return entry_attributes(await self.core.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+
+    @_errors_to_fuse
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
+                     name_new: bytes, flags: int, ctx: pyfuse3.RequestContext) -> None:  # fmt: skip
+        await self.core.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+
+    @_errors_to_fuse
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+                   ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:  # fmt: skip
+        raise pyfuse3.FUSEError(errno.EPERM)  # hard links: not supported (documented)
+
+    @_errors_to_fuse
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        fh = await self.core.open(inode, flags)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    @_errors_to_fuse
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:  # fmt: skip
+        fh, inode = await self.core.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True), entry_attributes(inode)
+
+    @_errors_to_fuse
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        return await self.core.read(fh, off, size)
+
+    @_errors_to_fuse
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        return await self.core.write(fh, off, buf)
+
+    @_errors_to_fuse
+    async def flush(self, fh: int) -> None:
+        await self.core.flush(fh)
+
+    @_errors_to_fuse
+    async def release(self, fh: int) -> None:
+        await self.core.release(fh)
+
+    @_errors_to_fuse
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        await self.core.fsync(fh, datasync)
+
+    @_errors_to_fuse
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        return self.core.opendir(inode)
+
+    @_errors_to_fuse
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        for index, (name, inode) in enumerate(self.core.readdir(fh, start_id), start_id + 1):
+            if not pyfuse3.readdir_reply(token, name, entry_attributes(inode), index):
+                break
+            inode.lookups += 1  # readdirplus: the kernel now holds a reference
+
+    @_errors_to_fuse
+    async def releasedir(self, fh: int) -> None:
+        self.core.releasedir(fh)
+
+    @_errors_to_fuse
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        await self.core.committer.commit([], sync=True)
+
+    @_errors_to_fuse
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        fs = self.core.statfs()
+        data = pyfuse3.StatvfsData()
+        data.f_bsize = fs.block_size
+        data.f_frsize = fs.block_size
+        data.f_blocks = fs.blocks
+        data.f_bfree = fs.blocks_free
+        data.f_bavail = fs.blocks_free
+        data.f_files = fs.files
+        data.f_ffree = fs.files_free
+        data.f_favail = fs.files_free
+        data.f_namemax = fs.name_max
+        return data
+
+    @_errors_to_fuse
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        return self.core.getxattr(inode, name)
+
+    @_errors_to_fuse
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        return self.core.listxattr(inode)
+
+    @_errors_to_fuse
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
+        await self.core.setxattr(inode, name, value)
+
+    @_errors_to_fuse
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        await self.core.removexattr(inode, name)

@@ -1,0 +1,87 @@
+"""The local tier: where file bytes live on the node (tmpfs or NVMe).
+
+Each file's data is one plain file ``CACHE/data/<ino as hex>``, so renames in the
+namespace never move data and the mover can read a staged file with ordinary
+``pread`` calls.  Open descriptors are shared per inode and reference counted.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class LocalTier:
+    """Data files of the cache directory, and the descriptors open on them."""
+
+    def __init__(self, cache_dir: Path) -> None:
+        self.cache_dir = Path(cache_dir)
+        self.data_dir = self.cache_dir / "data"
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._fds: dict[int, tuple[int, int]] = {}  # ino -> (fd, refcount)
+
+    def path(self, ino: int) -> Path:
+        return self.data_dir / f"{ino:016x}"
+
+    def create(self, ino: int) -> None:
+        """An empty data file for a new inode (replacing a stale one)."""
+        fd = os.open(self.path(ino), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.close(fd)
+
+    def acquire(self, ino: int) -> int:
+        """A read-write descriptor on the inode's data, shared by all its handles."""
+        fd, refs = self._fds.get(ino, (-1, 0))
+        if fd < 0:
+            fd = os.open(self.path(ino), os.O_RDWR | os.O_CREAT, 0o600)
+        self._fds[ino] = (fd, refs + 1)
+        return fd
+
+    def release(self, ino: int) -> None:
+        fd, refs = self._fds[ino]
+        if refs <= 1:
+            del self._fds[ino]
+            os.close(fd)
+        else:
+            self._fds[ino] = (fd, refs - 1)
+
+    def fd(self, ino: int) -> int | None:
+        entry = self._fds.get(ino)
+        return entry[0] if entry else None
+
+    def truncate(self, ino: int, size: int) -> None:
+        fd = self.fd(ino)
+        if fd is not None:
+            os.ftruncate(fd, size)
+        else:
+            os.truncate(self.path(ino), size)
+
+    def remove(self, ino: int) -> None:
+        try:
+            os.unlink(self.path(ino))
+        except FileNotFoundError:
+            pass
+
+    def allocated_bytes(self, ino: int) -> int:
+        """Bytes the data file really occupies (sparse files count what is written)."""
+        try:
+            return os.stat(self.path(ino)).st_blocks * 512
+        except FileNotFoundError:
+            return 0
+
+    def data_inodes(self) -> set[int]:
+        """Inode numbers that have a data file (to find orphans after a crash)."""
+        found = set()
+        for entry in os.scandir(self.data_dir):
+            try:
+                found.add(int(entry.name, 16))
+            except ValueError:
+                continue
+        return found
+
+    def statvfs(self) -> os.statvfs_result:
+        return os.statvfs(self.data_dir)
+
+    def close_all(self) -> None:
+        for fd, _ in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

@@ -1,0 +1,31 @@
+"""Logging set-up: one line per event, ``key=value`` fields, to the cache dir and stderr."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
+def setup_logging(level: str, *, log_file: Path | None = None, stderr: bool = True) -> None:
+    """Configure the ``burstfs`` loggers (idempotent: replaces earlier handlers)."""
+    root = logging.getLogger("burstfs")
+    root.setLevel(level.upper())
+    root.propagate = False
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    formatter = logging.Formatter(FORMAT)
+    if log_file is not None:
+        file_handler = logging.FileHandler(log_file)
+        file_handler.setFormatter(formatter)
+        root.addHandler(file_handler)
+    if stderr:
+        stream = logging.StreamHandler(sys.stderr)
+        stream.setFormatter(formatter)
+        root.addHandler(stream)
+    # Libraries that could log request details (and so credentials) stay quiet.
+    for noisy in ("botocore", "aiobotocore", "urllib3", "aiohttp"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
