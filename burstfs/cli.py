@@ -5,6 +5,8 @@ Exit codes: 0 success, 1 runtime failure, 2 bad input (click's usage errors too)
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -100,20 +102,45 @@ def mount(mountpoint: Path, cache_dir: Path, remote: str, foreground: bool, log_
         _fail(exc)
 
 
+def _undrained(cache_dir: Path) -> dict[str, tuple[int, int]]:
+    from .daemon import undrained
+    from .journal import Journal
+
+    journal = Journal(cache_dir, readonly=True)
+    try:
+        return undrained(journal)
+    finally:
+        journal.close()
+
+
 @main.command()
 @click.argument("mountpoint", type=click.Path(path_type=Path))
+@click.option("--wait", "wait_drain", is_flag=True, help="First wait until every closed file is durable.")
 @click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for the daemon to exit.")
-def unmount(mountpoint: Path, timeout: float) -> None:
+@click.option("--wait-timeout", default=None, type=float, help="With --wait: give up after this many seconds.")
+def unmount(mountpoint: Path, wait_drain: bool, timeout: float, wait_timeout: float | None) -> None:
     """Unmount MOUNTPOINT and wait for its daemon to stop.
 
     Files not yet durable stay staged and journaled in the cache dir; the next
-    mount (or `burstfs drain --cache DIR`) drains them.
+    mount (or `burstfs drain --cache DIR`) drains them.  With --wait, unmount
+    only once everything closed is durable (exit 1 if that times out).
     """
     found = find_burstfs_mount(mountpoint)
     if found is None or found[0] != Path(os.path.realpath(mountpoint)):
         _fail(ConfigError(f"{mountpoint} is not a burstfs mount point"))
         return
     point, cache_dir = found
+    if wait_drain:
+        deadline = None if wait_timeout is None else time.monotonic() + wait_timeout
+        while pending := _undrained(cache_dir):
+            if set(pending) == {"failed"}:
+                _fail(BurstfsError(f"{pending['failed'][0]} files failed to drain; not unmounting "
+                                   f"(see: burstfs-admin status {point}; burstfs-admin retry {point})"))  # fmt: skip
+            if deadline is not None and time.monotonic() > deadline:
+                files = sum(f for f, _ in pending.values())
+                _fail(BurstfsError(f"{files} files still not durable after {wait_timeout:.0f}s; "
+                                   f"not unmounting (see: burstfs-admin status {point})"))  # fmt: skip
+            time.sleep(0.1)
     lock = CacheLock(cache_dir)
     pid = lock.owner_pid()
     result = subprocess.run(["fusermount3", "-u", str(point)], capture_output=True, text=True)
@@ -124,4 +151,52 @@ def unmount(mountpoint: Path, timeout: float) -> None:
         if time.monotonic() > deadline:
             _fail(BurstfsError(f"daemon pid {pid} did not exit within {timeout:.0f}s after unmount"))
         time.sleep(0.05)
+    pending = _undrained(cache_dir).values()
+    files, nbytes = sum(f for f, _ in pending), sum(b for _, b in pending)
     click.echo(f"unmounted {point} (cache {cache_dir})")
+    if files:
+        click.echo(f"{files} files ({nbytes} bytes) are not durable yet: they stay staged in {cache_dir}; "
+                   f"the next mount or `burstfs drain --cache {cache_dir}` drains them")  # fmt: skip
+
+
+@main.command()
+@click.option("--cache", "cache_dir", required=True, type=click.Path(path_type=Path, exists=True, file_okay=False),
+              help="Cache dir of a stopped (or crashed) mount.")
+@click.option("--endpoint-url", default=None, help="Override the S3 endpoint recorded by the last mount.")
+def drain(cache_dir: Path, endpoint_url: str | None) -> None:
+    """Drain a cache dir without a mount (after unmount or a crash), then exit.
+
+    Exit 0 when everything closed is durable, 1 if the drain stopped on an error.
+    """
+    import asyncio
+
+    from .cachelock import CacheLock
+    from .journal import Journal
+    from .log import setup_logging
+    from .mover import Mover
+
+    setup_logging("INFO", log_file=cache_dir / "burstfs.log", stderr=True)
+    lock = CacheLock(cache_dir)
+    try:
+        if not (cache_dir / "journal.db").exists():
+            raise ConfigError(f"{cache_dir} is not a burstfs cache dir (no journal.db)")
+        lock.acquire()
+        config = Journal(cache_dir)
+        try:
+            remote = config.get_meta("remote")
+            if remote is None:
+                raise ConfigError(f"{cache_dir} is not a burstfs cache dir (no journal)")
+            s3 = S3Options(**json.loads(config.get_meta("s3") or "{}"))
+            options = json.loads(config.get_meta("drain") or "{}")
+        finally:
+            config.close()
+        if endpoint_url:
+            s3 = dataclasses.replace(s3, endpoint_url=endpoint_url)
+        options["commit_markers"] = tuple(options.get("commit_markers", DEFAULT_COMMIT_MARKERS))
+        mover = Mover(cache_dir, parse_remote_url(remote), s3, DrainOptions(**options))
+        asyncio.run(mover.run(until_idle=True))
+        click.echo(f"drained {mover.stats.files_drained} files ({mover.stats.bytes_drained} bytes) to {remote}")
+    except BurstfsError as exc:
+        _fail(exc)
+    finally:
+        lock.release()

@@ -176,7 +176,11 @@ class BurstCore:
                 ops.append(("DELETE FROM xattrs WHERE ino=?", (row.ino,)))
                 continue
             if row.state == WRITING:
-                ops.append(update_inode_op(row.ino, state=INCOMPLETE, updated=time.time()))
+                # The data file is all there is of it: show its length, so that the bytes
+                # can be inspected and a later extension reads zeros, not stale bytes.
+                row.size = self.tier.data_size(row.ino)
+                ops.append(update_inode_op(row.ino, state=INCOMPLETE, size=row.size,
+                                           local_bytes=row.size, updated=time.time()))  # fmt: skip
                 ops.append(self.journal.log_event(row.ino, "incomplete", "open for writing at crash"))
                 log.warning("event=recover_incomplete ino=%d name=%s", row.ino, row.name)
             self.inodes[row.ino] = self._inode_from_row(row)
@@ -229,6 +233,8 @@ class BurstCore:
             return self._dir(parent)
         if name == b"..":
             return self.inode(self._dir(parent).parent)
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG)
         ino = self._dir(parent).children.get(name)  # type: ignore[union-attr]
         if ino is None:
             raise FsError(errno.ENOENT)
@@ -320,7 +326,6 @@ class BurstCore:
         if not stat.S_ISREG(mode) and stat.S_IFMT(mode) != 0:
             raise FsError(errno.EPERM, "only regular files, directories and symlinks are supported")
         inode = self._new_inode(parent, name, "file", stat.S_IFREG | stat.S_IMODE(mode), uid, gid)
-        inode.dirty = True
         self.tier.create(inode.ino)
         self._link(parent, inode)
         inode.lookups += 1
@@ -517,7 +522,8 @@ class BurstCore:
         if inode.dirty:
             return
         inode.dirty = True
-        await self.committer.commit([update_inode_op(inode.ino, state=WRITING, updated=time.time())])
+        if inode.generation:  # a new file's row says `writing` since create
+            await self.committer.commit([update_inode_op(inode.ino, state=WRITING, updated=time.time())])
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self.handles[fh]
@@ -583,7 +589,8 @@ class BurstCore:
         if handle is None:
             return
         inode = handle.inode
-        if handle.writable and inode.dirty and inode.parent and not self._has_writer(inode):
+        unpublished = inode.dirty or inode.generation == 0  # a new file closed without writes
+        if handle.writable and unpublished and inode.parent and not self._has_writer(inode):
             await self.committer.commit(self._close_ops(inode))
             self._file_closed()
         inode.handles -= 1

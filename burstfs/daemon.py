@@ -8,6 +8,9 @@ and changes nothing in an existing cache.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -23,9 +26,12 @@ import trio
 from .cachelock import CacheLock
 from .config import MountConfig
 from .core import BurstCore
-from .errors import BurstfsError, ConfigError
+from .drainservice import DrainService
+from .errors import BurstfsError, ConfigError, RemoteError
 from .fuse_ops import BurstOperations
 from .journal import Journal
+from .mover import Mover
+from .remote import open_remote
 from .log import setup_logging
 from .mountinfo import FSNAME_PREFIX, is_mounted
 
@@ -61,6 +67,21 @@ def preflight(config: MountConfig) -> None:
         raise ConfigError(f"cache dir {cache} is not writable")
 
 
+def check_remote(config: MountConfig, timeout: float = 20.0) -> None:
+    """Fail the mount early when the remote is unreachable or misconfigured."""
+
+    async def probe() -> None:
+        remote = open_remote(config.remote, config.s3)
+        try:
+            await asyncio.wait_for(remote.check(), timeout)
+        except asyncio.TimeoutError:
+            raise RemoteError(f"remote {config.remote} did not answer within {timeout:.0f}s", kind="unreachable") from None
+        finally:
+            await remote.close()
+
+    asyncio.run(probe())
+
+
 def open_cache(config: MountConfig) -> tuple[CacheLock, Journal]:
     """Lock the cache dir and open its journal; refuse a cache that belongs to another remote."""
     config.cache_dir.mkdir(mode=0o700, exist_ok=True)
@@ -69,18 +90,29 @@ def open_cache(config: MountConfig) -> tuple[CacheLock, Journal]:
     try:
         journal = Journal(config.cache_dir)
         recorded = journal.get_meta("remote")
-        if recorded is None:
-            journal.set_meta("remote", str(config.remote))
-        elif recorded != str(config.remote):
+        if recorded is not None and recorded != str(config.remote):
             journal.close()
             raise ConfigError(
                 f"cache dir {config.cache_dir} holds files for remote {recorded}, not {config.remote}; "
                 "use another --cache, or drain and remove this one first"
             )
+        journal.set_meta("remote", str(config.remote))
+        # The latest mount's options are the ones `burstfs drain` reuses.
+        journal.set_meta("s3", json.dumps(dataclasses.asdict(config.s3)))
+        journal.set_meta("drain", json.dumps(dataclasses.asdict(config.drain)))
     except BaseException:
         lock.release()
         raise
     return lock, journal
+
+
+def undrained(journal: Journal) -> dict[str, tuple[int, int]]:
+    """{state: (files, bytes)} of closed files not yet durable; they stay staged in the cache."""
+    rows = journal.query(
+        "SELECT state, COUNT(*), COALESCE(SUM(size), 0) FROM inodes WHERE kind='file' AND parent!=0 "
+        "AND state IN ('writing', 'staged', 'draining', 'failed') GROUP BY state"
+    )
+    return {state: (int(files), int(nbytes)) for state, files, nbytes in rows}
 
 
 def fuse_options(config: MountConfig) -> set[str]:
@@ -115,11 +147,14 @@ def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
     lock, journal = open_cache(config)
     try:
         core = BurstCore(config.cache_dir, journal, fsync_remote=config.fsync_remote)
+        drain = DrainService(Mover(config.cache_dir, config.remote, config.s3, config.drain), journal)
+        core.drain = drain
         ops = BurstOperations(core, writeback_cache=config.writeback_cache)
         try:
             pyfuse3.init(ops, str(config.mountpoint), fuse_options(config))
         except RuntimeError as exc:
             raise BurstfsError(f"mounting {config.mountpoint} failed: {exc}") from exc
+        drain.start()
         unmounted = False
         try:
             trio.run(serve, config, core, on_ready)
@@ -127,7 +162,10 @@ def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
         finally:
             pyfuse3.close(unmount=not unmounted or is_mounted(config.mountpoint))
             core.close()
-        log.info("event=unmounted mountpoint=%s", config.mountpoint)
+            drain.stop()
+        pending = undrained(journal).values()
+        log.info("event=unmounted mountpoint=%s undrained_files=%d undrained_bytes=%d",
+                 config.mountpoint, sum(f for f, _ in pending), sum(b for _, b in pending))  # fmt: skip
     finally:
         journal.close()
         lock.release()
@@ -136,6 +174,7 @@ def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
 def mount(config: MountConfig, *, foreground: bool) -> int:
     """``burstfs mount``: returns the process exit code once the mount is live (or failed)."""
     preflight(config)
+    check_remote(config)
     log_file = config.cache_dir / "burstfs.log"
     if foreground:
         config.cache_dir.mkdir(mode=0o700, exist_ok=True)

@@ -48,6 +48,15 @@ class CorruptDataError(BurstfsError):
     errno = errno.EIO
 
 
+class UploadCancelled(BurstfsError):
+    """An upload stopped because its caller said so (the file changed or went away).
+
+    Nothing was published and the multipart upload was aborted; not a failure.
+    """
+
+    errno = errno.ECANCELED
+
+
 class NoSpaceError(BurstfsError):
     """The local tier is full of data that is not yet durable."""
 

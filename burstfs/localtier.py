@@ -61,6 +61,13 @@ class LocalTier:
         except FileNotFoundError:
             pass
 
+    def data_size(self, ino: int) -> int:
+        """Length of the inode's data file (0 when it has none)."""
+        try:
+            return os.stat(self.path(ino)).st_size
+        except FileNotFoundError:
+            return 0
+
     def allocated_bytes(self, ino: int) -> int:
         """Bytes the data file really occupies (sparse files count what is written)."""
         try:

@@ -1,0 +1,79 @@
+"""Runs the mover beside the FUSE front and gives the core its drain hooks.
+
+The mover lives on its own asyncio loop in a thread, so uploads, hashing and
+compression never run on the trio request loop.  The core only ever calls the
+thread-safe methods below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import threading
+
+import trio
+
+from .errors import FsError
+from .journal import DURABLE, EVICTED, FAILED, Journal
+from .mover import Mover
+
+log = logging.getLogger("burstfs.drain")
+
+# fsync(2) in --fsync remote mode polls the journal this often while it waits.
+DURABLE_POLL_S = 0.05
+
+
+class DrainService:
+    """The mover's thread, plus the ``DrainHooks`` the core calls."""
+
+    def __init__(self, mover: Mover, journal: Journal, *, fsync_timeout: float = 600.0) -> None:
+        self.mover = mover
+        self._journal = journal
+        self._fsync_timeout = fsync_timeout
+        self._thread = threading.Thread(target=self._run, name="burstfs-mover", daemon=True)
+        self.crashed: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self.mover.run())
+        except BaseException as exc:  # reported in status; staged data stays journaled
+            self.crashed = exc
+            log.exception("event=mover_crashed")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.mover.stop()
+        self._thread.join(timeout)
+
+    # -- DrainHooks ---------------------------------------------------------------
+
+    def file_closed(self) -> None:
+        self.mover.wake()
+
+    def namespace_changed(self) -> None:
+        self.mover.namespace_changed()
+
+    async def wait_durable(self, ino: int, generation: int) -> None:
+        """fsync in ``--fsync remote`` mode: wait for this generation, EIO if it cannot be."""
+        self.mover.drain_now()
+        with trio.move_on_after(self._fsync_timeout):
+            while True:
+                rows = await trio.to_thread.run_sync(
+                    self._journal.query,
+                    "SELECT state, durable_generation, error FROM inodes WHERE ino=?",
+                    (ino,),
+                )
+                if not rows:
+                    return  # unlinked meanwhile: nothing left to make durable
+                state, durable_generation, error = rows[0]
+                if state in (DURABLE, EVICTED) and (durable_generation or 0) >= generation:
+                    return
+                if state == FAILED:
+                    raise FsError(errno.EIO, f"drain failed: {error}")
+                if self.mover.stats.halted is not None:
+                    raise FsError(errno.EIO, f"drain halted: {self.mover.stats.halted}")
+                await trio.sleep(DURABLE_POLL_S)
+        raise FsError(errno.EIO, f"not durable after {self._fsync_timeout:.0f}s")
