@@ -61,6 +61,12 @@ def main() -> None:
 @click.option("--allow-other", is_flag=True, help="Let other users access the mount (kernel checks permissions).")
 @click.option("--no-writeback-cache", is_flag=True, help="Send every write to the daemon at once (slower).")
 @click.option("--cache-size", default=None, help="Bytes of the local tier to use (e.g. 20G); default: all of it.")
+@click.option("--min-free", default="0", show_default=True, help="Free space the local tier's file system keeps (e.g. 2G).")
+@click.option("--evict", "evict_policy", type=click.Choice(["lru", "fifo", "none"]), default="lru", show_default=True,
+              help="Which durable files leave a full local tier first (lru keeps the newest checkpoint hot).")
+@click.option("--full-timeout", default=60.0, show_default=True,
+              help="Seconds a write waits for the drain when the tier is full of undrained data, then ENOSPC.")
+@click.option("--list-ttl", default=30.0, show_default=True, help="Seconds a directory's remote listing stays fresh.")
 @click.option("--endpoint-url", default=None, help="S3 endpoint (MinIO, Ceph RGW...); default $AWS_ENDPOINT_URL or AWS.")
 @click.option("--region", default=None, help="S3 region.")
 @click.option("--part-size", default="8M", show_default=True, help="Multipart part and checksum chunk size.")
@@ -71,7 +77,8 @@ def main() -> None:
               help=f"Pattern of files that publish a checkpoint (repeatable). Default: {', '.join(DEFAULT_COMMIT_MARKERS)}")
 @click.option("--metrics-addr", default=None, help="Serve Prometheus metrics on HOST:PORT.")
 def mount(mountpoint: Path, cache_dir: Path, remote: str, foreground: bool, log_level: str, fsync_mode: str,
-          allow_other: bool, no_writeback_cache: bool, cache_size: str | None, endpoint_url: str | None,
+          allow_other: bool, no_writeback_cache: bool, cache_size: str | None, min_free: str, evict_policy: str,
+          full_timeout: float, list_ttl: float, endpoint_url: str | None,
           region: str | None, part_size: str, concurrency: int, max_files: int, compress: str,
           commit_markers: tuple[str, ...], metrics_addr: str | None) -> None:  # fmt: skip
     """Mount burstfs at MOUNTPOINT; returns once the mount is live."""
@@ -94,6 +101,10 @@ def mount(mountpoint: Path, cache_dir: Path, remote: str, foreground: bool, log_
             allow_other=allow_other,
             writeback_cache=not no_writeback_cache,
             cache_size=parse_size(cache_size) if cache_size else None,
+            min_free=parse_size(min_free),
+            evict_policy=evict_policy,
+            full_timeout=full_timeout,
+            list_ttl=list_ttl,
             log_level=log_level.upper(),
             metrics_addr=metrics_addr,
         )

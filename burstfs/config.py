@@ -117,6 +117,10 @@ class MountConfig:
     fsync_remote: fsync(2) waits until the file is durable on the remote.
     writeback_cache: let the kernel buffer writes (large, batched writes to us).
     cache_size: bytes of the local tier burstfs may use (None: the whole file system).
+    min_free: bytes the local tier's file system must keep free.
+    evict_policy: lru | fifo | none (which durable files leave the tier first).
+    full_timeout: seconds a write waits for the drain on a full tier before ENOSPC.
+    list_ttl: seconds a directory's remote listing stays fresh.
     """
 
     mountpoint: Path
@@ -128,5 +132,9 @@ class MountConfig:
     allow_other: bool = False
     writeback_cache: bool = True
     cache_size: int | None = None
+    min_free: int = 0
+    evict_policy: str = "lru"
+    full_timeout: float = 60.0
+    list_ttl: float = 30.0
     log_level: str = "INFO"
     metrics_addr: str | None = None

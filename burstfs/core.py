@@ -27,12 +27,14 @@ from typing import Protocol
 import trio
 
 from .committer import GroupCommitter
-from .errors import FsError
+from .errors import FsError, NoSpaceError
 from .journal import (
     DURABLE,
+    EVICTED,
     INCOMPLETE,
     META,
     NOT_LOCAL_STATES,
+    REMOTE,
     ROOT_INO,
     STAGED,
     WRITING,
@@ -65,10 +67,34 @@ class DrainHooks(Protocol):
 
 
 class Fetcher(Protocol):
-    """What the core needs from the restore path to read a file that is not local."""
+    """What the core needs from the restore path: remote listings and remote bytes."""
 
-    async def ensure_local(self, ino: int, offset: int, size: int) -> None:
-        """Return once bytes [offset, offset+size) of ``ino`` are on the local tier."""
+    async def ensure_local(self, ino: int, offset: int, size: int) -> bool:
+        """Make bytes [offset, offset+size) of ``ino`` local; True once the whole file is."""
+
+    async def list_dir(self, dir_key: str) -> tuple[list[tuple[str, int, float]], list[str]]:
+        """(name, size, mtime) of the remote files directly under ``dir_key``, and subdirectory names."""
+
+    def forget(self, ino: int) -> None:
+        """The file went away: drop any fetch state."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityPolicy:
+    """How the local tier is kept from overflowing.
+
+    limit: bytes of file data the tier may hold (None: bounded by the file system only).
+    min_free: bytes the file system must keep free.
+    evict: "lru" (least recently used durable files first: the newest checkpoint
+        stays hot), "fifo" (oldest closed first) or "none".
+    full_timeout: seconds a write waits for the drain when the tier is full of
+        undrained data before it fails with ENOSPC.
+    """
+
+    limit: int | None = None
+    min_free: int = 0
+    evict: str = "lru"
+    full_timeout: float = 60.0
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -95,6 +121,10 @@ class Inode:
     local: bool = True  # data complete on the local tier
     lookups: int = 0  # kernel references (lookup/forget)
     handles: int = 0  # open file handles
+    last_access: float = 0.0  # monotonic time of the last open/read/write (eviction order)
+    listed: bool = False  # known only from a remote listing (state remote)
+    listed_at: float = -1e9  # directories: monotonic time of the last remote listing merge
+    counted: bool = False  # a file being fetched: its size is already counted in local_bytes
 
     @property
     def nlink(self) -> int:
@@ -140,6 +170,8 @@ class BurstCore:
         *,
         fsync_remote: bool = False,
         offload_writes: bool = True,
+        capacity: CapacityPolicy = CapacityPolicy(),
+        list_ttl: float = 30.0,
     ) -> None:
         self.cache_dir = Path(cache_dir)
         self.journal = journal
@@ -149,6 +181,8 @@ class BurstCore:
         self.fetcher: Fetcher | None = None
         self.fsync_remote = fsync_remote
         self.offload_writes = offload_writes
+        self.capacity = capacity
+        self.list_ttl = list_ttl
         self.inodes: dict[int, Inode] = {}
         self.handles: dict[int, Handle] = {}
         self.dir_handles: dict[int, list[tuple[bytes, int]]] = {}
@@ -156,6 +190,8 @@ class BurstCore:
         self._recover()
         self._next_ino = itertools.count(max(self.inodes) + 1)
         self._next_close_seq = itertools.count(journal.max_close_seq() + 1)
+        self.local_bytes = sum(i.size for i in self.inodes.values() if i.kind == "file" and i.local)
+        self._space_freed = trio.Event()
 
     # -- start-up -----------------------------------------------------------------
 
@@ -209,6 +245,7 @@ class BurstCore:
             parent=row.parent, name=row.name, size=row.size, atime_ns=row.atime_ns,
             mtime_ns=row.mtime_ns, ctime_ns=row.ctime_ns, target=row.target,
             generation=row.generation, local=row.state not in NOT_LOCAL_STATES,
+            listed=row.state == REMOTE,
         )  # fmt: skip
         if row.kind == "dir":
             inode.children = {}
@@ -241,9 +278,78 @@ class BurstCore:
         return self.inodes[ino]
 
     async def lookup(self, parent: int, name: bytes) -> Inode:
-        inode = self.child(parent, name)
+        try:
+            inode = self.child(parent, name)
+        except FsError as exc:  # maybe another node drained it: look at the remote
+            if exc.errno != errno.ENOENT or not await self.refresh_listing(self._dir(parent)):
+                raise
+            inode = self.child(parent, name)
         inode.lookups += 1
         return inode
+
+    # -- remote listings (what other nodes drained) --------------------------------------
+
+    async def refresh_listing(self, directory: Inode) -> bool:
+        """Merge the remote listing of ``directory`` if it is older than the TTL.
+
+        Returns True if a listing was merged.  A remote that cannot be listed
+        does not block local work: the failure is logged and retried after the TTL.
+        """
+        now = time.monotonic()
+        if self.fetcher is None or now - directory.listed_at < self.list_ttl:
+            return False
+        directory.listed_at = now
+        dir_key = self.path_of(directory)
+        if dir_key is None:
+            return False
+        try:
+            files, subdirs = await self.fetcher.list_dir(dir_key)
+        except Exception as exc:
+            log.warning("event=list_failed dir=%s error=%s", dir_key or "/", exc)
+            return False
+        known_keys = await trio.to_thread.run_sync(self._keys_owned_under, dir_key)
+        prefix = f"{dir_key}/" if dir_key else ""
+        ops: list[Op] = []
+        remote_names = set()
+        for name, size, mtime in files:
+            remote_names.add(name)
+            raw = os.fsencode(name)
+            if raw in directory.children or prefix + name in known_keys:  # type: ignore[operator]
+                continue
+            ops += self._add_listed(directory, raw, "file", size, int(mtime * 1e9), prefix + name)
+        for name in subdirs:
+            raw = os.fsencode(name)
+            if raw in directory.children or (directory.ino == ROOT_INO and name == ".burstfs"):  # type: ignore[operator]
+                continue
+            ops += self._add_listed(directory, raw, "dir", 0, time.time_ns(), None)
+        for raw, ino in list(directory.children.items()):  # type: ignore[union-attr]
+            gone = self.inodes[ino]
+            if gone.listed and os.fsdecode(raw) not in remote_names and not gone.handles:
+                ops += self._unlink_ops(directory, gone)
+        if ops:
+            await self.committer.commit(ops)
+        return True
+
+    def _keys_owned_under(self, dir_key: str) -> set[str]:
+        """Keys this node owns or is deleting: a listing must not resurrect them."""
+        like = f"{dir_key}/%" if dir_key else "%"
+        rows = self.journal.query(
+            "SELECT remote_key FROM inodes WHERE remote_key LIKE ? UNION SELECT key FROM remote_deletes WHERE key LIKE ?",
+            (like, like),
+        )
+        return {row[0] for row in rows}
+
+    def _add_listed(self, directory: Inode, name: bytes, kind: str, size: int, mtime_ns: int,
+                    key: str | None) -> list[Op]:  # fmt: skip
+        mode = stat.S_IFDIR | 0o755 if kind == "dir" else stat.S_IFREG | 0o644
+        inode = self._new_inode(directory, name, kind, mode, directory.uid, directory.gid)
+        inode.size, inode.mtime_ns, inode.ctime_ns = size, mtime_ns, mtime_ns
+        if kind == "file":
+            inode.local, inode.listed = False, True
+        self._link(directory, inode)
+        row = self._row(inode, REMOTE if kind == "file" else META)
+        row.remote_key = key
+        return [insert_inode_op(row)]
 
     def forget(self, ino: int, count: int) -> None:
         inode = self.inodes.get(ino)
@@ -297,6 +403,7 @@ class BurstCore:
     async def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
         parent = self._dir(parent_ino)
         inode = self._new_inode(parent, name, "dir", stat.S_IFDIR | stat.S_IMODE(mode), uid, gid)
+        inode.listed_at = time.monotonic()  # just created here: nothing remote to merge yet
         self._link(parent, inode)
         inode.lookups += 1
         await self.committer.commit([insert_inode_op(self._row(inode, META)), self._touch_parent_op(parent)])
@@ -372,6 +479,10 @@ class BurstCore:
             return
         self.inodes.pop(inode.ino, None)
         if inode.kind == "file":
+            if inode.local or inode.counted:
+                self._release_space(inode.size)
+            if not inode.local and self.fetcher is not None:
+                self.fetcher.forget(inode.ino)
             self.tier.remove(inode.ino)
         # Not awaited: losing this record in a crash is harmless (start-up drops
         # unlinked rows), and forget() must not block.
@@ -460,6 +571,10 @@ class BurstCore:
             await self._ensure_local(inode)
             await self._mark_writing(inode)
             await trio.to_thread.run_sync(self.tier.truncate, ino, size)
+            if size < inode.size:
+                self._release_space(inode.size - size)
+            else:  # sparse growth: counted, but never waits for room
+                self.local_bytes += size - inode.size
             inode.size = size
             inode.mtime_ns = now
             fields.update(size=size, mtime_ns=now)
@@ -515,7 +630,17 @@ class BurstCore:
             return
         if self.fetcher is None:
             raise FsError(errno.EIO, "file is not on the local tier and no remote is configured")
-        await self.fetcher.ensure_local(inode.ino, offset, inode.size if size is None else size)
+        if not inode.counted:  # room for the whole file: a restore usually reads all of it
+            await self._reserve(inode.size)
+            inode.counted = True
+        if await self.fetcher.ensure_local(inode.ino, offset, inode.size if size is None else size):
+            inode.local, inode.listed, inode.counted = True, False, False
+
+    async def prefetch(self, ino: int) -> None:
+        """Bring a whole file to the local tier (``burstfs-admin prefetch``)."""
+        inode = self.inode(ino)
+        if inode.kind == "file":
+            await self._ensure_local(inode)
 
     async def _mark_writing(self, inode: Inode) -> None:
         """The first change after a close is journaled, so a crash flags the file incomplete."""
@@ -530,6 +655,7 @@ class BurstCore:
         inode = handle.inode
         if not inode.local:
             await self._ensure_local(inode, offset, size)
+        inode.last_access = time.monotonic()
         fd = self.tier.fd(inode.ino)
         assert fd is not None
         return os.pread(fd, size, offset)
@@ -541,15 +667,18 @@ class BurstCore:
             raise FsError(errno.EBADF)
         if not inode.dirty:
             await self._mark_writing(inode)
+        end = offset + len(data)
+        if end > inode.size:
+            await self._reserve(end - inode.size)
         fd = self.tier.fd(inode.ino)
         assert fd is not None
         if self.offload_writes and len(data) >= 65536:
             written = await trio.to_thread.run_sync(os.pwrite, fd, data, offset)
         else:
             written = os.pwrite(fd, data, offset)
-        end = offset + written
         if end > inode.size:
             inode.size = end
+        inode.last_access = time.monotonic()
         inode.mtime_ns = inode.ctime_ns = _now_ns()
         return written
 
@@ -610,10 +739,98 @@ class BurstCore:
         if self.fsync_remote and self.drain is not None and inode.parent:
             await self.drain.wait_durable(inode.ino, inode.generation)
 
+    # -- capacity of the local tier ---------------------------------------------------
+
+    def _fits(self, nbytes: int) -> bool:
+        limit = self.capacity.limit
+        if limit is not None and self.local_bytes + nbytes > limit:
+            return False
+        if self.capacity.min_free:
+            st = self.tier.statvfs()
+            return st.f_bavail * st.f_frsize - nbytes >= self.capacity.min_free
+        return True
+
+    async def _reserve(self, nbytes: int) -> None:
+        """Count ``nbytes`` more on the local tier, making room first if needed.
+
+        Durable files are evicted by the policy; when the tier is full of data not
+        yet durable, wait for the drain (backpressure), then fail with ENOSPC.
+        Undrained data is never evicted.
+        """
+        if not self._fits(nbytes):
+            deadline = time.monotonic() + self.capacity.full_timeout
+            waited = False
+            while not self._fits(nbytes) and not await self._evict_for(nbytes):
+                if time.monotonic() >= deadline:
+                    log.error("event=tier_full bytes=%d used=%d limit=%s action=ENOSPC", nbytes,
+                              self.local_bytes, self.capacity.limit)  # fmt: skip
+                    raise NoSpaceError("local tier full of data not yet durable")
+                if not waited:
+                    waited = True
+                    log.warning("event=tier_full bytes=%d used=%d limit=%s action=wait_for_drain", nbytes,
+                                self.local_bytes, self.capacity.limit)  # fmt: skip
+                with trio.move_on_at(min(deadline, time.monotonic() + 0.5)):
+                    await self._space_freed.wait()
+        self.local_bytes += nbytes
+
+    def _release_space(self, nbytes: int) -> None:
+        self.local_bytes = max(0, self.local_bytes - nbytes)
+        self._space_freed.set()
+        self._space_freed = trio.Event()
+
+    async def _evict_for(self, nbytes: int) -> bool:
+        """Evict durable files by policy until ``nbytes`` fit; True if they now do."""
+        if self.capacity.evict == "none":
+            return False
+        rows = await trio.to_thread.run_sync(
+            self.journal.query,
+            "SELECT ino, close_seq FROM inodes WHERE kind='file' AND parent!=0 AND state=? "
+            "AND durable_generation=generation",
+            (DURABLE,),
+        )
+        candidates = []
+        for ino, close_seq in rows:
+            inode = self.inodes.get(ino)
+            if inode is not None and inode.local and not inode.dirty and not inode.handles:
+                candidates.append((inode.last_access if self.capacity.evict == "lru" else close_seq, inode))
+        candidates.sort(key=lambda c: c[0])
+        for _, inode in candidates:
+            if self._fits(nbytes):
+                break
+            await self._evict(inode)
+        return self._fits(nbytes)
+
+    async def _evict(self, inode: Inode) -> int:
+        changed = await trio.to_thread.run_sync(
+            self.journal.execute,
+            "UPDATE inodes SET state=?, local_bytes=0 WHERE ino=? AND state=? AND generation=?",
+            (EVICTED, inode.ino, DURABLE, inode.generation),
+        )
+        if not changed or inode.handles or inode.dirty:
+            return 0
+        inode.local = False
+        self.tier.remove(inode.ino)
+        self._release_space(inode.size)
+        log.info("event=evicted ino=%d bytes=%d", inode.ino, inode.size)
+        return inode.size
+
+    async def evict(self, ino: int) -> int:
+        """Drop the local copy of a durable file (``burstfs-admin evict``); bytes freed."""
+        inode = self.inode(ino)
+        if inode.kind != "file" or not inode.local:
+            return 0
+        if inode.handles:
+            raise FsError(errno.EBUSY, "file is open")
+        freed = 0 if inode.dirty else await self._evict(inode)
+        if not freed and inode.size:
+            raise FsError(errno.EAGAIN, "file is not durable yet")
+        return freed
+
     # -- directories ----------------------------------------------------------------
 
-    def opendir(self, ino: int) -> int:
+    async def opendir(self, ino: int) -> int:
         inode = self._dir(ino)
+        await self.refresh_listing(inode)
         fh = next(self._next_fh)
         self.dir_handles[fh] = list(inode.children.items())  # type: ignore[union-attr]
         return fh
@@ -683,10 +900,15 @@ class BurstCore:
     def statfs(self) -> StatFs:
         """The local tier's capacity: what a writer can still put here right now."""
         st = self.tier.statvfs()
+        bsize = st.f_frsize
+        blocks, free = st.f_blocks, max(0, st.f_bavail - self.capacity.min_free // bsize)
+        if self.capacity.limit is not None:
+            blocks = min(blocks, self.capacity.limit // bsize)
+            free = min(free, max(0, self.capacity.limit - self.local_bytes) // bsize)
         return StatFs(
-            block_size=st.f_frsize,
-            blocks=st.f_blocks,
-            blocks_free=st.f_bavail,
+            block_size=bsize,
+            blocks=blocks,
+            blocks_free=free,
             files=max(st.f_files, len(self.inodes)),
             files_free=st.f_favail if st.f_files else 1 << 20,
         )

@@ -25,7 +25,7 @@ import trio
 
 from .cachelock import CacheLock
 from .config import MountConfig
-from .core import BurstCore
+from .core import BurstCore, CapacityPolicy
 from .drainservice import DrainService
 from .errors import BurstfsError, ConfigError, RemoteError
 from .fuse_ops import BurstOperations
@@ -146,15 +146,20 @@ def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
     """Mount, serve until unmounted, then leave the cache consistent for the next start."""
     lock, journal = open_cache(config)
     try:
-        core = BurstCore(config.cache_dir, journal, fsync_remote=config.fsync_remote)
+        capacity = CapacityPolicy(limit=config.cache_size, min_free=config.min_free,
+                                  evict=config.evict_policy, full_timeout=config.full_timeout)  # fmt: skip
+        core = BurstCore(config.cache_dir, journal, fsync_remote=config.fsync_remote, capacity=capacity,
+                         list_ttl=config.list_ttl)  # fmt: skip
         drain = DrainService(Mover(config.cache_dir, config.remote, config.s3, config.drain), journal)
         core.drain = drain
+        core.fetcher = drain
         ops = BurstOperations(core, writeback_cache=config.writeback_cache)
         try:
             pyfuse3.init(ops, str(config.mountpoint), fuse_options(config))
         except RuntimeError as exc:
             raise BurstfsError(f"mounting {config.mountpoint} failed: {exc}") from exc
         drain.start()
+        drain.wait_ready()
         unmounted = False
         try:
             trio.run(serve, config, core, on_ready)

@@ -1,8 +1,10 @@
-"""Runs the mover beside the FUSE front and gives the core its drain hooks.
+"""Runs the mover beside the FUSE front and gives the core its drain and fetch hooks.
 
-The mover lives on its own asyncio loop in a thread, so uploads, hashing and
-compression never run on the trio request loop.  The core only ever calls the
-thread-safe methods below.
+The mover lives on its own asyncio loop in a thread, so uploads, fetches,
+hashing and compression never run on the trio request loop.  The core only ever
+calls the thread-safe methods below; :func:`_on_mover_loop` runs a coroutine on
+the mover's loop and wakes the waiting trio task when it is done, without
+parking a thread per request.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import asyncio
 import errno
 import logging
 import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import trio
 
@@ -19,6 +23,8 @@ from .journal import DURABLE, EVICTED, FAILED, Journal
 from .mover import Mover
 
 log = logging.getLogger("burstfs.drain")
+
+T = TypeVar("T")
 
 # fsync(2) in --fsync remote mode polls the journal this often while it waits.
 DURABLE_POLL_S = 0.05
@@ -43,6 +49,10 @@ class DrainService:
         except BaseException as exc:  # reported in status; staged data stays journaled
             self.crashed = exc
             log.exception("event=mover_crashed")
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        if not self.mover.wait_ready(timeout):
+            raise RuntimeError("the mover did not start")
 
     def stop(self, timeout: float = 30.0) -> None:
         self.mover.stop()
@@ -77,3 +87,38 @@ class DrainService:
                     raise FsError(errno.EIO, f"drain halted: {self.mover.stats.halted}")
                 await trio.sleep(DURABLE_POLL_S)
         raise FsError(errno.EIO, f"not durable after {self._fsync_timeout:.0f}s")
+
+    # -- Fetcher ------------------------------------------------------------------
+
+    async def ensure_local(self, ino: int, offset: int, size: int) -> bool:
+        assert self.mover.restore is not None
+        return await self._on_mover_loop(self.mover.restore.ensure_local(ino, offset, size))
+
+    async def list_dir(self, dir_key: str) -> tuple[list[tuple[str, int, float]], list[str]]:
+        assert self.mover.restore is not None
+        return await self._on_mover_loop(self.mover.restore.list_dir(dir_key))
+
+    def forget(self, ino: int) -> None:
+        loop, restore = self.mover.loop, self.mover.restore
+        if loop is not None and restore is not None:
+            loop.call_soon_threadsafe(restore.forget, ino)
+
+    @property
+    def fetched_bytes(self) -> int:
+        return self.mover.restore.fetched_bytes if self.mover.restore else 0
+
+    async def _on_mover_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        loop = self.mover.loop
+        if loop is None or self.crashed is not None:
+            coro.close()
+            raise FsError(errno.EIO, "the mover is not running")
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+        future = asyncio.run_coroutine_threadsafe(coro, loop)
+        future.add_done_callback(lambda _: token.run_sync_soon(done.set))
+        try:
+            await done.wait()
+        except trio.Cancelled:
+            future.cancel()
+            raise
+        return future.result()

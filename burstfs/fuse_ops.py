@@ -180,7 +180,7 @@ class BurstOperations(pyfuse3.Operations):
 
     @_errors_to_fuse
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        return self.core.opendir(inode)
+        return await self.core.opendir(inode)
 
     @_errors_to_fuse
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:

@@ -28,6 +28,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from .journal import DRAINING, DURABLE, EVICTED, FAILED, ROOT_INO, STAGED, Inode
 from .localtier import LocalTier
 from .objects import FileDigests, ObjectStore, compute_digests
 from .remote import Remote, open_remote
+from .restore import RestoreService
 
 log = logging.getLogger("burstfs.mover")
 
@@ -94,6 +96,8 @@ class Mover:
         self.stats = MoverStats()
         self.remote: Remote | None = None
         self.store: ObjectStore | None = None
+        self.restore: RestoreService | None = None
+        self._ready = threading.Event()  # set once the loop, remote and restore exist
         self._wakeup: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
@@ -127,6 +131,13 @@ class Mover:
         self.drain_now()
         return count
 
+    def wait_ready(self, timeout: float) -> bool:
+        return self._ready.wait(timeout)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._loop
+
     def stop(self) -> None:
         self._stopping = True
         self.wake()
@@ -141,6 +152,8 @@ class Mover:
             self.remote_url, self.s3, max_connections=self.options.max_files * self.options.concurrency + 4
         )
         self.store = ObjectStore(self.remote)
+        self.restore = RestoreService(self.store, self.journal, self.tier_paths)
+        self._ready.set()
         tasks: set[asyncio.Task[None]] = set()
         try:
             self._recover()
