@@ -1,0 +1,520 @@
+"""Checksummed, optionally compressed file objects on a remote.
+
+A file is cut into chunks of ``chunk_size`` bytes (the multipart part size).
+Each chunk's xxh3-64 is computed when the file is staged; the upload re-reads
+the staged bytes, checks them against those digests before anything leaves the
+machine, and records them in a manifest next to the object
+(``.burstfs/manifests/<key>.json``).  Reads fetch whole stored chunks and check
+them against the manifest before a single byte is returned, so wrong bytes are
+never served.  Without compression the object is exactly the file's bytes; with
+lz4 each chunk is one lz4 frame, stored raw where compression does not pay.
+
+:class:`ObjectStore` wraps a :class:`~burstfs.remote.Remote` (it does not
+subclass it) and retries every remote call through a
+:class:`~burstfs.remote.RetryPolicy`.  Hashing and (de)compression run in
+worker threads, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lz4.frame
+import xxhash
+
+from .errors import CorruptDataError, RemoteNotFound, UploadCancelled
+from .remote import INTERNAL_DIR, Remote, RetryPolicy, UploadedPart, fail_fast_group, run_workers
+from .remote.file import pread_full
+
+log = logging.getLogger("burstfs.objects")
+
+MANIFEST_VERSION = 1
+CODECS = ("raw", "lz4")
+#: A chunk is stored compressed only if lz4 saves at least this fraction: below
+#: that, decompressing on every read costs more than the bytes it saves.
+MIN_COMPRESSION_SAVING = 0.10
+
+
+def manifest_key(key: str) -> str:
+    """Where the manifest of ``key`` lives on the remote."""
+    return f"{INTERNAL_DIR}/manifests/{key}.json"
+
+
+def _chunk_count(size: int, chunk_size: int) -> int:
+    return -(-size // chunk_size)
+
+
+@dataclass(frozen=True)
+class FileDigests:
+    """Checksums of a staged file, computed when it was closed.
+
+    size: bytes hashed.
+    chunk_size: bytes per chunk (the last one may be shorter).
+    chunks: xxh3-64 hex of each chunk, in order (empty for an empty file).
+    digest: xxh3-128 hex of the whole file.
+    """
+
+    size: int
+    chunk_size: int
+    chunks: tuple[str, ...]
+    digest: str
+
+
+def compute_digests(path: str | os.PathLike[str], chunk_size: int) -> FileDigests:
+    """Hash ``path`` chunk by chunk (blocking: run it in a thread)."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk size must be positive, not {chunk_size}")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        whole = xxhash.xxh3_128()
+        chunks = []
+        offset = 0
+        while offset < size:
+            want = min(chunk_size, size - offset)
+            data = pread_full(fd, want, offset)
+            chunks.append(xxhash.xxh3_64_hexdigest(data))
+            whole.update(data)
+            offset += len(data)
+            if len(data) < want:  # the file shrank while we read it: digest what is there
+                break
+        return FileDigests(offset, chunk_size, tuple(chunks), whole.hexdigest())
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """One chunk as stored: its xxh3-64 (of the plain bytes), codec, and stored length."""
+
+    xxh3: str
+    codec: str
+    stored_size: int
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """Where chunk ``index`` lies in the stored object: ``size`` bytes at ``offset``."""
+
+    index: int
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What was uploaded for one file, enough to verify (and decompress) any range of it.
+
+    key: the object key.  size: the file's length.  chunk_size: plain bytes per chunk.
+    digest: xxh3-128 of the whole file.  generation: the staged generation uploaded.
+    mtime_ns, mode: the file's attributes at staging.  chunks: one ChunkInfo per chunk.
+    """
+
+    key: str
+    size: int
+    chunk_size: int
+    digest: str
+    generation: int
+    mtime_ns: int
+    mode: int
+    chunks: tuple[ChunkInfo, ...]
+    version: int = MANIFEST_VERSION
+
+    def to_json(self) -> bytes:
+        doc = {
+            "version": self.version,
+            "key": self.key,
+            "size": self.size,
+            "chunk_size": self.chunk_size,
+            "digest": self.digest,
+            "generation": self.generation,
+            "mtime_ns": self.mtime_ns,
+            "mode": self.mode,
+            "chunks": [dataclasses.asdict(c) for c in self.chunks],
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Manifest:
+        """Parse and validate; CorruptDataError if it is not a manifest this version can use."""
+        try:
+            doc = json.loads(data)
+            manifest = cls(
+                key=str(doc["key"]),
+                size=int(doc["size"]),
+                chunk_size=int(doc["chunk_size"]),
+                digest=str(doc["digest"]),
+                generation=int(doc["generation"]),
+                mtime_ns=int(doc["mtime_ns"]),
+                mode=int(doc["mode"]),
+                chunks=tuple(ChunkInfo(str(c["xxh3"]), str(c["codec"]), int(c["stored_size"])) for c in doc["chunks"]),
+                version=int(doc["version"]),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptDataError(f"unreadable manifest: {exc}") from exc
+        problem = manifest._problem()
+        if problem:
+            raise CorruptDataError(f"invalid manifest for {manifest.key}: {problem}")
+        return manifest
+
+    def _problem(self) -> str | None:
+        if self.version != MANIFEST_VERSION:
+            return f"version {self.version} (this burstfs reads {MANIFEST_VERSION})"
+        if self.chunk_size <= 0 or self.size < 0:
+            return f"size {self.size}, chunk size {self.chunk_size}"
+        if len(self.chunks) != _chunk_count(self.size, self.chunk_size):
+            return f"{len(self.chunks)} chunks for {self.size} bytes in chunks of {self.chunk_size}"
+        if any(c.codec not in CODECS or c.stored_size < 0 for c in self.chunks):
+            return "unknown codec or negative stored size"
+        return None
+
+    @functools.cached_property
+    def _stored_offsets(self) -> list[int]:
+        offsets = [0]
+        for chunk in self.chunks:
+            offsets.append(offsets[-1] + chunk.stored_size)
+        return offsets
+
+    def chunk_range(self, index: int) -> tuple[int, int]:
+        """Logical bytes ``[start, end)`` of chunk ``index``."""
+        start = index * self.chunk_size
+        return start, min(start + self.chunk_size, self.size)
+
+    def stored_chunk(self, index: int) -> StoredChunk:
+        """Where chunk ``index`` is in the stored object."""
+        return StoredChunk(index, self._stored_offsets[index], self.chunks[index].stored_size)
+
+    def stored_chunks(self, start: int, end: int) -> list[StoredChunk]:
+        """The stored chunks holding logical bytes ``[start, end)`` (clamped to the file)."""
+        end = min(end, self.size)
+        if start >= end:
+            return []
+        return [self.stored_chunk(i) for i in range(start // self.chunk_size, (end - 1) // self.chunk_size + 1)]
+
+
+class ObjectStore:
+    """Files as verified objects on ``remote``; every remote call is retried by ``retry``."""
+
+    def __init__(self, remote: Remote, retry: RetryPolicy | None = None) -> None:
+        self.remote = remote
+        self.retry = retry or RetryPolicy()
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
+        return await self.retry.call(self.remote, fn, *args, what=what)
+
+    # -- upload ---------------------------------------------------------------------
+
+    async def upload_file(
+        self,
+        key: str,
+        path: str | os.PathLike[str],
+        expected: FileDigests,
+        *,
+        generation: int,
+        mtime_ns: int,
+        mode: int,
+        concurrency: int,
+        compress: str | None = None,
+        cancel_check: Callable[[], bool] | None = None,
+    ) -> Manifest:
+        """Upload the staged file at ``path`` to ``key`` and write its manifest.
+
+        Every chunk is checked against ``expected`` before it is sent: a mismatch
+        (the staged file changed or rotted) raises CorruptDataError naming the
+        file and byte range, and nothing is published.  Files of one chunk or
+        less go up in a single PUT, larger ones as a multipart upload holding at
+        most ``concurrency`` chunks in memory (or one part plus one chunk, if
+        more) and at most ``concurrency`` parts in flight.
+        If ``cancel_check()`` returns true between chunks, the upload is aborted
+        and :class:`~burstfs.errors.UploadCancelled` raised.  Any failure aborts
+        the multipart upload.  Returns the manifest written.
+        """
+        if compress not in (None, "lz4"):
+            raise ValueError(f"unknown compression {compress!r}")
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, not {concurrency}")
+        if expected.chunk_size <= 0 or len(expected.chunks) != _chunk_count(expected.size, expected.chunk_size):
+            raise ValueError(f"digests of {key}: {len(expected.chunks)} chunks do not cover {expected.size} bytes")
+        size = (await asyncio.to_thread(os.stat, path)).st_size
+        if size != expected.size:
+            raise CorruptDataError(f"staged file {path} ({key}) is {size} bytes, but {expected.size} were checksummed")
+        reader = _ChunkReader(Path(path), key, expected, compress)
+        if len(expected.chunks) <= 1:
+            chunks = await self._put_whole(key, reader, cancel_check)
+        else:
+            chunks = await self._put_multipart(key, reader, concurrency, cancel_check)
+        manifest = Manifest(
+            key=key,
+            size=expected.size,
+            chunk_size=expected.chunk_size,
+            digest=expected.digest,
+            generation=generation,
+            mtime_ns=mtime_ns,
+            mode=mode,
+            chunks=tuple(chunks),
+        )
+        await self._call(self.remote.put_object, manifest_key(key), manifest.to_json(), what=f"put manifest {key}")
+        return manifest
+
+    async def _put_whole(
+        self, key: str, reader: _ChunkReader, cancel_check: Callable[[], bool] | None
+    ) -> list[ChunkInfo]:
+        _check_cancel(cancel_check, key)
+        if not reader.expected.chunks:
+            await self._call(self.remote.put_object, key, b"", what=f"put {key}")
+            return []
+        info, data = await asyncio.to_thread(reader.read, 0)
+        await self._call(self.remote.put_object, key, data, what=f"put {key}")
+        return [info]
+
+    async def _put_multipart(
+        self, key: str, reader: _ChunkReader, concurrency: int, cancel_check: Callable[[], bool] | None
+    ) -> list[ChunkInfo]:
+        """Read, check and encode chunks in threads and upload them as parts, memory bounded.
+
+        A part is a run of whole chunks, long enough for the remote's minimum part
+        size (lz4 chunks can be small) and its part count limit (huge files).
+        Chunks are read ahead and parts uploaded concurrently within a byte
+        budget of ``concurrency`` chunks (or one part plus one chunk if larger).
+        """
+        chunk_size = reader.expected.chunk_size
+        count = len(reader.expected.chunks)
+        target = max(self.remote.min_part_size, chunk_size * -(-count // self.remote.max_parts))
+        budget = _ByteBudget(max(concurrency * chunk_size, target + chunk_size))
+        upload_slots = asyncio.Semaphore(concurrency)
+        reads: asyncio.Queue[asyncio.Task[tuple[ChunkInfo, bytes]]] = asyncio.Queue()
+        chunks: list[ChunkInfo] = []
+        parts: list[UploadedPart] = []
+        upload_id: str = await self._call(self.remote.create_multipart, key, what=f"create upload {key}")
+
+        async def read_ahead(group: asyncio.TaskGroup) -> None:
+            for index in range(count):
+                _check_cancel(cancel_check, key)
+                await budget.acquire(reader.length(index))
+                reads.put_nowait(group.create_task(asyncio.to_thread(reader.read, index)))
+
+        async def send(number: int, offset: int, data: bytes) -> None:
+            try:
+                what = f"upload {key} part {number}"
+                parts.append(await self._call(self.remote.upload_part, key, upload_id, number, offset, data, what=what))
+            finally:
+                budget.release(len(data))
+                upload_slots.release()
+
+        async def assemble(group: asyncio.TaskGroup) -> None:
+            buffer: list[bytes] = []
+            buffered = offset = number = 0
+            for index in range(count):
+                info, data = await (await reads.get())
+                budget.release(reader.length(index) - len(data))  # keep only what compression left
+                chunks.append(info)
+                buffer.append(data)
+                buffered += len(data)
+                if buffered >= target or index == count - 1:
+                    await upload_slots.acquire()
+                    number += 1
+                    group.create_task(send(number, offset, b"".join(buffer)))
+                    offset += buffered
+                    buffer, buffered = [], 0
+
+        try:
+            async with fail_fast_group() as group:
+                group.create_task(read_ahead(group))
+                group.create_task(assemble(group))
+            _check_cancel(cancel_check, key)
+            await self._call(self.remote.complete_multipart, key, upload_id, parts, what=f"complete upload {key}")
+        except BaseException:
+            await self._abort(key, upload_id)
+            raise
+        return chunks
+
+    async def _abort(self, key: str, upload_id: str) -> None:
+        try:
+            await self._call(self.remote.abort_multipart, key, upload_id, what=f"abort upload {key}")
+        except Exception as exc:  # abort_stale_uploads() removes it later
+            log.warning("event=abort_failed key=%s upload_id=%s error=%r", key, upload_id, str(exc))
+
+    # -- read -------------------------------------------------------------------------
+
+    async def fetch_manifest(self, key: str) -> Manifest | None:
+        """The manifest of ``key``, or None for an object burstfs did not write."""
+        try:
+            data = await self._call(self.remote.get_object, manifest_key(key), what=f"get manifest {key}")
+        except RemoteNotFound:
+            return None
+        manifest = Manifest.from_json(data)
+        if manifest.key != key:
+            raise CorruptDataError(f"manifest at {manifest_key(key)} describes {manifest.key!r}")
+        return manifest
+
+    async def read_chunk(self, key: str, manifest: Manifest, index: int) -> bytes:
+        """The plain bytes of chunk ``index``, verified against the manifest."""
+        span = manifest.stored_chunk(index)
+        stored = await self._call(
+            self.remote.get_range, key, span.offset, span.offset + span.size, what=f"get {key} chunk {index}"
+        )
+        return await asyncio.to_thread(_decode_chunk, key, manifest, index, stored)
+
+    async def read_range(self, key: str, manifest: Manifest | None, start: int, end: int) -> bytes:
+        """Logical bytes ``[start, end)`` of ``key``, shorter at the end of the file.
+
+        With a manifest every chunk touched is fetched whole and verified first
+        (CorruptDataError on a mismatch); without one (an object another tool
+        wrote) the bytes are returned unverified and the caller says so.
+        """
+        if manifest is None:
+            data: bytes = await self._call(self.remote.get_range, key, start, end, what=f"get {key}")
+            return data
+        spans = manifest.stored_chunks(start, end)
+        if not spans:
+            return b""
+        end = min(end, manifest.size)
+        results: dict[int, bytes] = {}
+        pending = iter(spans)
+
+        async def worker() -> None:
+            for span in pending:
+                results[span.index] = await self.read_chunk(key, manifest, span.index)
+
+        await run_workers(worker, len(spans))
+        pieces = []
+        for span in spans:
+            chunk_start, _ = manifest.chunk_range(span.index)
+            lo, hi = max(start, chunk_start) - chunk_start, min(end - chunk_start, len(results[span.index]))
+            pieces.append(memoryview(results[span.index])[lo:hi])
+        return b"".join(pieces)
+
+    # -- namespace ------------------------------------------------------------------------
+
+    async def rename(self, src: str, dst: str) -> None:
+        """Move object and manifest with a server-side copy, then delete the old keys.
+
+        Safe to repeat after a crash part way: if ``src`` is already gone and
+        ``dst`` holds the same file (same whole-file digest), the move is complete.
+        """
+        manifest = await self.fetch_manifest(src)
+        try:
+            await self._call(self.remote.copy, src, dst, what=f"copy {src} to {dst}")
+        except RemoteNotFound:
+            moved = await self.fetch_manifest(dst)
+            if moved is None or (manifest is not None and moved.digest != manifest.digest):
+                raise
+            log.info("event=rename_already_done src=%s dst=%s", src, dst)
+        else:
+            if manifest is not None:
+                moved_json = dataclasses.replace(manifest, key=dst).to_json()
+                await self._call(self.remote.put_object, manifest_key(dst), moved_json, what=f"put manifest {dst}")
+            else:  # a stale manifest at dst would make the new bytes look corrupt
+                await self._call(self.remote.delete, manifest_key(dst), what=f"delete manifest {dst}")
+        await self.delete(src)
+
+    async def delete(self, key: str) -> None:
+        """Remove the object and its manifest (missing ones are fine)."""
+        await self._call(self.remote.delete, key, what=f"delete {key}")
+        await self._call(self.remote.delete, manifest_key(key), what=f"delete manifest {key}")
+
+    async def abort_stale_uploads(self) -> int:
+        """Abort every unfinished multipart upload (call only when none is in flight); returns how many."""
+        uploads = await self._call(self.remote.list_multipart_uploads, what="list uploads")
+        for key, upload_id in uploads:
+            await self._call(self.remote.abort_multipart, key, upload_id, what=f"abort upload {key}")
+            log.info("event=stale_upload_aborted key=%s upload_id=%s", key, upload_id)
+        return len(uploads)
+
+
+class _ByteBudget:
+    """Bytes of chunk data the upload may hold; one task acquires, in chunk order."""
+
+    def __init__(self, limit: int) -> None:
+        self._free = limit
+        self._changed = asyncio.Event()
+
+    async def acquire(self, n: int) -> None:
+        while self._free < n:
+            self._changed.clear()
+            await self._changed.wait()
+        self._free -= n
+
+    def release(self, n: int) -> None:
+        self._free += n
+        self._changed.set()
+
+
+def _check_cancel(cancel_check: Callable[[], bool] | None, key: str) -> None:
+    if cancel_check is not None and cancel_check():
+        raise UploadCancelled(f"upload of {key} cancelled")
+
+
+@dataclass(frozen=True)
+class _ChunkReader:
+    """Reads, verifies and encodes chunks of one staged file (blocking: called in threads).
+
+    Each read opens the file itself: a read thread can outlive a failed upload
+    (threads cannot be cancelled), and must never find a shared descriptor closed
+    or, worse, reused for another file.
+    """
+
+    path: Path
+    key: str
+    expected: FileDigests
+    compress: str | None
+
+    def length(self, index: int) -> int:
+        return min(self.expected.chunk_size, self.expected.size - index * self.expected.chunk_size)
+
+    def read(self, index: int) -> tuple[ChunkInfo, bytes]:
+        start = index * self.expected.chunk_size
+        length = self.length(index)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            data = pread_full(fd, length, start)
+        finally:
+            os.close(fd)
+        digest = xxhash.xxh3_64_hexdigest(data)
+        if len(data) != length or digest != self.expected.chunks[index]:
+            raise CorruptDataError(
+                f"staged file {self.path} ({self.key}): bytes {start}-{start + length} no longer match "
+                f"the checksum taken at close (xxh3 {digest}, expected {self.expected.chunks[index]})"
+            )
+        if self.compress == "lz4":
+            packed = lz4.frame.compress(data, block_size=lz4.frame.BLOCKSIZE_MAX4MB, content_checksum=False)
+            if len(packed) <= len(data) * (1 - MIN_COMPRESSION_SAVING):
+                return ChunkInfo(digest, "lz4", len(packed)), packed
+        return ChunkInfo(digest, "raw", len(data)), data
+
+
+def _decode_chunk(key: str, manifest: Manifest, index: int, stored: bytes) -> bytes:
+    """Decompress and verify one stored chunk (blocking: called in a thread)."""
+    info = manifest.chunks[index]
+    start, end = manifest.chunk_range(index)
+    data = stored
+    problem = None
+    if len(stored) != info.stored_size:
+        problem = f"stored chunk is {len(stored)} bytes, expected {info.stored_size}"
+    elif info.codec == "lz4":
+        decompressor = lz4.frame.LZ4FrameDecompressor()
+        try:
+            data = decompressor.decompress(stored, max_length=end - start)
+            if not decompressor.eof:
+                problem = "lz4 frame longer than the chunk"
+        except RuntimeError as exc:
+            problem = f"lz4 frame unreadable: {exc}"
+    if problem is None and len(data) != end - start:
+        problem = f"chunk is {len(data)} bytes, expected {end - start}"
+    if problem is None:
+        digest = xxhash.xxh3_64_hexdigest(data)
+        if digest != info.xxh3:
+            problem = f"xxh3 {digest}, expected {info.xxh3}"
+    if problem is not None:
+        log.error("event=corrupt_data key=%s range=%d-%d chunk=%d problem=%r", key, start, end, index, problem)
+        raise CorruptDataError(f"{key}: bytes {start}-{end} do not match their checksum ({problem})")
+    return data

@@ -1,0 +1,128 @@
+"""The small interface every remote implements, and the values it returns.
+
+Keys are relative to the remote URL (the bucket prefix, or the directory), use
+``/`` as separator and never start with one.  Implementations raise
+:class:`~burstfs.errors.RemoteNotFound` for a missing object or upload,
+:class:`~burstfs.errors.RemoteError` for other permanent failures, and let
+temporary failures (throttling, 5xx, connection resets, timeouts) propagate
+unchanged so that :func:`burstfs.remote.retry.retrying` can recognise them with
+:meth:`Remote.is_temp_failure`.  Remotes do not retry on their own, except for
+requests hidden inside one call (pages of a listing, parts of a server-side
+copy), which a caller could not restart on its own.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from ..config import RemoteURL
+
+#: Top-level directory of a remote that holds burstfs' own bookkeeping (manifests,
+#: temp files, uploads).  Remotes list it like anything else; callers skip it.
+INTERNAL_DIR = ".burstfs"
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One object as a listing or a HEAD sees it.
+
+    key: relative to the remote URL.
+    size: bytes.
+    etag: the server's entity tag without quotes (``None`` where the remote has none).
+    mtime: last modification, seconds since the epoch.
+    """
+
+    key: str
+    size: int
+    etag: str | None
+    mtime: float
+
+
+@dataclass(frozen=True)
+class UploadedPart:
+    """What :meth:`Remote.complete_multipart` needs to know about one part.
+
+    part_number: 1-based, as in S3.
+    etag: the remote's opaque token for the part.
+    checksum_crc32c: base64 CRC32C the server verified, where the remote does that.
+    """
+
+    part_number: int
+    etag: str
+    checksum_crc32c: str | None = None
+
+
+class Remote(abc.ABC):
+    """Where drained files live: an S3 prefix or a directory.  Use within one event loop."""
+
+    url: RemoteURL
+    #: Smallest part a multipart upload accepts, except the last (S3: 5 MiB).
+    min_part_size: int = 0
+    #: Most parts one multipart upload may have (S3: 10,000).
+    max_parts: int = 10_000
+
+    @abc.abstractmethod
+    async def check(self) -> None:
+        """Fail early: raise RemoteError (with a ``kind``) unless the remote is reachable and writable."""
+
+    @abc.abstractmethod
+    async def put_object(self, key: str, data: bytes) -> None:
+        """Store ``data`` at ``key`` atomically (readers see the old or the new object)."""
+
+    @abc.abstractmethod
+    async def get_object(self, key: str) -> bytes:
+        """The whole object; RemoteNotFound if it is missing."""
+
+    @abc.abstractmethod
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)``, shorter at the end of the object; RemoteNotFound if missing."""
+
+    @abc.abstractmethod
+    async def head(self, key: str) -> ObjectInfo | None:
+        """Size and identity of ``key``, or None if there is no such object."""
+
+    @abc.abstractmethod
+    async def list_dir(self, dir_key: str) -> tuple[list[ObjectInfo], list[str]]:
+        """One level below ``dir_key`` ('' = root): the objects, and the names of subdirectories."""
+
+    @abc.abstractmethod
+    def list_all(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix``, recursively, in key order."""
+
+    @abc.abstractmethod
+    async def create_multipart(self, key: str) -> str:
+        """Start a multipart upload to ``key``; returns its upload id."""
+
+    @abc.abstractmethod
+    async def upload_part(self, key: str, upload_id: str, part_number: int, offset: int, data: bytes) -> UploadedPart:
+        """Upload one part; ``offset`` is where the part starts in the final object."""
+
+    @abc.abstractmethod
+    async def complete_multipart(self, key: str, upload_id: str, parts: list[UploadedPart]) -> None:
+        """Publish the object made of ``parts`` (any order) atomically."""
+
+    @abc.abstractmethod
+    async def abort_multipart(self, key: str, upload_id: str) -> None:
+        """Drop an upload and its parts; an unknown upload is fine (idempotent)."""
+
+    @abc.abstractmethod
+    async def list_multipart_uploads(self) -> list[tuple[str, str]]:
+        """``(key, upload_id)`` of every unfinished upload under this remote (cleanup after a crash)."""
+
+    @abc.abstractmethod
+    async def copy(self, src: str, dst: str) -> None:
+        """Server-side copy of ``src`` to ``dst``; RemoteNotFound if ``src`` is missing."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> None:
+        """Remove ``key``; a missing object is fine."""
+
+    @abc.abstractmethod
+    def is_temp_failure(self, exc: BaseException) -> bool:
+        """True if ``exc`` is worth retrying (throttling, 5xx, timeouts, dropped connections)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections and threads."""

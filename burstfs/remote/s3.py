@@ -1,0 +1,415 @@
+"""S3 (and S3-compatible stores) as a remote, through aiobotocore.
+
+Credentials come from the standard AWS chain (environment, shared files,
+instance/container roles) and are never logged.  botocore's own retries are
+off: :mod:`burstfs.remote.retry` owns retrying, so a throttled store is waited
+for once, with one log line per retry.  Every PUT and uploaded part carries a
+CRC32C the server verifies, computed here (package ``crc32c``) rather than by
+botocore, which would need ``awscrt`` and run on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import os
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import botocore.exceptions
+import crc32c
+from aiobotocore.config import AioConfig
+from aiobotocore.session import get_session
+
+from ..config import RemoteURL, S3Options
+from ..errors import RemoteError, RemoteNotFound
+from .base import INTERNAL_DIR, ObjectInfo, Remote, UploadedPart
+from .pool import run_workers
+from .retry import RetryPolicy
+
+#: Error codes S3 uses for throttling and transient trouble.  BadDigest means the
+#: bytes changed in flight (we computed the checksum over what we sent), so a
+#: resend is the right answer too.
+_TEMP_CODES = frozenset(
+    {
+        "SlowDown",
+        "RequestTimeout",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "InternalError",
+        "ServiceUnavailable",
+        "BadDigest",
+    }
+)
+_TEMP_STATUS = frozenset({500, 502, 503, 504})
+_TEMP_EXCEPTIONS: tuple[type[BaseException], ...] = (
+    botocore.exceptions.EndpointConnectionError,
+    botocore.exceptions.ConnectionClosedError,
+    botocore.exceptions.ReadTimeoutError,
+    botocore.exceptions.ConnectTimeoutError,
+    botocore.exceptions.ResponseStreamingError,
+    aiohttp.ClientError,
+    TimeoutError,
+    ConnectionError,
+)
+_DENIED_CODES = frozenset(
+    {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled", "ExpiredToken", "InvalidToken"}
+)
+
+#: S3 refuses single-request copies above 5 GiB; larger objects are copied in parts.
+COPY_MAX_SINGLE = 5 * 1024**3
+#: Part size for a multipart copy (server-side, so large parts cost nothing locally).
+COPY_PART_SIZE = 512 * 1024**2
+#: Server-side part copies in flight during one multipart copy.
+COPY_CONCURRENCY = 8
+#: Below this size a CRC32C is computed inline; above, in a thread (the C code releases the GIL).
+_INLINE_CRC_BYTES = 256 * 1024
+
+
+def crc32c_b64(data: bytes) -> str:
+    """The CRC32C of ``data`` as S3 expects it in ``x-amz-checksum-crc32c``."""
+    return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
+
+
+async def _checksum(data: bytes) -> str:
+    if len(data) < _INLINE_CRC_BYTES:
+        return crc32c_b64(data)
+    return await asyncio.to_thread(crc32c_b64, data)
+
+
+def _error_code(exc: botocore.exceptions.ClientError) -> tuple[str, int]:
+    error = exc.response.get("Error", {})
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    return str(error.get("Code", "")), int(status)
+
+
+def _multipart_etag(parts: list[UploadedPart]) -> str | None:
+    """The ETag S3 gives an object assembled from ``parts`` (None if the part ETags are not MD5s)."""
+    try:
+        digests = b"".join(bytes.fromhex(p.etag) for p in parts)
+    except ValueError:
+        return None
+    return f"{hashlib.md5(digests).hexdigest()}-{len(parts)}"
+
+
+class S3Remote(Remote):
+    """``s3://bucket/prefix`` through one aiobotocore client, created on first use."""
+
+    min_part_size = 5 * 1024**2
+
+    def __init__(
+        self,
+        url: RemoteURL,
+        options: S3Options | None = None,
+        *,
+        max_connections: int = 64,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        if url.scheme != "s3":
+            raise ValueError(f"S3Remote needs an s3:// URL, not {url}")
+        self.url = url
+        self.options = options or S3Options()
+        self.endpoint_url = self.options.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
+        self.retry = retry or RetryPolicy()
+        self.copy_max_single = COPY_MAX_SINGLE
+        self.copy_part_size = COPY_PART_SIZE
+        self._bucket = url.bucket
+        self._prefix = f"{url.prefix}/" if url.prefix else ""
+        self._config = AioConfig(
+            retries={"mode": "standard", "total_max_attempts": 1},
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            max_pool_connections=max_connections,
+            s3={"addressing_style": "path" if self.options.path_style else "virtual"},
+            # We send CRC32C ourselves where it matters and verify reads with xxh3;
+            # botocore's default CRC32 would be extra work on the event loop, and
+            # some S3-compatible stores reject its trailing checksums.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        self._stack = contextlib.AsyncExitStack()
+        self._client: Any = None
+        self._client_lock = asyncio.Lock()
+
+    # -- helpers -----------------------------------------------------------------
+
+    def _full(self, key: str) -> str:
+        return self._prefix + key
+
+    def _rel(self, full_key: str) -> str:
+        return full_key[len(self._prefix) :]
+
+    def _where(self) -> str:
+        return f"{self.url} (endpoint {self.endpoint_url or 'AWS default'})"
+
+    async def _get_client(self) -> Any:
+        async with self._client_lock:
+            if self._client is None:
+                self._client = await self._stack.enter_async_context(
+                    get_session().create_client(
+                        "s3", region_name=self.options.region, endpoint_url=self.endpoint_url, config=self._config
+                    )
+                )
+            return self._client
+
+    def _map_error(self, exc: Exception, what: str) -> Exception | None:
+        """The burstfs error for a permanent failure, or None to let ``exc`` (temporary) through."""
+        if isinstance(exc, botocore.exceptions.NoCredentialsError):
+            return RemoteError(
+                f"{self._where()}: no AWS credentials found (environment, ~/.aws, role)", kind="no_credentials"
+            )
+        if not isinstance(exc, botocore.exceptions.ClientError) or self.is_temp_failure(exc):
+            return None
+        code, status = _error_code(exc)
+        if code == "NoSuchBucket":
+            return RemoteError(f"{self._where()}: bucket {self._bucket!r} does not exist", kind="no_bucket")
+        if code == "NoSuchUpload":
+            return RemoteNotFound(f"{self.url}: {what}: no such multipart upload")
+        if code in ("NoSuchKey", "NotFound", "404") or status == 404:
+            return RemoteNotFound(f"{self.url}: {what}: not found ({code})")
+        if code == "InvalidRange":
+            return RemoteError(f"{self.url}: {what}: range not satisfiable", kind="invalid_range")
+        if code in _DENIED_CODES or status == 403:
+            return RemoteError(f"{self._where()}: {what}: access denied ({code})", kind="access_denied")
+        message = exc.response.get("Error", {}).get("Message", "")
+        return RemoteError(f"{self.url}: {what}: {code or status}: {message}", kind="remote")
+
+    async def _call(self, op: str, what: str, **params: Any) -> Any:
+        """One S3 request with errors mapped; temporary failures propagate unchanged."""
+        client = await self._get_client()
+        try:
+            return await getattr(client, op)(Bucket=self._bucket, **params)
+        except Exception as exc:
+            mapped = self._map_error(exc, what)
+            if mapped is None:
+                raise
+            raise mapped from exc
+
+    async def _read_body(self, response: dict[str, Any]) -> bytes:
+        async with response["Body"] as stream:
+            data: bytes = await stream.read()
+            return data
+
+    # -- Remote --------------------------------------------------------------------
+
+    async def check(self) -> None:
+        probe = self._full(f"{INTERNAL_DIR}/check-{uuid.uuid4().hex}")
+        try:
+            await self._call("head_bucket", "check")
+            await self._call("put_object", "write probe", Key=probe, Body=b"")
+            await self._call("delete_object", "delete probe", Key=probe)
+        except RemoteNotFound as exc:  # HEAD has no body, so a missing bucket is a bare 404
+            raise RemoteError(f"{self._where()}: bucket {self._bucket!r} does not exist", kind="no_bucket") from exc
+        except Exception as exc:
+            if not self.is_temp_failure(exc):
+                raise
+            kind = "unavailable" if isinstance(exc, botocore.exceptions.ClientError) else "unreachable"
+            raise RemoteError(f"cannot reach {self._where()}: {exc}", kind=kind) from exc
+
+    async def put_object(self, key: str, data: bytes) -> None:
+        await self._call(
+            "put_object",
+            f"put {key}",
+            Key=self._full(key),
+            Body=data,
+            ChecksumAlgorithm="CRC32C",
+            ChecksumCRC32C=await _checksum(data),
+        )
+
+    async def get_object(self, key: str) -> bytes:
+        response = await self._call("get_object", f"get {key}", Key=self._full(key))
+        return await self._read_body(response)
+
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        if end <= start:
+            return b""
+        what = f"get {key} bytes {start}-{end}"
+        try:
+            response = await self._call("get_object", what, Key=self._full(key), Range=f"bytes={start}-{end - 1}")
+        except RemoteError as exc:
+            if exc.kind == "invalid_range":  # start at or past the end of the object
+                return b""
+            raise
+        data = await self._read_body(response)
+        if "ContentRange" not in response:  # a store that ignored Range sent the whole object
+            return data[start:end]
+        return data
+
+    async def head(self, key: str) -> ObjectInfo | None:
+        try:
+            response = await self._call("head_object", f"head {key}", Key=self._full(key))
+        except RemoteNotFound:
+            return None
+        return ObjectInfo(
+            key=key,
+            size=int(response["ContentLength"]),
+            etag=str(response["ETag"]).strip('"'),
+            mtime=response["LastModified"].timestamp(),
+        )
+
+    async def list_dir(self, dir_key: str) -> tuple[list[ObjectInfo], list[str]]:
+        dir_key = dir_key.strip("/")
+        list_prefix = self._full(dir_key + "/") if dir_key else self._prefix
+        files: list[ObjectInfo] = []
+        dirs: list[str] = []
+        token: dict[str, str] = {}
+        while True:
+            page = await self._call(
+                "list_objects_v2", f"list {dir_key or '/'}", Prefix=list_prefix, Delimiter="/", **token
+            )
+            files.extend(self._info(obj) for obj in page.get("Contents", ()) if obj["Key"] != list_prefix)
+            dirs.extend(p["Prefix"][len(list_prefix) :].rstrip("/") for p in page.get("CommonPrefixes", ()))
+            if not page.get("IsTruncated"):
+                return files, dirs
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+
+    async def list_all(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        # Each page is retried here: a caller cannot restart a half-consumed iterator.
+        token: dict[str, str] = {}
+        while True:
+            page = await self.retry.call(
+                self,
+                self._call,
+                "list_objects_v2",
+                f"list {prefix or '/'}",
+                what=f"list {prefix or '/'}",
+                Prefix=self._full(prefix),
+                **token,
+            )
+            for obj in page.get("Contents", ()):
+                if not obj["Key"].endswith("/"):  # skip "directory marker" objects made by consoles
+                    yield self._info(obj)
+            if not page.get("IsTruncated"):
+                return
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+
+    def _info(self, obj: dict[str, Any]) -> ObjectInfo:
+        return ObjectInfo(
+            key=self._rel(obj["Key"]),
+            size=int(obj["Size"]),
+            etag=str(obj.get("ETag", "")).strip('"') or None,
+            mtime=obj["LastModified"].timestamp(),
+        )
+
+    async def create_multipart(self, key: str) -> str:
+        response = await self._call(
+            "create_multipart_upload", f"create upload {key}", Key=self._full(key), ChecksumAlgorithm="CRC32C"
+        )
+        return str(response["UploadId"])
+
+    async def upload_part(self, key: str, upload_id: str, part_number: int, offset: int, data: bytes) -> UploadedPart:
+        checksum = await _checksum(data)
+        response = await self._call(
+            "upload_part",
+            f"upload {key} part {part_number}",
+            Key=self._full(key),
+            UploadId=upload_id,
+            PartNumber=part_number,
+            Body=data,
+            ChecksumAlgorithm="CRC32C",
+            ChecksumCRC32C=checksum,
+        )
+        return UploadedPart(part_number, str(response["ETag"]).strip('"'), response.get("ChecksumCRC32C", checksum))
+
+    async def complete_multipart(self, key: str, upload_id: str, parts: list[UploadedPart]) -> None:
+        ordered = sorted(parts, key=lambda p: p.part_number)
+        listed = []
+        for p in ordered:
+            entry = {"PartNumber": p.part_number, "ETag": f'"{p.etag}"'}
+            if p.checksum_crc32c:
+                entry["ChecksumCRC32C"] = p.checksum_crc32c
+            listed.append(entry)
+        try:
+            await self._call(
+                "complete_multipart_upload",
+                f"complete upload {key}",
+                Key=self._full(key),
+                UploadId=upload_id,
+                MultipartUpload={"Parts": listed},
+            )
+        except RemoteNotFound:
+            # A retry of a completion whose reply was lost finds the upload gone; the
+            # object's ETag tells whether it is ours.
+            info = await self.head(key)
+            if info is None or info.etag is None or info.etag != _multipart_etag(ordered):
+                raise
+
+    async def abort_multipart(self, key: str, upload_id: str) -> None:
+        with contextlib.suppress(RemoteNotFound):
+            await self._call("abort_multipart_upload", f"abort upload {key}", Key=self._full(key), UploadId=upload_id)
+
+    async def list_multipart_uploads(self) -> list[tuple[str, str]]:
+        uploads: list[tuple[str, str]] = []
+        markers: dict[str, str] = {}
+        while True:
+            page = await self._call("list_multipart_uploads", "list uploads", Prefix=self._prefix, **markers)
+            uploads.extend((self._rel(u["Key"]), u["UploadId"]) for u in page.get("Uploads", ()))
+            if not page.get("IsTruncated"):
+                return uploads
+            markers = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+
+    async def copy(self, src: str, dst: str) -> None:
+        source = {"Bucket": self._bucket, "Key": self._full(src)}
+        info = await self.head(src)
+        if info is None:
+            raise RemoteNotFound(f"{self.url}: copy source {src} not found")
+        if info.size <= self.copy_max_single:
+            await self._call("copy_object", f"copy {src} to {dst}", Key=self._full(dst), CopySource=source)
+            return
+        await self._multipart_copy(src, dst, source, info.size)
+
+    async def _multipart_copy(self, src: str, dst: str, source: dict[str, str], size: int) -> None:
+        """Copy an object too large for one CopyObject as parallel server-side part copies."""
+        part_size = max(self.copy_part_size, -(-size // self.max_parts))
+        ranges = [(n + 1, off, min(off + part_size, size)) for n, off in enumerate(range(0, size, part_size))]
+        upload_id = str(
+            (await self._call("create_multipart_upload", f"create copy {dst}", Key=self._full(dst)))["UploadId"]
+        )
+        parts: list[UploadedPart] = []
+        pending = iter(ranges)
+
+        async def worker() -> None:
+            for number, start, end in pending:
+                what = f"copy {src} to {dst} part {number}"
+                response = await self.retry.call(
+                    self,
+                    self._call,
+                    "upload_part_copy",
+                    what,
+                    what=what,
+                    Key=self._full(dst),
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    CopySource=source,
+                    CopySourceRange=f"bytes={start}-{end - 1}",
+                )
+                parts.append(UploadedPart(number, str(response["CopyPartResult"]["ETag"]).strip('"')))
+
+        try:
+            await run_workers(worker, min(COPY_CONCURRENCY, len(ranges)))
+            await self.complete_multipart(dst, upload_id, parts)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.abort_multipart(dst, upload_id)
+            raise
+
+    async def delete(self, key: str) -> None:
+        await self._call("delete_object", f"delete {key}", Key=self._full(key))
+
+    def is_temp_failure(self, exc: BaseException) -> bool:
+        if isinstance(exc, botocore.exceptions.ClientError):
+            code, status = _error_code(exc)
+            return status in _TEMP_STATUS or code in _TEMP_CODES
+        return isinstance(exc, _TEMP_EXCEPTIONS)
+
+    async def close(self) -> None:
+        async with self._client_lock:
+            await self._stack.aclose()
+            self._client = None

@@ -1,0 +1,445 @@
+"""Checksummed, optionally compressed objects over both remotes (a directory and S3 via moto)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import xxhash
+from faultproxy import FaultProxy
+from s3server import fresh_bucket
+
+from burstfs.config import S3Options, parse_remote_url
+from burstfs.errors import CorruptDataError, RemoteError, UploadCancelled
+from burstfs.objects import FileDigests, Manifest, ObjectStore, compute_digests, manifest_key
+from burstfs.remote import FileRemote, Remote, RetryPolicy, S3Remote
+
+T = TypeVar("T")
+
+CHUNK = 16 * 1024  # small parts keep moto fast; the launcher lowers its minimum part size
+FAST_RETRY = RetryPolicy(attempts=6, base_delay=0.01, max_delay=0.05)
+
+
+def run(store: ObjectStore, body: Callable[[], Awaitable[T]]) -> T:
+    async def main() -> T:
+        try:
+            return await body()
+        finally:
+            await store.remote.close()
+
+    return asyncio.run(main())
+
+
+def make_store(remote: Remote) -> ObjectStore:
+    return ObjectStore(remote, FAST_RETRY)
+
+
+@pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.s3)])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    if request.param == "file":
+        root = tmp_path / "remote"
+        root.mkdir()
+        return make_store(FileRemote(parse_remote_url(f"file://{root}")))
+    endpoint = request.getfixturevalue("s3_env")
+    return make_store(s3_remote(endpoint, fresh_bucket(endpoint)))
+
+
+def s3_remote(endpoint: str, bucket: str) -> S3Remote:
+    remote = S3Remote(parse_remote_url(f"s3://{bucket}/prefix"), S3Options(endpoint_url=endpoint), retry=FAST_RETRY)
+    remote.min_part_size = 1024  # what the test server accepts (real S3: 5 MiB)
+    return remote
+
+
+def staged(tmp_path: Path, data: bytes, name: str = "staged.bin") -> tuple[Path, FileDigests]:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path, compute_digests(path, CHUNK)
+
+
+async def upload(store: ObjectStore, key: str, path: Path, digests: FileDigests, **kw: Any) -> Manifest:
+    options: dict[str, Any] = {"generation": 7, "mtime_ns": 123, "mode": 0o100644, "concurrency": 3, **kw}
+    return await store.upload_file(key, path, digests, **options)
+
+
+def compressible(size: int) -> bytes:
+    return (b"tensor-weights-" * (size // 15 + 1))[:size]
+
+
+# -- digests and manifests ---------------------------------------------------------------------
+
+
+def test_compute_digests(tmp_path: Path) -> None:
+    data = os.urandom(CHUNK * 2 + 5)
+    _, digests = staged(tmp_path, data)
+    assert digests.size == len(data) and digests.chunk_size == CHUNK
+    assert digests.chunks == tuple(xxhash.xxh3_64_hexdigest(data[i : i + CHUNK]) for i in range(0, len(data), CHUNK))
+    assert digests.digest == xxhash.xxh3_128_hexdigest(data)
+    assert staged(tmp_path, b"", "empty")[1] == FileDigests(0, CHUNK, (), xxhash.xxh3_128_hexdigest(b""))
+
+
+def test_manifest_json_and_ranges() -> None:
+    from burstfs.objects import ChunkInfo, StoredChunk
+
+    manifest = Manifest(
+        key="a/b", size=250, chunk_size=100, digest="d", generation=3, mtime_ns=9, mode=0o644,
+        chunks=(ChunkInfo("x1", "lz4", 40), ChunkInfo("x2", "raw", 100), ChunkInfo("x3", "lz4", 20)),
+    )  # fmt: skip
+    assert Manifest.from_json(manifest.to_json()) == manifest
+    assert manifest.stored_chunks(0, 10) == [StoredChunk(0, 0, 40)]
+    assert manifest.stored_chunks(99, 201) == [StoredChunk(0, 0, 40), StoredChunk(1, 40, 100), StoredChunk(2, 140, 20)]
+    assert manifest.stored_chunks(200, 10_000) == [StoredChunk(2, 140, 20)]
+    assert manifest.stored_chunks(250, 300) == []
+    assert manifest.chunk_range(2) == (200, 250)
+    for bad in (b"{", b'{"version": 2}', manifest.to_json().replace(b'"size":250', b'"size":350')):
+        with pytest.raises(CorruptDataError):
+            Manifest.from_json(bad)
+
+
+# -- upload and read back ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [0, 1, CHUNK, CHUNK + 1, CHUNK * 5 + 123])
+def test_plain_upload_is_exactly_the_file(store: ObjectStore, tmp_path: Path, size: int) -> None:
+    data = os.urandom(size)
+    path, digests = staged(tmp_path, data)
+
+    async def body() -> None:
+        manifest = await upload(store, "ckpt/model.pt", path, digests)
+        assert (manifest.size, manifest.digest, manifest.generation) == (size, digests.digest, 7)
+        assert all(c.codec == "raw" for c in manifest.chunks)
+        assert await store.remote.get_object("ckpt/model.pt") == data
+        fetched = await store.fetch_manifest("ckpt/model.pt")
+        assert fetched == manifest
+        assert await store.read_range("ckpt/model.pt", fetched, 0, size + 10) == data
+        assert await store.remote.list_multipart_uploads() == []
+
+    run(store, body)
+
+
+def test_read_ranges(store: ObjectStore, tmp_path: Path) -> None:
+    data = os.urandom(CHUNK * 4 + 500)
+    path, digests = staged(tmp_path, data)
+
+    async def body() -> None:
+        manifest = await upload(store, "r", path, digests)
+        rng = random.Random(1)
+        cases = [(0, 1), (CHUNK - 1, CHUNK + 1), (CHUNK, 2 * CHUNK), (5, len(data)), (len(data) - 3, len(data) + 99)]
+        cases += [tuple(sorted(rng.sample(range(len(data)), 2))) for _ in range(5)]  # type: ignore[misc]
+        for start, end in cases:
+            assert await store.read_range("r", manifest, start, end) == data[start:end], (start, end)
+        assert await store.read_range("r", manifest, len(data), len(data) + 5) == b""
+        for index in range(len(manifest.chunks)):
+            assert await store.read_chunk("r", manifest, index) == data[index * CHUNK : (index + 1) * CHUNK]
+
+    run(store, body)
+
+
+def test_lz4_compressible(store: ObjectStore, tmp_path: Path) -> None:
+    data = compressible(CHUNK * 3 + 77)
+    path, digests = staged(tmp_path, data)
+
+    async def body() -> None:
+        manifest = await upload(store, "c", path, digests, compress="lz4")
+        assert [c.codec for c in manifest.chunks] == ["lz4"] * 4
+        info = await store.remote.head("c")
+        assert info is not None and info.size == sum(c.stored_size for c in manifest.chunks) < len(data) // 4
+        assert await store.read_range("c", manifest, 0, len(data)) == data
+        assert await store.read_range("c", manifest, CHUNK - 10, 2 * CHUNK + 10) == data[CHUNK - 10 : 2 * CHUNK + 10]
+
+    run(store, body)
+
+
+def test_lz4_incompressible_and_mixed(store: ObjectStore, tmp_path: Path) -> None:
+    noise = os.urandom(CHUNK * 2)
+    data = noise + compressible(CHUNK) + os.urandom(CHUNK // 2)
+    path, digests = staged(tmp_path, data)
+
+    async def body() -> None:
+        manifest = await upload(store, "m", path, digests, compress="lz4")
+        assert [c.codec for c in manifest.chunks] == ["raw", "raw", "lz4", "raw"]
+        stored = await store.remote.get_object("m")
+        assert stored[: 2 * CHUNK] == noise  # raw chunks are stored as they are
+        assert await store.read_range("m", manifest, 0, len(data)) == data
+
+    run(store, body)
+
+
+def test_parts_in_flight_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At most ``concurrency`` parts are uploading (and held in memory) at once."""
+    root = tmp_path / "remote"
+    root.mkdir()
+    remote = FileRemote(parse_remote_url(f"file://{root}"))
+    in_flight = peak = 0
+    real_upload_part = remote.upload_part
+
+    async def counting_upload_part(*args: Any) -> Any:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            await asyncio.sleep(0.001)
+            return await real_upload_part(*args)
+        finally:
+            in_flight -= 1
+
+    monkeypatch.setattr(remote, "upload_part", counting_upload_part)
+    data = os.urandom(CHUNK * 12)
+    path, digests = staged(tmp_path, data)
+    store = make_store(remote)
+    run(store, lambda: upload(store, "bounded", path, digests, concurrency=3))
+    assert 1 <= peak <= 3
+    assert (root / "bounded").read_bytes() == data
+
+
+def test_parts_respect_remote_limits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small lz4 chunks are joined up to the minimum part size; huge files into fewer, larger parts."""
+    root = tmp_path / "remote"
+    root.mkdir()
+    remote = FileRemote(parse_remote_url(f"file://{root}"))
+    sizes: list[int] = []
+    real_upload_part = remote.upload_part
+
+    async def recording_upload_part(key: str, upload_id: str, number: int, offset: int, data: bytes) -> Any:
+        sizes.append(len(data))
+        return await real_upload_part(key, upload_id, number, offset, data)
+
+    monkeypatch.setattr(remote, "upload_part", recording_upload_part)
+    store = make_store(remote)
+    data = compressible(CHUNK * 10)
+    path, digests = staged(tmp_path, data)
+
+    remote.min_part_size = 3 * CHUNK
+    manifest = run(store, lambda: upload(store, "small-parts", path, digests, compress="lz4"))
+    assert len(sizes) == 1  # ten tiny lz4 chunks make one part
+    assert run(store, lambda: store.read_range("small-parts", manifest, 0, len(data))) == data
+
+    sizes.clear()
+    remote.min_part_size, remote.max_parts = 0, 4
+    run(store, lambda: upload(store, "few-parts", path, digests))
+    assert sizes == [3 * CHUNK, 3 * CHUNK, 3 * CHUNK, CHUNK]
+    assert (root / "few-parts").read_bytes() == data
+
+
+# -- corruption --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [CHUNK // 2, CHUNK * 4])
+def test_corrupt_staged_file_is_not_uploaded(store: ObjectStore, tmp_path: Path, size: int) -> None:
+    data = bytearray(os.urandom(size))
+    path, digests = staged(tmp_path, bytes(data))
+    flip = size - 10
+    data[flip] ^= 0x01
+    path.write_bytes(data)
+
+    async def body() -> None:
+        with pytest.raises(CorruptDataError) as info:
+            await upload(store, "bad", path, digests, concurrency=2)
+        chunk_start = flip // CHUNK * CHUNK
+        assert str(path) in str(info.value) and f"bytes {chunk_start}-{size}" in str(info.value)
+        assert await store.remote.head("bad") is None
+        assert await store.fetch_manifest("bad") is None
+        assert await store.remote.list_multipart_uploads() == []
+
+    run(store, body)
+
+
+def test_staged_file_of_wrong_size(store: ObjectStore, tmp_path: Path) -> None:
+    path, digests = staged(tmp_path, os.urandom(CHUNK * 2))
+    with path.open("ab") as f:
+        f.write(b"more")
+    with pytest.raises(CorruptDataError, match="bytes"):
+        run(store, lambda: upload(store, "grown", path, digests))
+
+
+def test_flipped_remote_byte_is_detected(store: ObjectStore, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    data = os.urandom(CHUNK * 3)
+    path, digests = staged(tmp_path, data)
+
+    async def body() -> None:
+        manifest = await upload(store, "victim", path, digests)
+        damaged = bytearray(data)
+        damaged[CHUNK + 5] ^= 0x80
+        await store.remote.put_object("victim", bytes(damaged))  # bit rot on the remote
+        corrupt = pytest.raises(CorruptDataError, match=f"victim: bytes {CHUNK}-{2 * CHUNK}")
+        with caplog.at_level(logging.ERROR, logger="burstfs.objects"), corrupt:
+            await store.read_range("victim", manifest, CHUNK + 100, CHUNK + 200)
+        assert any(
+            "key=victim" in r.getMessage() and f"range={CHUNK}-{2 * CHUNK}" in r.getMessage() for r in caplog.records
+        )
+        # The chunks around it are still served.
+        assert await store.read_range("victim", manifest, 0, CHUNK) == data[:CHUNK]
+        assert await store.read_range("victim", manifest, 2 * CHUNK, 3 * CHUNK) == data[2 * CHUNK :]
+
+    run(store, body)
+
+
+def test_damaged_lz4_chunk_is_detected(store: ObjectStore, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    data = compressible(CHUNK * 2)
+    path, digests = staged(tmp_path, data)
+
+    async def body() -> None:
+        manifest = await upload(store, "z", path, digests, compress="lz4")
+        stored = bytearray(await store.remote.get_object("z"))
+        stored[len(stored) // 2] ^= 0xFF
+        await store.remote.put_object("z", bytes(stored))
+        with caplog.at_level(logging.ERROR, logger="burstfs.objects"), pytest.raises(CorruptDataError):
+            await store.read_range("z", manifest, 0, len(data))
+
+    run(store, body)
+
+
+def test_unverified_read_without_manifest(store: ObjectStore) -> None:
+    async def body() -> None:
+        await store.remote.put_object("foreign.bin", b"written by aws s3 cp")
+        assert await store.fetch_manifest("foreign.bin") is None
+        assert await store.read_range("foreign.bin", None, 11, 14) == b"aws"
+
+    run(store, body)
+
+
+# -- namespace and lifecycle ------------------------------------------------------------------------
+
+
+def test_rename_moves_object_and_manifest(store: ObjectStore, tmp_path: Path) -> None:
+    data = os.urandom(CHUNK * 2 + 1)
+    path, digests = staged(tmp_path, data)
+
+    async def body() -> None:
+        await upload(store, "old/name", path, digests, compress="lz4")
+        await store.rename("old/name", "new/name")
+        assert await store.remote.head("old/name") is None
+        assert await store.remote.head(manifest_key("old/name")) is None
+        manifest = await store.fetch_manifest("new/name")
+        assert manifest is not None and manifest.key == "new/name"
+        assert await store.read_range("new/name", manifest, 0, len(data)) == data
+        await store.rename("old/name", "new/name")  # repeating a finished move is harmless
+
+    run(store, body)
+
+
+def test_rename_foreign_object_drops_stale_manifest(store: ObjectStore, tmp_path: Path) -> None:
+    path, digests = staged(tmp_path, os.urandom(100))
+
+    async def body() -> None:
+        await upload(store, "dst", path, digests)
+        await store.remote.put_object("foreign", b"no manifest")
+        await store.rename("foreign", "dst")
+        assert await store.fetch_manifest("dst") is None
+        assert await store.read_range("dst", None, 0, 100) == b"no manifest"
+
+    run(store, body)
+
+
+def test_delete_removes_object_and_manifest(store: ObjectStore, tmp_path: Path) -> None:
+    path, digests = staged(tmp_path, os.urandom(CHUNK + 1))
+
+    async def body() -> None:
+        await upload(store, "gone", path, digests)
+        await store.delete("gone")
+        await store.delete("gone")
+        assert await store.remote.head("gone") is None
+        assert await store.remote.head(manifest_key("gone")) is None
+
+    run(store, body)
+
+
+def test_cancelled_upload_leaves_nothing(store: ObjectStore, tmp_path: Path) -> None:
+    path, digests = staged(tmp_path, os.urandom(CHUNK * 6))
+    checks = 0
+
+    def superseded() -> bool:
+        nonlocal checks
+        checks += 1
+        return checks > 2
+
+    async def body() -> None:
+        with pytest.raises(UploadCancelled):
+            await upload(store, "cancelled", path, digests, concurrency=1, cancel_check=superseded)
+        assert await store.remote.head("cancelled") is None
+        assert await store.remote.list_multipart_uploads() == []
+
+    run(store, body)
+
+
+def test_task_cancellation_aborts_upload(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drain cancelled mid-upload (shutdown) leaves no multipart upload behind."""
+    root = tmp_path / "remote"
+    root.mkdir()
+    remote = FileRemote(parse_remote_url(f"file://{root}"))
+    started = asyncio.Event()
+
+    async def stuck_part(*args: Any) -> Any:
+        started.set()
+        await asyncio.Event().wait()  # never answers
+
+    monkeypatch.setattr(remote, "upload_part", stuck_part)
+    path, digests = staged(tmp_path, os.urandom(CHUNK * 4))
+    store = make_store(remote)
+
+    async def body() -> list[tuple[str, str]]:
+        task = asyncio.create_task(upload(store, "k", path, digests))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await remote.list_multipart_uploads()
+
+    assert run(store, body) == []
+
+
+def test_abort_stale_uploads(store: ObjectStore) -> None:
+    async def body() -> None:
+        await store.remote.create_multipart("a")
+        await store.remote.create_multipart("b/c")
+        assert await store.abort_stale_uploads() == 2
+        assert await store.remote.list_multipart_uploads() == []
+
+    run(store, body)
+
+
+def test_permanent_failure_aborts_upload(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "remote"
+    root.mkdir()
+    remote = FileRemote(parse_remote_url(f"file://{root}"))
+    real_upload_part = remote.upload_part
+
+    async def failing_part(key: str, upload_id: str, part_number: int, offset: int, data: bytes) -> Any:
+        if part_number == 3:
+            raise RemoteError("denied", kind="access_denied")
+        return await real_upload_part(key, upload_id, part_number, offset, data)
+
+    monkeypatch.setattr(remote, "upload_part", failing_part)
+    path, digests = staged(tmp_path, os.urandom(CHUNK * 5))
+    store = make_store(remote)
+
+    async def body() -> None:
+        with pytest.raises(RemoteError) as info:
+            await upload(store, "k", path, digests)
+        assert info.value.kind == "access_denied"
+        assert await remote.list_multipart_uploads() == [] and await remote.head("k") is None
+
+    run(store, body)
+
+
+@pytest.mark.s3
+def test_upload_through_faults_is_byte_identical(s3_env: str, tmp_path: Path) -> None:
+    data = os.urandom(CHUNK * 6 + 999)
+    path, digests = staged(tmp_path, data)
+    bucket = fresh_bucket(s3_env)
+    with FaultProxy(s3_env) as proxy:
+        store = make_store(s3_remote(proxy.endpoint, bucket))
+
+        async def body() -> bytes:
+            proxy.fail_next(4, status=503, match="partNumber=")
+            proxy.reset_next(4, when="response", match="partNumber=")
+            manifest = await upload(store, "ckpt", path, digests, compress="lz4", concurrency=4)
+            return await store.read_range("ckpt", manifest, 0, len(data))
+
+        assert run(store, body) == data
+        assert proxy.injected == 8

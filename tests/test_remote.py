@@ -1,0 +1,515 @@
+"""The remote interface, run over both implementations: a directory and S3 (moto).
+
+Fault tests put a FaultProxy between S3Remote and moto and check that 503s,
+resets and stalls are retried into a byte-identical result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import botocore.exceptions
+import pytest
+from faultproxy import FaultProxy
+from s3server import free_port, fresh_bucket
+
+from burstfs.config import S3Options, parse_remote_url
+from burstfs.errors import RemoteError, RemoteNotFound
+from burstfs.remote import INTERNAL_DIR, FileRemote, Remote, RetryPolicy, S3Remote, open_remote, retrying
+from burstfs.remote.s3 import crc32c_b64
+
+T = TypeVar("T")
+
+FAST_RETRY = RetryPolicy(attempts=6, base_delay=0.01, max_delay=0.05)
+
+
+def run(remote: Remote, body: Callable[[], Awaitable[T]]) -> T:
+    """Run ``body`` on a fresh event loop and close ``remote`` in that loop."""
+
+    async def main() -> T:
+        try:
+            return await body()
+        finally:
+            await remote.close()
+
+    return asyncio.run(main())
+
+
+def s3_remote(endpoint: str, bucket: str, prefix: str = "ckpt/run1", **kw: Any) -> S3Remote:
+    url = parse_remote_url(f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}")
+    return S3Remote(url, S3Options(endpoint_url=endpoint), retry=FAST_RETRY, **kw)
+
+
+@pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.s3)])
+def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Remote:
+    if request.param == "file":
+        root = tmp_path / "remote"
+        root.mkdir()
+        return FileRemote(parse_remote_url(f"file://{root}"))
+    endpoint = request.getfixturevalue("s3_env")
+    return s3_remote(endpoint, fresh_bucket(endpoint))
+
+
+@pytest.fixture
+def s3_endpoint(s3_env: str) -> str:
+    return s3_env
+
+
+def user_dirs(dirs: list[str]) -> list[str]:
+    """Subdirectory names without burstfs' own (which a file remote creates for temp files)."""
+    return sorted(d for d in dirs if d != INTERNAL_DIR)
+
+
+# -- objects ---------------------------------------------------------------------------------
+
+
+def test_put_get_overwrite(remote: Remote) -> None:
+    async def body() -> None:
+        await remote.put_object("a/b/c.bin", b"first")
+        assert await remote.get_object("a/b/c.bin") == b"first"
+        await remote.put_object("a/b/c.bin", b"second version")
+        assert await remote.get_object("a/b/c.bin") == b"second version"
+        await remote.put_object("empty", b"")
+        assert await remote.get_object("empty") == b""
+        with pytest.raises(RemoteNotFound):
+            await remote.get_object("a/b/missing")
+
+    run(remote, body)
+
+
+def test_get_range(remote: Remote) -> None:
+    data = bytes(range(256)) * 8
+
+    async def body() -> None:
+        await remote.put_object("r", data)
+        assert await remote.get_range("r", 0, 10) == data[:10]
+        assert await remote.get_range("r", 100, 1000) == data[100:1000]
+        assert await remote.get_range("r", 2000, 5000) == data[2000:]  # short at the end
+        assert await remote.get_range("r", 5000, 6000) == b""  # past the end
+        assert await remote.get_range("r", 7, 7) == b""
+        with pytest.raises(RemoteNotFound):
+            await remote.get_range("nope", 0, 10)
+
+    run(remote, body)
+
+
+def test_head(remote: Remote) -> None:
+    async def body() -> None:
+        await remote.put_object("dir/obj", b"x" * 1234)
+        info = await remote.head("dir/obj")
+        assert info is not None and info.key == "dir/obj" and info.size == 1234 and info.mtime > 0
+        assert await remote.head("dir/none") is None
+        assert await remote.head("dir") is None  # a "directory" is not an object
+
+    run(remote, body)
+
+
+def test_list_dir(remote: Remote) -> None:
+    async def body() -> None:
+        for key in ("top.txt", "a/one", "a/two", "a/sub/deep", "b/x"):
+            await remote.put_object(key, key.encode())
+        files, dirs = await remote.list_dir("")
+        assert [f.key for f in files] == ["top.txt"] and user_dirs(dirs) == ["a", "b"]
+        files, dirs = await remote.list_dir("a")
+        assert sorted((f.key, f.size) for f in files) == [("a/one", 5), ("a/two", 5)]
+        assert dirs == ["sub"]
+        assert await remote.list_dir("a/") == (files, dirs)
+        assert await remote.list_dir("missing") == ([], [])
+
+    run(remote, body)
+
+
+def test_list_pagination(remote: Remote) -> None:
+    """More keys than one S3 listing page (1000) in one directory."""
+    keys = [f"many/k{i:05d}" for i in range(1003)]
+
+    async def body() -> None:
+        gate = asyncio.Semaphore(32)
+
+        async def put(key: str) -> None:
+            async with gate:
+                await remote.put_object(key, b"")
+
+        await asyncio.gather(*(put(k) for k in keys), put("many/sub/inner"))
+        files, dirs = await remote.list_dir("many")
+        assert sorted(f.key for f in files) == keys and dirs == ["sub"]
+        assert [i.key async for i in remote.list_all("many/")] == [*keys, "many/sub/inner"]
+
+    run(remote, body)
+
+
+def test_list_all(remote: Remote) -> None:
+    keys = ["a.txt", "a/b/c", "a/bc", "a/b.x", "ab", "z/y/x/w"]
+
+    async def body() -> None:
+        for key in reversed(keys):
+            await remote.put_object(key, b"1")
+        everything = [i.key async for i in remote.list_all() if not i.key.startswith(INTERNAL_DIR + "/")]
+        assert everything == sorted(keys)  # S3 key order, on the file remote too
+        assert [i.key async for i in remote.list_all("a/b")] == ["a/b.x", "a/b/c", "a/bc"]
+        assert [i.key async for i in remote.list_all("a/b/")] == ["a/b/c"]
+        assert [i.key async for i in remote.list_all("nothing/")] == []
+
+    run(remote, body)
+
+
+def test_multipart_out_of_order(remote: Remote) -> None:
+    part_size = 4096
+    data = os.urandom(part_size * 3 + 100)
+    chunks = [data[i : i + part_size] for i in range(0, len(data), part_size)]
+
+    async def body() -> None:
+        upload_id = await remote.create_multipart("big/file.bin")
+        assert ("big/file.bin", upload_id) in await remote.list_multipart_uploads()
+        order = [3, 1, 4, 2]
+        uploaded = [
+            await remote.upload_part("big/file.bin", upload_id, n, (n - 1) * part_size, chunks[n - 1]) for n in order
+        ]
+        assert await remote.head("big/file.bin") is None  # nothing visible before completion
+        await remote.complete_multipart("big/file.bin", upload_id, uploaded)
+        assert await remote.get_object("big/file.bin") == data
+        assert upload_id not in [u for _, u in await remote.list_multipart_uploads()]
+
+    run(remote, body)
+
+
+def test_multipart_abort(remote: Remote) -> None:
+    async def body() -> None:
+        upload_id = await remote.create_multipart("k")
+        await remote.upload_part("k", upload_id, 1, 0, b"x" * 2000)
+        await remote.abort_multipart("k", upload_id)
+        await remote.abort_multipart("k", upload_id)  # idempotent
+        assert await remote.list_multipart_uploads() == []
+        assert await remote.head("k") is None
+        if isinstance(remote, FileRemote):  # moto answers 500, not NoSuchUpload (see s3server.py)
+            with pytest.raises(RemoteNotFound):
+                await remote.upload_part("k", upload_id, 2, 2000, b"y")
+
+    run(remote, body)
+
+
+def test_copy_and_delete(remote: Remote) -> None:
+    async def body() -> None:
+        await remote.put_object("src/a", b"payload")
+        await remote.copy("src/a", "dst/b")
+        assert await remote.get_object("dst/b") == b"payload"
+        assert await remote.get_object("src/a") == b"payload"
+        with pytest.raises(RemoteNotFound):
+            await remote.copy("src/missing", "dst/c")
+        await remote.delete("src/a")
+        await remote.delete("src/a")  # missing is fine
+        assert await remote.head("src/a") is None
+        # A "directory" disappears with its last object, on both remotes.
+        assert user_dirs((await remote.list_dir(""))[1]) == ["dst"]
+
+    run(remote, body)
+
+
+def test_check_ok(remote: Remote) -> None:
+    run(remote, remote.check)
+
+
+def test_upload_part_checksum(s3_endpoint: str) -> None:
+    """Parts carry the CRC32C of their bytes (verified by real S3; moto only stores it)."""
+    remote = s3_remote(s3_endpoint, fresh_bucket(s3_endpoint))
+
+    async def body() -> None:
+        upload_id = await remote.create_multipart("c")
+        part = await remote.upload_part("c", upload_id, 1, 0, b"123456789")
+        assert part.checksum_crc32c == crc32c_b64(b"123456789") == "4waSgw=="  # RFC 3720 check value
+        await remote.complete_multipart("c", upload_id, [part])
+        assert await remote.get_object("c") == b"123456789"
+
+    run(remote, body)
+
+
+def test_s3_multipart_copy(s3_endpoint: str) -> None:
+    """Objects above the single-copy limit are copied in server-side parts."""
+    remote = s3_remote(s3_endpoint, fresh_bucket(s3_endpoint))
+    remote.copy_max_single, remote.copy_part_size = 10_000, 4096
+    data = os.urandom(20_000)
+
+    async def body() -> None:
+        await remote.put_object("big", data)
+        await remote.copy("big", "copy")
+        assert await remote.get_object("copy") == data
+        assert await remote.list_multipart_uploads() == []
+
+    run(remote, body)
+
+
+def test_s3_bucket_root_prefix(s3_endpoint: str) -> None:
+    remote = s3_remote(s3_endpoint, fresh_bucket(s3_endpoint), prefix="")
+
+    async def body() -> None:
+        await remote.put_object("x/y", b"1")
+        assert (await remote.list_dir(""))[1] == ["x"]
+        assert [i.key async for i in remote.list_all()] == ["x/y"]
+
+    run(remote, body)
+
+
+# -- failures ---------------------------------------------------------------------------------
+
+
+def test_check_missing_bucket(s3_endpoint: str) -> None:
+    remote = s3_remote(s3_endpoint, "no-such-bucket-here")
+
+    async def body() -> None:
+        with pytest.raises(RemoteError) as info:
+            await remote.check()
+        assert info.value.kind == "no_bucket" and "no-such-bucket-here" in str(info.value)
+        with pytest.raises(RemoteError) as info:
+            await remote.put_object("k", b"1")
+        assert info.value.kind == "no_bucket"
+
+    run(remote, body)
+
+
+def test_check_missing_directory(tmp_path: Path) -> None:
+    remote = FileRemote(parse_remote_url(f"file://{tmp_path}/absent"))
+    with pytest.raises(RemoteError, match="does not exist") as info:
+        run(remote, remote.check)
+    assert info.value.kind == "no_directory"
+    assert not (tmp_path / "absent").exists()  # never created silently
+    with pytest.raises(RemoteError) as info:
+        run(remote, lambda: remote.put_object("k", b"1"))
+    assert info.value.kind == "no_directory" and not (tmp_path / "absent").exists()
+
+
+def test_check_not_a_directory(tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"")
+    remote = FileRemote(parse_remote_url(f"file://{tmp_path}/file"))
+    with pytest.raises(RemoteError) as info:
+        run(remote, remote.check)
+    assert info.value.kind == "not_a_directory"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_check_read_only_directory(tmp_path: Path) -> None:
+    tmp_path.chmod(0o555)
+    try:
+        remote = FileRemote(parse_remote_url(f"file://{tmp_path}"))
+        with pytest.raises(RemoteError) as info:
+            run(remote, remote.check)
+        assert info.value.kind == "access_denied"
+    finally:
+        tmp_path.chmod(0o755)
+
+
+def test_unreachable_endpoint(s3_env: str) -> None:
+    remote = s3_remote(f"http://127.0.0.1:{free_port()}", "bucket", connect_timeout=1.0)
+
+    async def body() -> None:
+        with pytest.raises(RemoteError) as info:
+            await remote.check()
+        assert info.value.kind == "unreachable" and "127.0.0.1" in str(info.value)
+        with pytest.raises(Exception) as raw:
+            await remote.put_object("k", b"1")
+        assert remote.is_temp_failure(raw.value)
+        with pytest.raises(RemoteError) as info:
+            await retrying(remote, remote.put_object, "k", b"1", what="put k", attempts=3, base_delay=0.01)
+        cause = info.value.__cause__
+        assert info.value.kind == "unavailable" and cause is not None and remote.is_temp_failure(cause)
+
+    run(remote, body)
+
+
+def test_file_remote_rejects_escaping_keys(tmp_path: Path) -> None:
+    remote = FileRemote(parse_remote_url(f"file://{tmp_path}"))
+    for key in ("../outside", "a/../../b", "/abs", "a//b", ""):
+        with pytest.raises(RemoteError) as info:
+            run(remote, lambda k=key: remote.put_object(k, b"1"))  # type: ignore[misc]
+        assert info.value.kind == "bad_key"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_file_remote_key_conflict(tmp_path: Path) -> None:
+    """On a file system a path is a file or a directory, unlike an S3 key."""
+    remote = FileRemote(parse_remote_url(f"file://{tmp_path}"))
+
+    async def body() -> None:
+        await remote.put_object("a/b", b"file")
+        for key in ("a/b/c", "a"):
+            with pytest.raises(RemoteError) as info:
+                await remote.put_object(key, b"1")
+            assert info.value.kind == "key_conflict"
+
+    run(remote, body)
+
+
+def test_file_remote_refuses_incomplete_upload(tmp_path: Path) -> None:
+    remote = FileRemote(parse_remote_url(f"file://{tmp_path}"))
+
+    async def body() -> None:
+        upload_id = await remote.create_multipart("k")
+        p1 = await remote.upload_part("k", upload_id, 1, 0, b"a" * 10)
+        p3 = await remote.upload_part("k", upload_id, 3, 20, b"c" * 10)
+        with pytest.raises(RemoteError) as info:
+            await remote.complete_multipart("k", upload_id, [p1, p3])
+        assert info.value.kind == "invalid_upload" and await remote.head("k") is None
+
+    run(remote, body)
+
+
+def test_file_remote_leaves_no_temp_files(tmp_path: Path) -> None:
+    remote = FileRemote(parse_remote_url(f"file://{tmp_path}"))
+
+    async def body() -> None:
+        await remote.put_object("a", b"1")
+        await remote.copy("a", "b")
+        upload_id = await remote.create_multipart("c")
+        await remote.complete_multipart("c", upload_id, [await remote.upload_part("c", upload_id, 1, 0, b"x")])
+
+    run(remote, body)
+    leftovers = [p for p in (tmp_path / INTERNAL_DIR).rglob("*") if p.is_file()]
+    assert leftovers == []
+    assert (tmp_path / "c").read_bytes() == b"x"
+
+
+def test_temp_failure_classification(tmp_path: Path) -> None:
+    s3 = s3_remote("http://127.0.0.1:1", "bucket")
+
+    def client_error(code: str, status: int) -> botocore.exceptions.ClientError:
+        return botocore.exceptions.ClientError(
+            {"Error": {"Code": code, "Message": ""}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject"
+        )
+
+    for temp in (
+        client_error("SlowDown", 503),
+        client_error("InternalError", 500),
+        client_error("RequestTimeout", 400),
+        client_error("Whatever", 502),
+        botocore.exceptions.EndpointConnectionError(endpoint_url="http://x"),
+        botocore.exceptions.ReadTimeoutError(endpoint_url="http://x"),
+        ConnectionResetError(),
+        TimeoutError(),
+    ):
+        assert s3.is_temp_failure(temp), temp
+    for permanent in (
+        client_error("NoSuchKey", 404),
+        client_error("AccessDenied", 403),
+        RemoteError("x"),
+        ValueError(),
+    ):
+        assert not s3.is_temp_failure(permanent), permanent
+
+    file_remote = FileRemote(parse_remote_url(f"file://{tmp_path}"))
+    assert file_remote.is_temp_failure(OSError(errno.ESTALE, "stale"))
+    assert not file_remote.is_temp_failure(OSError(errno.ENOENT, "gone"))
+
+
+def test_retrying_propagates_permanent_errors_at_once(tmp_path: Path) -> None:
+    remote = FileRemote(parse_remote_url(f"file://{tmp_path}"))
+    calls = 0
+
+    async def failing() -> None:
+        nonlocal calls
+        calls += 1
+        raise RemoteNotFound("gone")
+
+    with pytest.raises(RemoteNotFound):
+        asyncio.run(retrying(remote, failing, what="op", base_delay=0.001))
+    assert calls == 1
+
+
+def test_retrying_retries_temp_failures(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    remote = FileRemote(parse_remote_url(f"file://{tmp_path}"))
+    calls = 0
+
+    async def flaky() -> str:
+        nonlocal calls
+        calls += 1
+        if calls < 3:
+            raise OSError(errno.ESTALE, "stale file handle")
+        return "ok"
+
+    with caplog.at_level(logging.WARNING, logger="burstfs.remote"):
+        assert asyncio.run(retrying(remote, flaky, what="get k", base_delay=0.001)) == "ok"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and lines[0].startswith("remote retry what='get k' attempt=1 delay=")
+
+
+def test_open_remote(tmp_path: Path) -> None:
+    assert isinstance(open_remote(parse_remote_url(f"file://{tmp_path}")), FileRemote)
+    assert isinstance(open_remote(parse_remote_url("s3://bucket/p"), S3Options(endpoint_url="http://h:1")), S3Remote)
+
+
+# -- faults through the proxy ----------------------------------------------------------------
+
+
+def test_multipart_survives_503_and_resets(s3_endpoint: str, caplog: pytest.LogCaptureFixture) -> None:
+    part_size = 2048
+    data = os.urandom(part_size * 6 + 7)
+    bucket = fresh_bucket(s3_endpoint)
+    with FaultProxy(s3_endpoint) as proxy:
+        remote = s3_remote(proxy.endpoint, bucket)
+
+        async def upload(key: str) -> None:
+            upload_id = await retrying(remote, remote.create_multipart, key, what="create", base_delay=0.01)
+
+            async def part(n: int) -> object:
+                chunk = data[(n - 1) * part_size : n * part_size]
+                return await retrying(
+                    remote, remote.upload_part, key, upload_id, n, (n - 1) * part_size, chunk,
+                    what=f"part {n}", base_delay=0.01,
+                )  # fmt: skip
+
+            parts = await asyncio.gather(*(part(n) for n in range(1, 8)))
+            await retrying(
+                remote, remote.complete_multipart, key, upload_id, list(parts), what="complete", base_delay=0.01
+            )
+
+        async def body() -> None:
+            proxy.fail_next(3, status=503, match="partNumber=")
+            proxy.reset_next(3, when="request", match="partNumber=")  # aiohttp absorbs one, burstfs the rest
+            proxy.fail_next(1, status=500, match="POST")
+            await upload("ckpt.bin")
+            # The completion's reply is lost after the server completed it: the retry
+            # finds the upload gone and recognises the object as its own.
+            proxy.reset_next(2, when="response", match=lambda line: line.startswith("POST") and "uploadId=" in line)
+            await upload("ckpt2.bin")
+            assert await remote.get_object("ckpt.bin") == data
+            assert await remote.get_object("ckpt2.bin") == data
+            assert await remote.list_multipart_uploads() == []
+
+        with caplog.at_level(logging.WARNING, logger="burstfs.remote"):
+            run(remote, body)
+        assert proxy.injected == 9
+    retries = [r.getMessage() for r in caplog.records if r.getMessage().startswith("remote retry")]
+    assert any("SlowDown" in line for line in retries) and any("complete" in line for line in retries)
+
+
+def test_read_timeout_is_retried(s3_endpoint: str) -> None:
+    bucket = fresh_bucket(s3_endpoint)
+    with FaultProxy(s3_endpoint) as proxy:
+        remote = s3_remote(proxy.endpoint, bucket, read_timeout=0.5)
+
+        async def body() -> bytes:
+            await remote.put_object("slow", b"patience")
+            proxy.delay_next(1, seconds=2.0, match="GET")
+            return await retrying(remote, remote.get_object, "slow", what="get slow", base_delay=0.01)
+
+        assert run(remote, body) == b"patience"
+        assert proxy.requests[-2].startswith("GET") and proxy.requests[-1].startswith("GET")
+
+
+def test_throttling_exhausts_into_unavailable(s3_endpoint: str) -> None:
+    bucket = fresh_bucket(s3_endpoint)
+    with FaultProxy(s3_endpoint) as proxy:
+        remote = s3_remote(proxy.endpoint, bucket)
+        proxy.fail_next(10, status=503)
+
+        async def body() -> None:
+            with pytest.raises(RemoteError) as info:
+                await retrying(remote, remote.put_object, "k", b"1", what="put k", attempts=3, base_delay=0.001)
+            assert info.value.kind == "unavailable" and "SlowDown" in str(info.value)
+
+        run(remote, body)
+        assert proxy.injected == 3
