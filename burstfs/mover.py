@@ -30,6 +30,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .config import DrainOptions, RemoteURL, S3Options, is_commit_marker
@@ -38,7 +39,7 @@ from .journal import DRAINING, DURABLE, EVICTED, FAILED, ROOT_INO, STAGED, Inode
 from .localtier import LocalTier
 from .objects import FileDigests, ObjectStore, compute_digests
 from .remote import Remote, open_remote
-from .restore import RestoreService
+from .restore import LAYOUT_KEY, RestoreService
 
 log = logging.getLogger("burstfs.mover")
 
@@ -105,6 +106,7 @@ class Mover:
         self._in_flight: dict[int, str] = {}  # ino -> key being uploaded
         self._not_before: dict[int, float] = {}  # ino -> earliest retry time
         self._skip_delay = False
+        self.on_durable: Callable[[int, float], None] | None = None  # (bytes, seconds): metrics hook
 
     # -- thread-safe controls (called from the FUSE thread or the control socket) ----
 
@@ -158,6 +160,7 @@ class Mover:
         try:
             self._recover()
             await self._abort_stale_uploads()
+            await self._record_layout()
             while not self._stopping:
                 self._wakeup.clear()
                 if self.stats.halted is not None:
@@ -200,6 +203,18 @@ class Mover:
         assert self.store is not None
         try:
             await self.store.abort_stale_uploads()
+        except RemoteError as exc:
+            self._halt(exc)
+
+    async def _record_layout(self) -> None:
+        """Tell readers of this prefix that object sizes may be compressed sizes."""
+        if self.options.compress is None:
+            return
+        assert self.store is not None
+        remote = self.store.remote
+        layout = json.dumps({"compress": self.options.compress}).encode()
+        try:
+            await self.store.retry.call(remote, remote.put_object, LAYOUT_KEY, layout, what="put layout")
         except RemoteError as exc:
             self._halt(exc)
 
@@ -343,11 +358,15 @@ class Mover:
                  "(SELECT 1 FROM inodes WHERE ino=? AND parent!=0)", (key, row.ino)),
             ])  # fmt: skip
             return
+        if self.journal.path_of(row.ino) != key:  # renamed during the upload: move the object
+            self._relocate_needed = True
         latency = time.time() - started
         self.stats.files_drained += 1
         self.stats.bytes_drained += size
         self.stats.bytes_drained_recent.append((time.time(), size))
         self.stats.drain_latencies.append(latency)
+        if self.on_durable is not None:
+            self.on_durable(size, latency)
         self._not_before.pop(row.ino, None)
         log.info("event=durable key=%s generation=%d bytes=%d seconds=%.3f", key, row.generation, size, latency)
 

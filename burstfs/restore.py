@@ -36,6 +36,9 @@ MAX_WINDOW_CHUNKS = 16
 # Ranged GETs in flight for all files together: shared fairly (FIFO) by every
 # file being restored, so 8 ranks reading shards each get their share.
 FETCH_CONCURRENCY = 16
+# Written by a drain that compresses: its presence tells readers that listed
+# object sizes are stored sizes, not file sizes.
+LAYOUT_KEY = ".burstfs/layout.json"
 
 
 @dataclasses.dataclass(eq=False)
@@ -68,13 +71,33 @@ class RestoreService:
         self._slots = asyncio.Semaphore(concurrency)
         self._files: dict[int, _FileFetch] = {}
         self._opening: dict[int, asyncio.Future[_FileFetch]] = {}
+        self._compressed: bool | None = None
 
     async def list_dir(self, dir_key: str) -> tuple[list[tuple[str, int, float]], list[str]]:
-        """(name, size, mtime) of files and names of subdirectories under ``dir_key``."""
+        """(name, size, mtime) of files and names of subdirectories under ``dir_key``.
+
+        A listing gives stored sizes; when the remote holds compressed objects
+        (see :data:`LAYOUT_KEY`), the file sizes come from their manifests.
+        """
         remote = self.store.remote
         files, subdirs = await self.store.retry.call(remote, remote.list_dir, dir_key, what=f"list {dir_key or '/'}")
         prefix = f"{dir_key}/" if dir_key else ""
-        return [(info.key[len(prefix):], info.size, info.mtime) for info in files], subdirs
+        sizes = {info.key: info.size for info in files}
+        if await self._compressed_layout():
+            async def logical_size(key: str) -> None:
+                async with self._slots:
+                    manifest = await self.store.fetch_manifest(key)
+                if manifest is not None:
+                    sizes[key] = manifest.size
+
+            await asyncio.gather(*(logical_size(info.key) for info in files))
+        return [(info.key[len(prefix):], sizes[info.key], info.mtime) for info in files], subdirs
+
+    async def _compressed_layout(self) -> bool:
+        if self._compressed is None:
+            remote = self.store.remote
+            self._compressed = await self.store.retry.call(remote, remote.head, LAYOUT_KEY, what="head layout") is not None
+        return self._compressed
 
     async def ensure_local(self, ino: int, offset: int, length: int) -> bool:
         """Make bytes [offset, offset+length) local; True once the whole file is local."""

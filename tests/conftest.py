@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from faultproxy import FaultProxy
+from s3server import fresh_bucket, moto_server, s3_env  # noqa: F401  (fixtures)
 
 BIN = Path(sys.executable).parent
 FUSE_OK = os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None and os.geteuid() == 0
@@ -143,3 +145,108 @@ def burst(mounted_factory: type[MountedFS]) -> MountedFS:
 def burst_mount(burst: MountedFS) -> Path:
     """The mount point of a live mount (for tests that only need a directory)."""
     return burst.path
+
+
+class RemoteTarget:
+    """Where a test mount drains to: a file:// directory or a bucket on moto behind a fault proxy."""
+
+    def __init__(self, kind: str, url: str, extra_args: tuple[str, ...], directory: Path | None = None,
+                 proxy: FaultProxy | None = None, endpoint: str | None = None, bucket: str | None = None,
+                 prefix: str = "") -> None:  # fmt: skip
+        self.kind, self.url, self.extra_args = kind, url, extra_args
+        self.directory, self.proxy, self.endpoint, self.bucket, self.prefix = directory, proxy, endpoint, bucket, prefix
+
+    def _client(self):  # type: ignore[no-untyped-def]
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1")
+
+    def key(self, path: str) -> str:
+        return f"{self.prefix}/{path}" if self.prefix else path
+
+    def read(self, path: str) -> bytes | None:
+        """The object for ``path`` (relative to the prefix), or None."""
+        if self.directory is not None:
+            file = self.directory / path
+            return file.read_bytes() if file.exists() else None
+        try:
+            return self._client().get_object(Bucket=self.bucket, Key=self.key(path))["Body"].read()
+        except self._client().exceptions.NoSuchKey:
+            return None
+
+    def write(self, path: str, data: bytes) -> None:
+        """Replace an object behind burstfs' back (another tool, or corruption)."""
+        if self.directory is not None:
+            (self.directory / path).parent.mkdir(parents=True, exist_ok=True)
+            (self.directory / path).write_bytes(data)
+        else:
+            self._client().put_object(Bucket=self.bucket, Key=self.key(path), Body=data)
+
+    def keys(self) -> set[str]:
+        """Every object path under the prefix (burstfs' own .burstfs/ included)."""
+        if self.directory is not None:
+            return {str(p.relative_to(self.directory)) for p in self.directory.rglob("*") if p.is_file()}
+        found = set()
+        pages = self._client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix)
+        for page in pages:
+            for obj in page.get("Contents", []):
+                found.add(obj["Key"][len(self.prefix) + 1:] if self.prefix else obj["Key"])
+        return found
+
+    def multipart_uploads(self) -> list[str]:
+        if self.directory is not None:
+            uploads = self.directory / ".burstfs" / "uploads"
+            return [p.name for p in uploads.iterdir()] if uploads.exists() else []
+        return [u["Key"] for u in self._client().list_multipart_uploads(Bucket=self.bucket).get("Uploads", [])]
+
+
+@pytest.fixture(params=["file", "s3"])
+def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RemoteTarget]:
+    """The same test over the file remote and over S3 (moto, through a fault proxy)."""
+    if request.param == "file":
+        directory = tmp_path / "remote-dir"
+        directory.mkdir()
+        yield RemoteTarget("file", f"file://{directory}", (), directory=directory)
+        return
+    endpoint = request.getfixturevalue("s3_env")
+    bucket = fresh_bucket(endpoint)
+    with FaultProxy(endpoint) as proxy:
+        yield RemoteTarget("s3", f"s3://{bucket}/ckpts", ("--endpoint-url", proxy.endpoint), proxy=proxy,
+                           endpoint=endpoint, bucket=bucket, prefix="ckpts")  # fmt: skip
+
+
+@pytest.fixture
+def remote_mount(mounted_factory: type[MountedFS], remote: RemoteTarget) -> MountedFS:
+    """A live mount draining to ``remote`` (small parts so multipart paths run on small files)."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    fs = mounted_factory("node1", remote.url, (*remote.extra_args, "--part-size", "5M"))  # type: ignore[call-arg]
+    fs.mount()
+    return fs
+
+
+def wait_for(predicate, timeout: float = 60.0, interval: float = 0.05, what: str = "condition"):  # type: ignore[no-untyped-def]
+    """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def journal_rows(cache: Path, sql: str, params: tuple = ()) -> list[tuple]:  # type: ignore[type-arg]
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{cache / 'journal.db'}?mode=ro", uri=True)
+    try:
+        return db.execute(sql, params).fetchall()
+    finally:
+        db.close()
+
+
+def file_state(cache: Path, name: str) -> str | None:
+    rows = journal_rows(cache, "SELECT state FROM inodes WHERE name=? AND parent!=0", (name.encode(),))
+    return rows[0][0] if rows else None

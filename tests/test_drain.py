@@ -1,0 +1,192 @@
+"""The drain through a real mount, over the file remote and S3 (moto behind a fault proxy)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+from conftest import BIN, MountedFS, RemoteTarget, file_state, journal_rows, wait_for
+
+pytestmark = pytest.mark.fuse
+
+
+def durable(fs: MountedFS, *names: str) -> bool:
+    return all(file_state(fs.cache, name) == "durable" for name in names)
+
+
+def test_closed_files_drain_byte_identical_with_manifest(remote_mount: MountedFS, remote: RemoteTarget) -> None:
+    data = {"step1/model.pt": os.urandom(12 << 20), "step1/tiny.bin": b"x", "step1/empty": b""}
+    for path, content in data.items():
+        (remote_mount.path / path).parent.mkdir(parents=True, exist_ok=True)
+        (remote_mount.path / path).write_bytes(content)
+    wait_for(lambda: durable(remote_mount, "model.pt", "tiny.bin", "empty"), what="drain")
+    for path, content in data.items():
+        assert remote.read(path) == content  # tenet 3: plain bytes at prefix/<path>
+        manifest = json.loads(remote.read(f".burstfs/manifests/{path}.json") or b"{}")
+        assert manifest["size"] == len(content)
+        assert os.getxattr(remote_mount.path / path, "user.burstfs.digest").decode() == manifest["digest"]
+    assert os.getxattr(remote_mount.path / "step1/model.pt", "user.burstfs.state") == b"durable"
+    assert remote.multipart_uploads() == []
+
+
+def test_commit_marker_drains_after_the_files_closed_before_it(remote_mount: MountedFS, remote: RemoteTarget) -> None:
+    step = remote_mount.path / "step2"
+    step.mkdir()
+    for rank in range(4):
+        (step / f"__{rank}_0.distcp").write_bytes(os.urandom(11 << 20))
+    (step / ".metadata").write_bytes(b"dcp metadata")
+    (remote_mount.path / "latest").write_text("step2")
+    wait_for(lambda: durable(remote_mount, ".metadata", "latest", *[f"__{r}_0.distcp" for r in range(4)]), what="drain")
+    events = journal_rows(remote_mount.cache, "SELECT seq, detail FROM events WHERE event='durable' ORDER BY seq")
+    order = [detail.split()[0].removeprefix("key=") for _, detail in events]
+    shards = [order.index(f"step2/__{r}_0.distcp") for r in range(4)]
+    assert max(shards) < order.index("step2/.metadata") < order.index("latest")
+    assert remote.read("latest") == b"step2"
+
+
+def test_changed_file_drains_again_and_rename_unlink_follow(remote_mount: MountedFS, remote: RemoteTarget) -> None:
+    f = remote_mount.path / "a.bin"
+    f.write_bytes(b"one" * 1000)
+    wait_for(lambda: remote.read("a.bin") == b"one" * 1000, what="first generation")
+    f.write_bytes(b"two" * 2000)
+    wait_for(lambda: remote.read("a.bin") == b"two" * 2000, what="second generation")
+    assert journal_rows(remote_mount.cache, "SELECT generation FROM inodes WHERE name=?", (b"a.bin",))[0][0] == 2
+    os.rename(f, remote_mount.path / "b.bin")  # durable: server-side copy, then delete
+    wait_for(lambda: remote.read("b.bin") == b"two" * 2000 and remote.read("a.bin") is None, what="rename")
+    os.unlink(remote_mount.path / "b.bin")
+    wait_for(lambda: not {"b.bin", ".burstfs/manifests/b.bin.json"} & remote.keys(), what="delete")
+
+
+def test_atomic_replace_of_a_durable_file(remote_mount: MountedFS, remote: RemoteTarget) -> None:
+    target = remote_mount.path / "model.pt"
+    target.write_bytes(b"old" * 100)
+    wait_for(lambda: remote.read("model.pt") == b"old" * 100, what="old version")
+    tmp = remote_mount.path / "model.pt.tmp"
+    tmp.write_bytes(b"new" * 100)
+    os.replace(tmp, target)
+    wait_for(lambda: remote.read("model.pt") == b"new" * 100, what="new version")
+    wait_for(lambda: remote.read("model.pt.tmp") is None, what="temp name gone")
+    assert remote.read("model.pt") == b"new" * 100  # the delete of the replaced file spared the new object
+
+
+def test_file_renamed_or_deleted_before_upload_leaves_no_stray_object(
+    mounted_factory: type[MountedFS], remote: RemoteTarget
+) -> None:
+    if remote.kind != "s3":
+        pytest.skip("needs the fault proxy to hold uploads in flight")
+    fs = mounted_factory("slow", remote.url, (*remote.extra_args, "--part-size", "5M"))  # type: ignore[call-arg]
+    fs.mount()
+    assert remote.proxy is not None
+    remote.proxy.delay_next(6, 1.0, match="partNumber")
+    (fs.path / "moved.bin").write_bytes(os.urandom(12 << 20))
+    (fs.path / "gone.bin").write_bytes(os.urandom(12 << 20))
+    os.rename(fs.path / "moved.bin", fs.path / "final.bin")
+    os.unlink(fs.path / "gone.bin")
+    wait_for(lambda: durable(fs, "final.bin"), what="drain of the renamed file")
+    wait_for(lambda: os.getxattr(fs.path / "final.bin", "user.burstfs.remote_key") == b"final.bin",
+             what="object moved to the new name")  # fmt: skip
+    wait_for(lambda: {k for k in remote.keys() if not k.startswith(".burstfs/manifests/")} == {"final.bin"},
+             what="no stray object")  # fmt: skip
+    assert remote.multipart_uploads() == []
+
+
+def test_temporary_faults_retry_and_bytes_stay_identical(remote_mount: MountedFS, remote: RemoteTarget) -> None:
+    if remote.proxy is None:
+        pytest.skip("faults come from the S3 proxy")
+    remote.proxy.fail_next(3, status=503, match="partNumber")
+    remote.proxy.reset_next(2, when="request", match="partNumber")
+    remote.proxy.fail_next(1, status=500, match="uploadId=")
+    content = os.urandom(16 << 20)
+    (remote_mount.path / "faulty.bin").write_bytes(content)
+    wait_for(lambda: durable(remote_mount, "faulty.bin"), timeout=120, what="drain through faults")
+    assert remote.read("faulty.bin") == content
+    assert remote.proxy.injected >= 3
+    remote_mount.expect_log("remote retry")
+
+
+def test_fsync_remote_waits_until_durable(mounted_factory: type[MountedFS], remote: RemoteTarget) -> None:
+    fs = mounted_factory("fsync", remote.url, (*remote.extra_args, "--fsync", "remote"))  # type: ignore[call-arg]
+    fs.mount()
+    content = os.urandom(3 << 20)
+    with open(fs.path / "synced.bin", "wb") as f:
+        f.write(content)
+        f.flush()
+        os.fsync(f.fileno())
+        assert remote.read("synced.bin") == content  # durable when fsync returned
+
+
+def test_fsync_remote_fails_with_eio_when_the_bucket_is_gone(mounted_factory: type[MountedFS], remote: RemoteTarget) -> None:
+    if remote.kind != "s3":
+        pytest.skip("a missing bucket is an S3 failure")
+    fs = mounted_factory("nobucket", remote.url, (*remote.extra_args, "--fsync", "remote"))  # type: ignore[call-arg]
+    fs.mount()
+    remote._client().delete_bucket(Bucket=remote.bucket)
+    fs.expect_log("drain_halted")
+    fs.expect_log("drain_retry")
+    fs.expect_log("request_failed")
+    with open(fs.path / "lost.bin", "wb") as f:
+        f.write(b"data")
+        f.flush()
+        with pytest.raises(OSError) as err:
+            os.fsync(f.fileno())
+    assert err.value.errno == 5  # EIO
+    assert (fs.path / "lost.bin").read_bytes() == b"data"  # the data stays staged
+    assert file_state(fs.cache, "lost.bin") == "staged"
+
+
+def test_kill_during_drain_then_drain_without_mount(mounted_factory: type[MountedFS], remote: RemoteTarget) -> None:
+    fs = mounted_factory("crash", remote.url, (*remote.extra_args, "--part-size", "5M"))  # type: ignore[call-arg]
+    fs.mount()
+    if remote.proxy is not None:
+        remote.proxy.delay_next(100, 0.5, match="partNumber")
+    files = {f"ck/shard{i}.bin": os.urandom((11 + i) << 20) for i in range(3)}
+    (fs.path / "ck").mkdir()
+    for path, content in files.items():
+        (fs.path / path).write_bytes(content)
+    fs.kill()
+    if remote.proxy is not None:
+        remote.proxy.clear()
+    result = subprocess.run([str(BIN / "burstfs"), "drain", "--cache", str(fs.cache)], capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    for path, content in files.items():
+        assert remote.read(path) == content
+    states = journal_rows(fs.cache, "SELECT state FROM inodes WHERE kind='file' AND parent!=0")
+    assert {s for (s,) in states} == {"durable"}
+    assert remote.multipart_uploads() == []
+
+
+def test_unmount_keeps_undrained_data_and_says_so(mounted_factory: type[MountedFS], remote: RemoteTarget) -> None:
+    if remote.proxy is None:
+        pytest.skip("needs the fault proxy to hold the drain back")
+    fs = mounted_factory("undrained", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    fs.mount()
+    remote.proxy.delay_next(1000, 5.0)
+    (fs.path / "pending.bin").write_bytes(b"p" * 1000)
+    result = subprocess.run([str(BIN / "burstfs"), "unmount", str(fs.path)], capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert "not durable yet" in result.stdout
+    assert file_state(fs.cache, "pending.bin") in ("staged", "draining")
+    remote.proxy.clear()
+    fs.mount()
+    subprocess.run([str(BIN / "burstfs"), "unmount", "--wait", str(fs.path)], check=True, timeout=90)
+    assert remote.read("pending.bin") == b"p" * 1000
+
+
+def test_lz4_compression_round_trips_through_a_second_mount(
+    mounted_factory: type[MountedFS], remote: RemoteTarget
+) -> None:
+    writer = mounted_factory("lz4", remote.url, (*remote.extra_args, "--compress", "lz4", "--part-size", "5M"))  # type: ignore[call-arg]
+    writer.mount()
+    content = b"compressible checkpoint " * (600 * 1024)  # ~14 MiB, three chunks
+    (writer.path / "c.bin").write_bytes(content)
+    wait_for(lambda: durable(writer, "c.bin"), what="compressed drain")
+    stored = remote.read("c.bin")
+    assert stored is not None and len(stored) < len(content) // 4
+    manifest = json.loads(remote.read(".burstfs/manifests/c.bin.json") or b"{}")
+    assert {c["codec"] for c in manifest["chunks"]} == {"lz4"}
+    reader = mounted_factory("lz4-reader", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    reader.mount()
+    assert (reader.path / "c.bin").read_bytes() == content
