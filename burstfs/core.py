@@ -124,7 +124,7 @@ class Inode:
     last_access: float = 0.0  # monotonic time of the last open/read/write (eviction order)
     listed: bool = False  # known only from a remote listing (state remote)
     listed_at: float = -1e9  # directories: monotonic time of the last remote listing merge
-    counted: bool = False  # a file being fetched: its size is already counted in local_bytes
+    accounted: int = 0  # bytes of this file counted in BurstCore.local_bytes
 
     @property
     def nlink(self) -> int:
@@ -190,7 +190,9 @@ class BurstCore:
         self._recover()
         self._next_ino = itertools.count(max(self.inodes) + 1)
         self._next_close_seq = itertools.count(journal.max_close_seq() + 1)
-        self.local_bytes = sum(i.size for i in self.inodes.values() if i.kind == "file" and i.local)
+        for inode in self.inodes.values():
+            inode.accounted = inode.size if inode.kind == "file" and inode.local else 0
+        self.local_bytes = sum(inode.accounted for inode in self.inodes.values())
         self._space_freed = trio.Event()
 
     # -- start-up -----------------------------------------------------------------
@@ -479,8 +481,7 @@ class BurstCore:
             return
         self.inodes.pop(inode.ino, None)
         if inode.kind == "file":
-            if inode.local or inode.counted:
-                self._release_space(inode.size)
+            self._release_space(inode.accounted)
             if not inode.local and self.fetcher is not None:
                 self.fetcher.forget(inode.ino)
             self.tier.remove(inode.ino)
@@ -571,11 +572,11 @@ class BurstCore:
             await self._ensure_local(inode)
             await self._mark_writing(inode)
             await trio.to_thread.run_sync(self.tier.truncate, ino, size)
-            if size < inode.size:
-                self._release_space(inode.size - size)
+            if size < inode.accounted:
+                self._release_space(inode.accounted - size)
             else:  # sparse growth: counted, but never waits for room
-                self.local_bytes += size - inode.size
-            inode.size = size
+                self.local_bytes += size - inode.accounted
+            inode.size = inode.accounted = size
             inode.mtime_ns = now
             fields.update(size=size, mtime_ns=now)
         if mode is not None:
@@ -630,11 +631,9 @@ class BurstCore:
             return
         if self.fetcher is None:
             raise FsError(errno.EIO, "file is not on the local tier and no remote is configured")
-        if not inode.counted:  # room for the whole file: a restore usually reads all of it
-            await self._reserve(inode.size)
-            inode.counted = True
+        await self._account(inode, inode.size)  # room for the whole file: a restore usually reads all of it
         if await self.fetcher.ensure_local(inode.ino, offset, inode.size if size is None else size):
-            inode.local, inode.listed, inode.counted = True, False, False
+            inode.local, inode.listed = True, False
 
     async def prefetch(self, ino: int) -> None:
         """Bring a whole file to the local tier (``burstfs-admin prefetch``)."""
@@ -668,8 +667,8 @@ class BurstCore:
         if not inode.dirty:
             await self._mark_writing(inode)
         end = offset + len(data)
-        if end > inode.size:
-            await self._reserve(end - inode.size)
+        if end > inode.accounted:
+            await self._account(inode, end)
         fd = self.tier.fd(inode.ino)
         assert fd is not None
         if self.offload_writes and len(data) >= 65536:
@@ -701,10 +700,18 @@ class BurstCore:
         if self.drain is not None:
             self.drain.file_closed()
 
+    @staticmethod
+    def _unpublished(inode: Inode) -> bool:
+        """Changed since its last journaled close, or new and never closed."""
+        return inode.dirty or inode.generation == 0
+
     async def flush(self, fh: int) -> None:
-        """close(2): a changed file is journaled before close returns (tenet 1)."""
+        """close(2): a changed or new file is journaled before close returns (tenet 1).
+
+        RELEASE reaches us only after close(2) has returned, so it is too late for that.
+        """
         handle = self.handles.get(fh)
-        if handle is None or not handle.writable or not handle.inode.dirty:
+        if handle is None or not handle.writable or not self._unpublished(handle.inode):
             return
         inode = handle.inode
         if inode.parent == 0:  # unlinked while open: nothing to publish
@@ -718,8 +725,7 @@ class BurstCore:
         if handle is None:
             return
         inode = handle.inode
-        unpublished = inode.dirty or inode.generation == 0  # a new file closed without writes
-        if handle.writable and unpublished and inode.parent and not self._has_writer(inode):
+        if handle.writable and self._unpublished(inode) and inode.parent and not self._has_writer(inode):
             await self.committer.commit(self._close_ops(inode))
             self._file_closed()
         inode.handles -= 1
@@ -732,7 +738,8 @@ class BurstCore:
         fd = self.tier.fd(inode.ino)
         assert fd is not None
         await trio.to_thread.run_sync(os.fdatasync if datasync else os.fsync, fd)
-        ops = self._close_ops(inode) if inode.dirty and inode.parent else []
+        publish = inode.dirty or (handle.writable and self._unpublished(inode))
+        ops = self._close_ops(inode) if publish and inode.parent else []
         await self.committer.commit(ops, sync=True)
         if ops:
             self._file_closed()
@@ -773,6 +780,19 @@ class BurstCore:
                     await self._space_freed.wait()
         self.local_bytes += nbytes
 
+    async def _account(self, inode: Inode, size: int) -> None:
+        """Count ``inode`` as ``size`` bytes on the tier.  Concurrent writes to one
+        file claim disjoint increments, so nothing is counted twice."""
+        need = size - inode.accounted
+        if need <= 0:
+            return
+        inode.accounted = size
+        try:
+            await self._reserve(need)
+        except BaseException:
+            inode.accounted -= need
+            raise
+
     def _release_space(self, nbytes: int) -> None:
         self.local_bytes = max(0, self.local_bytes - nbytes)
         self._space_freed.set()
@@ -810,7 +830,8 @@ class BurstCore:
             return 0
         inode.local = False
         self.tier.remove(inode.ino)
-        self._release_space(inode.size)
+        self._release_space(inode.accounted)
+        inode.accounted = 0
         log.info("event=evicted ino=%d bytes=%d", inode.ino, inode.size)
         return inode.size
 
