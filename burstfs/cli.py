@@ -73,13 +73,15 @@ def main() -> None:
 @click.option("--concurrency", default=8, show_default=True, help="Parts in flight per file.")
 @click.option("--max-files", default=4, show_default=True, help="Files draining at once.")
 @click.option("--compress", type=click.Choice(["none", "lz4"]), default="none", show_default=True)
+@click.option("--drain-delay", default=0.0, show_default=True,
+              help="Seconds a closed file waits before it drains (coalesces quick rewrites).")
 @click.option("--commit-marker", "commit_markers", multiple=True,
               help=f"Pattern of files that publish a checkpoint (repeatable). Default: {', '.join(DEFAULT_COMMIT_MARKERS)}")
 @click.option("--metrics-addr", default=None, help="Serve Prometheus metrics on HOST:PORT.")
 def mount(mountpoint: Path, cache_dir: Path, remote: str, foreground: bool, log_level: str, fsync_mode: str,
           allow_other: bool, no_writeback_cache: bool, cache_size: str | None, min_free: str, evict_policy: str,
           full_timeout: float, list_ttl: float, endpoint_url: str | None,
-          region: str | None, part_size: str, concurrency: int, max_files: int, compress: str,
+          region: str | None, part_size: str, concurrency: int, max_files: int, compress: str, drain_delay: float,
           commit_markers: tuple[str, ...], metrics_addr: str | None) -> None:  # fmt: skip
     """Mount burstfs at MOUNTPOINT; returns once the mount is live."""
     from .daemon import mount as run
@@ -95,6 +97,7 @@ def mount(mountpoint: Path, cache_dir: Path, remote: str, foreground: bool, log_
                 concurrency=concurrency,
                 max_files=max_files,
                 compress=None if compress == "none" else compress,
+                delay=drain_delay,
                 commit_markers=commit_markers or DEFAULT_COMMIT_MARKERS,
             ),
             fsync_remote=fsync_mode == "remote",
