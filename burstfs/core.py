@@ -622,7 +622,9 @@ class BurstCore:
             await self._ensure_local(inode)
         fh = self._open_handle(inode, writable)
         if flags & os.O_TRUNC and inode.size:
-            await self.setattr(ino, size=0, fh=fh)
+            # Through a read-only handle (Linux truncates on O_RDONLY | O_TRUNC) no close
+            # will publish the change: journal it at once, as truncate(2) does.
+            await self.setattr(ino, size=0, fh=fh if writable else None)
         return fh
 
     async def _ensure_local(self, inode: Inode, offset: int = 0, size: int | None = None) -> None:
@@ -866,21 +868,21 @@ class BurstCore:
 
     # -- extended attributes --------------------------------------------------------
 
-    def getxattr(self, ino: int, name: bytes) -> bytes:
+    async def getxattr(self, ino: int, name: bytes) -> bytes:
         inode = self.inode(ino)
         if name.startswith(XATTR_RESERVED):
-            return self.reserved_xattr(inode, name)
+            return await self.reserved_xattr(inode, name)
         try:
             return inode.xattrs[name]
         except KeyError:
             raise FsError(errno.ENODATA) from None
 
-    def reserved_xattr(self, inode: Inode, name: bytes) -> bytes:
+    async def reserved_xattr(self, inode: Inode, name: bytes) -> bytes:
         """``user.burstfs.*``: the file's drain state, read from the journal."""
-        row = self.journal.inode(inode.ino)
+        row = await trio.to_thread.run_sync(self.journal.inode, inode.ino)
         if row is None or inode.kind != "file":
             raise FsError(errno.ENODATA)
-        key = name[len(XATTR_RESERVED):].decode()
+        key = name[len(XATTR_RESERVED):].decode(errors="replace")
         values = {
             "state": WRITING if inode.dirty else row.state,
             "generation": str(row.generation),
@@ -911,6 +913,8 @@ class BurstCore:
 
     async def removexattr(self, ino: int, name: bytes) -> None:
         inode = self.inode(ino)
+        if name.startswith(XATTR_RESERVED):
+            raise FsError(errno.EPERM, "user.burstfs.* attributes are read-only")
         if name not in inode.xattrs:
             raise FsError(errno.ENODATA)
         del inode.xattrs[name]
@@ -933,14 +937,6 @@ class BurstCore:
             files=max(st.f_files, len(self.inodes)),
             files_free=st.f_favail if st.f_files else 1 << 20,
         )
-
-    def file_state(self, ino: int) -> str:
-        """Drain state of a file as the journal and memory know it (used by status)."""
-        inode = self.inode(ino)
-        if inode.dirty:
-            return WRITING
-        row = self.journal.inode(ino)
-        return row.state if row else DURABLE
 
     def close(self) -> None:
         """Close data descriptors.  Files still open for writing stay journaled as

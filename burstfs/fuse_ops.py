@@ -214,7 +214,7 @@ class BurstOperations(pyfuse3.Operations):
 
     @_errors_to_fuse
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        return self.core.getxattr(inode, name)
+        return await self.core.getxattr(inode, name)
 
     @_errors_to_fuse
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
