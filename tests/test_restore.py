@@ -172,3 +172,16 @@ def test_admin_prefetch_warms_a_checkpoint(mounted_factory: type[MountedFS], rem
     assert result.returncode == 0, result.stderr
     assert file_state(reader.cache, "model.pt") == "durable"
     assert file_state(reader.cache, "optim.pt") == "durable"
+
+
+def test_large_prefix_lists_lazily_and_completely(mounted_factory: type[MountedFS], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A directory of 20,000 objects written by another node (or tool) lists in full."""
+    fs = mounted_factory("big")  # type: ignore[call-arg]
+    many = fs.remote_dir / "many"
+    many.mkdir(parents=True)
+    for i in range(20_000):
+        (many / f"f{i:05d}").write_bytes(b"")
+    fs.mount()
+    names = os.listdir(fs.path / "many")
+    assert len(names) == 20_000 and "f19999" in names
+    assert os.stat(fs.path / "many/f12345").st_size == 0
