@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import signal
+import sqlite3
 import sys
 import traceback
 from collections.abc import Callable
@@ -24,6 +25,7 @@ import pyfuse3
 import trio
 
 from .cachelock import CacheLock
+from .control import serve_control
 from .config import MountConfig
 from .core import BurstCore, CapacityPolicy
 from .drainservice import DrainService
@@ -33,6 +35,7 @@ from .journal import Journal
 from .mover import Mover
 from .remote import open_remote
 from .log import setup_logging
+from .metrics import parse_metrics_addr, start_metrics
 from .mountinfo import FSNAME_PREFIX, is_mounted
 
 log = logging.getLogger("burstfs.daemon")
@@ -55,16 +58,52 @@ def preflight(config: MountConfig) -> None:
         raise ConfigError("/dev/fuse is missing: load the fuse module (modprobe fuse) or pass --device /dev/fuse to the container")
     if shutil.which("fusermount3") is None:
         raise ConfigError("fusermount3 not found: install fuse3 (apt-get install fuse3)")
+    if config.metrics_addr is not None:
+        parse_metrics_addr(config.metrics_addr)
     cache = config.cache_dir
     if cache.exists() and not cache.is_dir():
         raise ConfigError(f"cache dir {cache} is not a directory")
     if not cache.exists():
         if not cache.parent.is_dir():
-            raise ConfigError(f"cannot create cache dir {cache}: {cache.parent} does not exist")
+            problem = "is not a directory" if cache.parent.exists() else "does not exist"
+            raise ConfigError(f"cannot create cache dir {cache}: {cache.parent} {problem}")
         if not os.access(cache.parent, os.W_OK | os.X_OK):
             raise ConfigError(f"cannot create cache dir {cache}: {cache.parent} is not writable")
     elif not os.access(cache, os.W_OK | os.X_OK):
         raise ConfigError(f"cache dir {cache} is not writable")
+    else:
+        _check_cache_owner(config)
+
+
+def _check_cache_owner(config: MountConfig) -> None:
+    """Refuse a cache dir in use, or holding another remote's files, before touching it.
+
+    Read-only, so that a refused mount changes nothing in the cache; the daemon
+    checks again under the lock (``open_cache``) in case of a race.
+    """
+    cache = config.cache_dir
+    owner = CacheLock(cache).owner_pid()
+    if owner is not None:
+        raise ConfigError(f"cache dir {cache} is in use by another burstfs process (pid {owner})")
+    if not (cache / "journal.db").exists():
+        return
+    try:
+        journal = Journal(cache, readonly=True)
+        try:
+            recorded = journal.get_meta("remote")
+        finally:
+            journal.close()
+    except sqlite3.Error:  # e.g. a crash left a WAL that needs a writer: the daemon checks
+        return
+    if recorded is not None and recorded != str(config.remote):
+        raise _other_remote(config, recorded)
+
+
+def _other_remote(config: MountConfig, recorded: str) -> ConfigError:
+    return ConfigError(
+        f"cache dir {config.cache_dir} holds files for remote {recorded}, not {config.remote}; "
+        "use another --cache, or drain and remove this one first"
+    )
 
 
 def check_remote(config: MountConfig, timeout: float = 20.0) -> None:
@@ -92,10 +131,7 @@ def open_cache(config: MountConfig) -> tuple[CacheLock, Journal]:
         recorded = journal.get_meta("remote")
         if recorded is not None and recorded != str(config.remote):
             journal.close()
-            raise ConfigError(
-                f"cache dir {config.cache_dir} holds files for remote {recorded}, not {config.remote}; "
-                "use another --cache, or drain and remove this one first"
-            )
+            raise _other_remote(config, recorded)
         journal.set_meta("remote", str(config.remote))
         # The latest mount's options are the ones `burstfs drain` reuses.
         journal.set_meta("s3", json.dumps(dataclasses.asdict(config.s3)))
@@ -125,8 +161,13 @@ def fuse_options(config: MountConfig) -> set[str]:
 
 async def serve(config: MountConfig, core: BurstCore, on_ready: Callable[[], None]) -> None:
     """Run the mount until it is unmounted or the daemon is told to stop."""
+    drain = core.drain if isinstance(core.drain, DrainService) else None
+    metrics = start_metrics(config, core, drain)  # outside the nursery: a busy port fails with a plain message
     async with trio.open_nursery() as nursery:
+        if metrics is not None:
+            nursery.start_soon(metrics.run)
         await nursery.start(core.committer.run)
+        await nursery.start(serve_control, config, core, drain)
         nursery.start_soon(_stop_on_signals, nursery.cancel_scope)
         on_ready()
         log.info("event=mounted mountpoint=%s cache=%s remote=%s", config.mountpoint, config.cache_dir, config.remote)

@@ -1,0 +1,371 @@
+"""``burstfs-admin`` against real mounts: every command, its JSON, its exit codes.
+
+The remote is a file:// directory, so drains finish in milliseconds; tests wait
+with ``burstfs-admin wait`` (itself under test) and never assert on timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import BIN, FUSE_OK, MountedFS, burstfs, wait_for
+
+pytestmark = pytest.mark.fuse
+
+ADMIN = str(BIN / "burstfs-admin")
+
+
+def admin(*args: str | Path, expect: int | None = 0, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([ADMIN, *map(str, args)], capture_output=True, text=True, timeout=timeout, check=False)
+    if expect is not None and result.returncode != expect:
+        raise AssertionError(f"burstfs-admin {' '.join(map(str, args))}: exit {result.returncode}, "
+                             f"expected {expect}\nstdout: {result.stdout}\nstderr: {result.stderr}")  # fmt: skip
+    return result
+
+
+def admin_json(*args: str | Path, expect: int = 0) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(admin(*args, "--json", expect=expect).stdout)
+    assert doc["schema"] == 1
+    return doc
+
+
+def checkpoint(fs: MountedFS, files: dict[str, bytes]) -> None:
+    """Write ``files`` under the mount and wait until all are durable."""
+    for name, data in files.items():
+        (fs.path / name).parent.mkdir(parents=True, exist_ok=True)
+        (fs.path / name).write_bytes(data)
+    admin("wait", *(fs.path / name for name in files), "--timeout", "60")
+
+
+WRITER = ("import sys; f = open(sys.argv[1], 'wb'); f.write(b'partial'); f.flush(); print('ready', flush=True); "
+          "sys.stdin.readline(); f.close()")
+
+
+@contextlib.contextmanager
+def held_open(path: Path) -> Iterator[subprocess.Popen[str]]:
+    """``path`` open for writing in another process (a descriptor of ours would be inherited
+    by every subprocess we start and closed at its exec, and each close publishes the file)."""
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert writer.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
+        yield writer
+    finally:
+        if writer.poll() is None:
+            writer.communicate("close\n", timeout=30)
+
+
+def flip_byte(path: Path, offset: int = 0) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+# -- status, ls, xattrs ------------------------------------------------------------------------
+
+
+def test_status_human_json_and_watch(burst: MountedFS) -> None:
+    checkpoint(burst, {"ck/a": os.urandom(300_000), "ck/b": b"hello"})
+    doc = admin_json("status", burst.path / "ck")
+    assert doc["live"] and doc["mountpoint"] == str(burst.path) and doc["cache_dir"] == str(burst.cache)
+    assert doc["remote"] == burst.remote_url and doc["pid"] == burst.daemon_pid()
+    assert doc["states"]["durable"] == {"files": 2, "bytes": 300_005}
+    assert set(doc["states"]) == {"writing", "staged", "draining", "durable", "evicted", "remote", "failed",
+                                  "incomplete"}  # fmt: skip
+    assert doc["undrained"] == {"files": 0, "bytes": 0, "oldest_closed_at": None, "oldest_age_s": None}
+    # The mover counts a file just after journaling it durable, which is what `wait` sees.
+    doc = wait_for(lambda: (d := admin_json("status", burst.path))["drain"]["files_drained"] >= 2 and d,
+                   what="drain counters")  # fmt: skip
+    assert doc["drain"]["bytes_drained"] >= 300_005
+    assert doc["drain"]["eta_s"] == 0 and doc["drain"]["halted"] is None
+    tier = doc["local_tier"]
+    assert tier["used_bytes"] == 300_005 and 0 < tier["fs_free_bytes"] <= tier["fs_total_bytes"]
+    assert tier["mount_total_bytes"] > 0
+
+    human = admin("status", burst.path).stdout
+    assert f"burstfs at {burst.path} (running" in human
+    assert any(line.split()[:2] == ["durable", "2"] for line in human.splitlines())
+    assert burst.remote_url in human and "undrained: 0 files" in human
+
+    watch = subprocess.Popen([ADMIN, "status", str(burst.path), "--watch"], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        seen = ""
+        while seen.count("STATE") < 2 and time.monotonic() < deadline:
+            seen += watch.stdout.readline()  # type: ignore[union-attr]
+    finally:
+        watch.send_signal(signal.SIGINT)
+        watch.communicate(timeout=10)
+    assert seen.count("STATE") >= 2
+    assert watch.returncode == 0
+
+
+def test_ls_and_state_xattrs(burst: MountedFS) -> None:
+    data = os.urandom(100_000)
+    checkpoint(burst, {"ck/model.pt": data, "ck/sub/opt.pt": b"x" * 10, "other": b"y"})
+    files = {f["path"]: f for f in admin_json("ls", burst.path / "ck")["files"]}
+    assert set(files) == {"ck/model.pt", "ck/sub/opt.pt"}
+    model = files["ck/model.pt"]
+    assert model["state"] == "durable" and model["size"] == len(data) and model["remote_key"] == "ck/model.pt"
+    assert model["generation"] >= 1 and model["durable_generation"] == model["generation"]
+    assert len(model["digest"]) == 32 and model["error"] is None
+    assert [f["path"] for f in admin_json("ls", burst.path / "ck" / "sub" / "opt.pt")["files"]] == ["ck/sub/opt.pt"]
+
+    table = admin("ls", burst.path).stdout.splitlines()
+    assert table[0].split() == ["STATE", "SIZE", "GEN", "DIGEST", "PATH", "REMOTE", "KEY"]
+    assert any("ck/sub/opt.pt" in line and line.startswith("durable") for line in table)
+    result = admin("ls", burst.path / "missing", expect=1)
+    assert "missing" in result.stderr and "No such file" in result.stderr
+
+    path = burst.path / "ck" / "model.pt"
+    assert os.getxattr(path, "user.burstfs.state") == b"durable"
+    assert os.getxattr(path, "user.burstfs.generation") == str(model["generation"]).encode()
+    assert os.getxattr(path, "user.burstfs.digest") == model["digest"].encode()
+    assert os.getxattr(path, "user.burstfs.remote_key") == b"ck/model.pt"
+    assert "user.burstfs.state" in os.listxattr(path)
+    with pytest.raises(OSError) as exc:
+        os.getxattr(path, "user.burstfs.error")  # no error recorded
+    assert exc.value.errno == errno.ENODATA
+
+
+# -- wait ----------------------------------------------------------------------------------------
+
+
+def test_wait_times_out_on_a_file_open_for_writing(burst: MountedFS) -> None:
+    path = burst.path / "ck" / "open.bin"
+    path.parent.mkdir()
+    with held_open(path):
+        result = admin("wait", burst.path / "ck", "--timeout", "0.5", expect=3)
+        assert "timeout" in result.stderr and "ck/open.bin (writing)" in result.stderr
+        doc = admin_json("wait", path, "--timeout", "0.2", expect=3)
+        assert doc["result"] == "timeout" and doc["pending"] == [{"path": "ck/open.bin", "state": "writing",
+                                                                   "error": None}]  # fmt: skip
+    admin("wait", path, "--timeout", "60")
+    assert admin_json("wait", burst.path)["result"] == "durable"
+    assert "No such file" in admin("wait", burst.path / "nope", expect=1).stderr
+
+
+def test_wait_fails_on_an_incomplete_file(mounted_factory: Any) -> None:
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    fs: MountedFS = mounted_factory()
+    fs.mount()
+    path = fs.path / "shard.bin"
+    with held_open(path) as writer:
+        fs.kill()  # the daemon dies while the file is open for writing
+        writer.kill()
+        writer.wait()
+    fs.mount()
+    assert admin_json("status", fs.path)["states"]["incomplete"]["files"] == 1
+    result = admin("wait", path, "--timeout", "30", expect=4)
+    assert "shard.bin: incomplete" in result.stderr
+    assert admin_json("wait", fs.path, expect=4)["result"] == "failed"
+
+
+# -- drain, retry --------------------------------------------------------------------------------
+
+
+def test_drain_now_and_retry_failed(burst: MountedFS) -> None:
+    checkpoint(burst, {"a": b"abc"})
+    admin("drain", burst.path, "--now")
+    assert admin_json("drain", burst.path, "--now") == {"schema": 1}
+    assert "--now" in admin("drain", burst.path, expect=2).stderr
+    assert admin_json("retry", burst.path)["requeued"] == 0
+    # A permanent drain failure, injected in the journal as the mover would record it.
+    with sqlite3.connect(burst.cache / "journal.db", timeout=30) as db:
+        db.execute("UPDATE inodes SET state='failed', error='injected' WHERE name=?", (b"a",))
+    result = admin("wait", burst.path / "a", expect=4)
+    assert "a: failed (injected)" in result.stderr
+    assert "requeued 1 failed files" in admin("retry", burst.path / "a").stdout
+    admin("wait", burst.path / "a", "--timeout", "60")
+
+
+# -- verify ----------------------------------------------------------------------------------------
+
+
+def test_verify_local_and_remote(burst: MountedFS) -> None:
+    checkpoint(burst, {"ck/w.pt": os.urandom(200_000), "ck/x.pt": b"tiny"})
+    doc = admin_json("verify", burst.path / "ck", "--remote")
+    assert doc["mismatches"] == 0
+    assert [(f["path"], f["result"], f["local"]["result"], f["remote"]["result"]) for f in doc["files"]] == [
+        ("ck/w.pt", "OK", "ok", "ok"), ("ck/x.pt", "OK", "ok", "ok")]  # fmt: skip
+    assert "OK" in admin("verify", burst.path / "ck" / "w.pt").stdout
+
+    ino = {f["path"]: f["ino"] for f in admin_json("ls", burst.path)["files"]}["ck/w.pt"]
+    staged = burst.cache / "data" / f"{ino:016x}"
+    flip_byte(staged, 123_456)
+    result = admin("verify", burst.path / "ck", expect=4)
+    assert "MISMATCH  ck/w.pt" in result.stdout and "bytes 0-200000 differ" in result.stdout
+    assert "OK        ck/x.pt" in result.stdout
+    flip_byte(staged, 123_456)
+
+    flip_byte(burst.remote_dir / "ck" / "w.pt", 7)
+    doc = admin_json("verify", burst.path / "ck" / "w.pt", "--remote", expect=4)
+    (entry,) = doc["files"]
+    assert entry["result"] == "MISMATCH" and entry["local"]["result"] == "ok"
+    assert entry["remote"]["result"] == "mismatch" and "do not match their checksum" in entry["remote"]["detail"]
+
+
+# -- journal ----------------------------------------------------------------------------------------
+
+
+def test_journal_events(burst: MountedFS) -> None:
+    checkpoint(burst, {"ck/a": b"1", "b": b"2"})
+    events = admin_json("journal", burst.path, "--since", "10m")["events"]
+    assert ("closed", "ck/a") in {(e["event"], e["path"]) for e in events}
+    assert ("durable", "b") in {(e["event"], e["path"]) for e in events}
+    assert {e["path"] for e in admin_json("journal", burst.path / "ck")["events"]} == {"ck/a"}
+    future = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + 3600))
+    assert admin_json("journal", burst.path, "--since", future)["events"] == []
+    assert "durable" in admin("journal", burst.path, "--since", "1h").stdout
+    assert "--since" in admin("journal", burst.path, "--since", "yesterday", expect=2).stderr
+
+
+# -- evict, prefetch -----------------------------------------------------------------------------------
+
+
+def test_evict_and_prefetch(burst: MountedFS) -> None:
+    data = os.urandom(500_000)
+    checkpoint(burst, {"ck/a": data, "ck/b": b"small"})
+    doc = admin_json("evict", burst.path / "ck")
+    assert doc["bytes_freed"] == 500_005 and all(f["ok"] for f in doc["files"])
+    assert {f["state"] for f in admin_json("ls", burst.path)["files"]} == {"evicted"}
+
+    result = admin("prefetch", burst.path / "ck")
+    assert "[2/2 files" in result.stdout and "fetched ck/a" in result.stdout
+    assert {f["state"] for f in admin_json("ls", burst.path)["files"]} == {"durable"}
+    assert (burst.path / "ck" / "a").read_bytes() == data
+
+    with open(burst.path / "ck" / "a", "rb"):
+        doc = admin_json("evict", burst.path / "ck" / "a", expect=1)
+    assert doc["files"][0]["errno"] == errno.EBUSY
+    assert "evict" in admin("evict", burst.path / "nope", expect=1).stderr
+
+
+# -- a stopped mount, nothing mounted ------------------------------------------------------------------
+
+
+def test_stopped_mount_reads_the_journal(burst: MountedFS) -> None:
+    checkpoint(burst, {"ck/a": b"abc"})
+    burst.unmount()
+    doc = admin_json("status", burst.cache)
+    assert not doc["live"] and doc["mountpoint"] == str(burst.path) and doc["pid"] is None
+    assert doc["states"]["durable"]["files"] == 1 and doc["remote"] == burst.remote_url
+    assert "not mounted (last at" in admin("status", burst.cache).stdout
+    files = admin_json("ls", burst.path / "ck", "--cache", burst.cache)["files"]
+    assert [(f["path"], f["state"]) for f in files] == [("ck/a", "durable")]
+    doc = admin_json("verify", burst.path / "ck", "--cache", burst.cache, "--remote")
+    assert [f["result"] for f in doc["files"]] == ["OK"]
+    assert admin_json("wait", burst.cache)["result"] == "durable"
+    assert any(e["event"] == "durable" for e in admin_json("journal", burst.cache)["events"])
+
+    result = admin("status", burst.path, expect=2)
+    assert "burstfs mount MOUNTPOINT --cache DIR --remote URL" in result.stderr
+    assert "--cache DIR" in result.stderr
+    result = admin("drain", burst.path, "--cache", burst.cache, "--now", expect=1)
+    assert f"burstfs drain --cache {burst.cache}" in result.stderr
+    assert "burstfs mount" in admin("retry", burst.cache, expect=1).stderr
+
+
+# -- the control socket ----------------------------------------------------------------------------------
+
+# Connects to the socket as uid 65534, started as root so that it can run this venv's python.
+_CONNECT_AS_NOBODY = """
+import ctypes, os, socket, sys
+os.setegid(65534)
+os.seteuid(65534)  # SO_PEERCRED reports the effective uid
+if sys.argv[2] == "past-file-permissions":
+    ctypes.CDLL(None).setfsuid(0)  # file access stays root's: only the daemon's own check is left
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+s.sendall(b'{"op": "status"}\\n')
+print(s.makefile().readline())
+"""
+
+
+def test_control_socket_is_owner_only(burst: MountedFS) -> None:
+    sock = burst.cache / "control.sock"
+    st = os.stat(sock)
+    assert oct(st.st_mode & 0o777) == oct(0o600) and st.st_uid == os.getuid()
+    # As uid 65534 the kernel refuses: the directories and the socket are owner-only.
+    denied = subprocess.run([sys.executable, "-c", _CONNECT_AS_NOBODY, str(sock), "plain"], capture_output=True,
+                            text=True, timeout=30, check=False)  # fmt: skip
+    assert denied.returncode != 0 and "PermissionError" in denied.stderr
+    # Past the file permissions, the daemon itself refuses a peer that is not its uid or root.
+    answer = subprocess.run([sys.executable, "-c", _CONNECT_AS_NOBODY, str(sock), "past-file-permissions"],
+                            capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    reply = json.loads(answer.stdout)
+    assert reply["ok"] is False and reply["errno"] == errno.EACCES and "uid 65534" in reply["error"]
+    # The protocol itself: unknown ops and malformed lines are answered, not fatal.
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(sock))
+        s.sendall(b'{"op": "nope"}\nnot json\n{"op": "ls", "path": ""}\n')
+        replies = s.makefile()
+        unknown, garbled, listing = (json.loads(replies.readline()) for _ in range(3))
+    assert unknown["ok"] is False and unknown["errno"] == errno.EINVAL and "unknown op" in unknown["error"]
+    assert garbled["ok"] is False and garbled["errno"] == errno.EINVAL
+    assert listing["ok"] is True and listing["files"] == []
+
+
+# -- metrics -------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _samples(text: str) -> dict[str, float]:
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}  # fmt: skip
+
+
+def test_metrics_endpoint(mounted_factory: Any) -> None:
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    port = _free_port()
+    fs: MountedFS = mounted_factory(extra_args=("--metrics-addr", f"127.0.0.1:{port}"))
+    fs.mount()
+    checkpoint(fs, {"ck/a": os.urandom(64_000), "ck/b": b"bb"})
+
+    def scrape() -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            return _samples(response.read().decode())
+
+    # The mover counts a file just after journaling it durable, which is what `wait` sees.
+    samples = wait_for(lambda: (s := scrape())["burstfs_drain_latency_seconds_count"] >= 2 and s, what="metrics")
+    assert samples['burstfs_files{state="durable"}'] == 2
+    assert samples["burstfs_drained_bytes_total"] >= 64_002
+    assert samples["burstfs_drained_files_total"] >= 2
+    assert samples['burstfs_drain_latency_seconds_bucket{le="+Inf"}'] >= 2
+    assert samples["burstfs_staged_bytes"] == 0 and samples["burstfs_queue_depth"] == 0
+    assert samples["burstfs_fetched_bytes_total"] == 0 and samples["burstfs_drain_halted"] == 0
+    assert 0 < samples["burstfs_local_tier_free_bytes"] <= samples["burstfs_local_tier_capacity_bytes"]
+    # Bound to the address given, not to every interface.
+    with open("/proc/net/tcp") as tcp:
+        listening = [line.split()[1] for line in tcp if line.split()[3] == "0A"]
+    assert f"0100007F:{port:04X}" in listening and f"00000000:{port:04X}" not in listening
+
+    bad = mounted_factory("bad", extra_args=("--metrics-addr", "9100"))
+    result = burstfs("mount", str(bad.path), "--cache", str(bad.cache), "--remote", bad.remote_url, *bad.extra_args,
+                     check=False)  # fmt: skip
+    assert result.returncode == 2 and "HOST:PORT" in result.stderr
