@@ -27,7 +27,7 @@ from typing import Protocol
 import trio
 
 from .committer import GroupCommitter
-from .errors import FsError, NoSpaceError
+from .errors import BurstfsError, FsError, NoSpaceError, to_errno
 from .journal import (
     DURABLE,
     EVICTED,
@@ -118,6 +118,7 @@ class Inode:
     xattrs: dict[bytes, bytes] = dataclasses.field(default_factory=dict)
     generation: int = 0
     dirty: bool = False  # changed since its last journaled close
+    new: bool = False  # created here and not yet journaled as closed (its row says writing)
     local: bool = True  # data complete on the local tier
     lookups: int = 0  # kernel references (lookup/forget)
     handles: int = 0  # open file handles
@@ -125,6 +126,7 @@ class Inode:
     listed: bool = False  # known only from a remote listing (state remote)
     listed_at: float = -1e9  # directories: monotonic time of the last remote listing merge
     accounted: int = 0  # bytes of this file counted in BurstCore.local_bytes
+    incomplete: str = ""  # why bytes may be missing (a lost write, a crash); cleared when emptied
 
     @property
     def nlink(self) -> int:
@@ -217,7 +219,8 @@ class BurstCore:
                 # The data file is all there is of it: show its length, so that the bytes
                 # can be inspected and a later extension reads zeros, not stale bytes.
                 row.size = self.tier.data_size(row.ino)
-                ops.append(update_inode_op(row.ino, state=INCOMPLETE, size=row.size,
+                row.state, row.error = INCOMPLETE, "open for writing when the daemon stopped"
+                ops.append(update_inode_op(row.ino, state=INCOMPLETE, size=row.size, error=row.error,
                                            local_bytes=row.size, updated=time.time()))  # fmt: skip
                 ops.append(self.journal.log_event(row.ino, "incomplete", "open for writing at crash"))
                 log.warning("event=recover_incomplete ino=%d name=%s", row.ino, row.name)
@@ -247,7 +250,7 @@ class BurstCore:
             parent=row.parent, name=row.name, size=row.size, atime_ns=row.atime_ns,
             mtime_ns=row.mtime_ns, ctime_ns=row.ctime_ns, target=row.target,
             generation=row.generation, local=row.state not in NOT_LOCAL_STATES,
-            listed=row.state == REMOTE,
+            listed=row.state == REMOTE, incomplete=(row.error or INCOMPLETE) if row.state == INCOMPLETE else "",
         )  # fmt: skip
         if row.kind == "dir":
             inode.children = {}
@@ -435,6 +438,7 @@ class BurstCore:
         if not stat.S_ISREG(mode) and stat.S_IFMT(mode) != 0:
             raise FsError(errno.EPERM, "only regular files, directories and symlinks are supported")
         inode = self._new_inode(parent, name, "file", stat.S_IFREG | stat.S_IMODE(mode), uid, gid)
+        inode.new = True
         self.tier.create(inode.ino)
         self._link(parent, inode)
         inode.lookups += 1
@@ -577,6 +581,8 @@ class BurstCore:
             else:  # sparse growth: counted, but never waits for room
                 self.local_bytes += size - inode.accounted
             inode.size = inode.accounted = size
+            if size == 0:  # emptied: what is written next is all of it
+                inode.incomplete = ""
             inode.mtime_ns = now
             fields.update(size=size, mtime_ns=now)
         if mode is not None:
@@ -621,7 +627,7 @@ class BurstCore:
         if writable or flags & os.O_TRUNC:
             await self._ensure_local(inode)
         fh = self._open_handle(inode, writable)
-        if flags & os.O_TRUNC and inode.size:
+        if flags & os.O_TRUNC and (inode.size or inode.incomplete):
             # Through a read-only handle (Linux truncates on O_RDONLY | O_TRUNC) no close
             # will publish the change: journal it at once, as truncate(2) does.
             await self.setattr(ino, size=0, fh=fh if writable else None)
@@ -648,7 +654,7 @@ class BurstCore:
         if inode.dirty:
             return
         inode.dirty = True
-        if inode.generation:  # a new file's row says `writing` since create
+        if not inode.new:  # a new file's row says `writing` since create
             await self.committer.commit([update_inode_op(inode.ino, state=WRITING, updated=time.time())])
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
@@ -669,14 +675,21 @@ class BurstCore:
         if not inode.dirty:
             await self._mark_writing(inode)
         end = offset + len(data)
-        if end > inode.accounted:
-            await self._account(inode, end)
-        fd = self.tier.fd(inode.ino)
-        assert fd is not None
-        if self.offload_writes and len(data) >= 65536:
-            written = await trio.to_thread.run_sync(os.pwrite, fd, data, offset)
-        else:
-            written = os.pwrite(fd, data, offset)
+        try:
+            if end > inode.accounted:
+                await self._account(inode, end)
+            fd = self.tier.fd(inode.ino)
+            assert fd is not None
+            if self.offload_writes and len(data) >= 65536:
+                written = await trio.to_thread.run_sync(os.pwrite, fd, data, offset)
+            else:
+                written = os.pwrite(fd, data, offset)
+        except (BurstfsError, OSError) as exc:
+            # With the writeback cache the writer learns this only at close(); the file
+            # now lacks bytes it sent, so it must never drain as if complete.
+            code = to_errno(exc)
+            inode.incomplete = f"a write failed with {errno.errorcode.get(code, code)}"
+            raise
         if end > inode.size:
             inode.size = end
         inode.last_access = time.monotonic()
@@ -684,18 +697,26 @@ class BurstCore:
         return written
 
     def _close_ops(self, inode: Inode) -> list[Op]:
-        """Journal a changed file as closed: a new generation, queued to drain."""
-        inode.dirty = False
+        """Journal a changed file as closed: a new generation, queued to drain.
+
+        A file that may lack bytes (a lost write, a crash) is journaled
+        ``incomplete`` instead: it stays local and never drains until it is
+        emptied and written again.
+        """
+        inode.dirty = inode.new = False
         inode.generation += 1
         seq = next(self._next_close_seq)
+        state = INCOMPLETE if inode.incomplete else STAGED
+        error = inode.incomplete or None
         return [
             update_inode_op(
-                inode.ino, state=STAGED, generation=inode.generation, close_seq=seq,
+                inode.ino, state=state, generation=inode.generation, close_seq=seq,
                 size=inode.size, mtime_ns=inode.mtime_ns, ctime_ns=inode.ctime_ns, digest=None,
-                chunks=None, chunk_size=None, error=None, attempts=0, updated=time.time(),
+                chunks=None, chunk_size=None, error=error, attempts=0, updated=time.time(),
                 local_bytes=inode.size,
             ),  # fmt: skip
-            self.journal.log_event(inode.ino, "closed", f"generation={inode.generation} size={inode.size}"),
+            self.journal.log_event(inode.ino, "closed" if state == STAGED else "incomplete",
+                                   f"generation={inode.generation} size={inode.size} {error or ''}".rstrip()),
         ]
 
     def _file_closed(self) -> None:
@@ -704,8 +725,12 @@ class BurstCore:
 
     @staticmethod
     def _unpublished(inode: Inode) -> bool:
-        """Changed since its last journaled close, or new and never closed."""
-        return inode.dirty or inode.generation == 0
+        """Changed since its last journaled close, or new and never closed.
+
+        Not ``generation == 0``: files listed from the remote, and files left
+        incomplete by a crash, have that too but are not new.
+        """
+        return inode.dirty or inode.new
 
     async def flush(self, fh: int) -> None:
         """close(2): a changed or new file is journaled before close returns (tenet 1).
@@ -717,7 +742,7 @@ class BurstCore:
             return
         inode = handle.inode
         if inode.parent == 0:  # unlinked while open: nothing to publish
-            inode.dirty = False
+            inode.dirty = inode.new = False
             return
         await self.committer.commit(self._close_ops(inode))
         self._file_closed()

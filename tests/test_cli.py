@@ -1,0 +1,197 @@
+"""Bad input to the CLI: a clear message on stderr, a non-zero exit, nothing left behind.
+
+Exit codes (burstfs/cli.py): 0 success, 1 runtime failure, 2 bad input.  A
+refused mount leaves nothing mounted and changes nothing in an existing cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import FUSE_OK, MountedFS, burstfs, is_mounted
+
+from burstfs.config import MountConfig, parse_remote_url
+from burstfs.daemon import preflight
+from burstfs.errors import ConfigError
+
+USAGE = 2
+
+
+def refused(*args: str) -> str:
+    """Run ``burstfs *args``, expect exit 2, return stderr."""
+    result = burstfs(*args, check=False)
+    assert result.returncode == USAGE, (result.returncode, result.stdout, result.stderr)
+    assert result.stderr.strip(), "no message on stderr"
+    assert "Traceback" not in result.stderr
+    return result.stderr
+
+
+def cache_fingerprint(cache: Path) -> dict[str, str]:
+    """Names and contents of everything in a cache dir except the lock file."""
+    found = {}
+    for top, _, files in os.walk(cache):
+        for name in files:
+            path = Path(top) / name
+            if name != "lock":
+                found[str(path.relative_to(cache))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> tuple[Path, Path, str]:
+    """(mount point, cache dir that does not exist yet, file:// remote URL)."""
+    (tmp_path / "mnt").mkdir()
+    (tmp_path / "remote").mkdir()
+    return tmp_path / "mnt", tmp_path / "cache", f"file://{tmp_path / 'remote'}"
+
+
+def test_mount_point_missing(dirs: tuple[Path, Path, str], tmp_path: Path) -> None:
+    _, cache, remote = dirs
+    err = refused("mount", str(tmp_path / "nope"), "--cache", str(cache), "--remote", remote)
+    assert "does not exist" in err and str(tmp_path / "nope") in err
+    assert not cache.exists()  # refused before anything was created
+
+
+def test_mount_point_not_a_directory(dirs: tuple[Path, Path, str], tmp_path: Path) -> None:
+    _, cache, remote = dirs
+    (tmp_path / "plain").write_text("x")
+    err = refused("mount", str(tmp_path / "plain"), "--cache", str(cache), "--remote", remote)
+    assert "is not a directory" in err
+    assert not cache.exists()
+
+
+def test_cache_dir_unusable(dirs: tuple[Path, Path, str], tmp_path: Path) -> None:
+    mnt, _, remote = dirs
+    (tmp_path / "plain").write_text("x")
+    err = refused("mount", str(mnt), "--cache", str(tmp_path / "plain" / "cache"), "--remote", remote)
+    assert f"{tmp_path / 'plain'} is not a directory" in err
+    err = refused("mount", str(mnt), "--cache", str(tmp_path / "plain"), "--remote", remote)
+    assert "is not a directory" in err
+    err = refused("mount", str(mnt), "--cache", str(tmp_path / "no" / "such" / "cache"), "--remote", remote)
+    assert "does not exist" in err
+    err = refused("mount", str(mnt), "--cache", str(mnt / "cache"), "--remote", remote)
+    assert "must not be inside the mount point" in err
+    assert not is_mounted(mnt) and os.listdir(mnt) == []
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("s3://", "missing bucket name"),
+        ("s3://Bad_Bucket", "not a valid S3 bucket name"),
+        ("s3://bucket/a//b", "empty, '.' or '..' components"),
+        ("ftp://x", "unsupported scheme 'ftp'"),
+        ("file://relative", "absolute path"),
+        ("file:///", "expected file:///ABSOLUTE/DIR"),
+        ("/just/a/path", "unsupported scheme"),
+    ],
+)
+def test_malformed_remote_urls(dirs: tuple[Path, Path, str], url: str, message: str) -> None:
+    mnt, cache, _ = dirs
+    err = refused("mount", str(mnt), "--cache", str(cache), "--remote", url)
+    assert message in err and repr(url) in err
+    assert not cache.exists() and not is_mounted(mnt)
+
+
+def test_bad_option_values(dirs: tuple[Path, Path, str]) -> None:
+    mnt, cache, remote = dirs
+    base = ("mount", str(mnt), "--cache", str(cache), "--remote", remote)
+    assert "not a size: 'lots'" in refused(*base, "--cache-size", "lots")
+    assert "part size must be between" in refused(*base, "--part-size", "1M")
+    assert "Missing option '--remote'" in refused("mount", str(mnt), "--cache", str(cache))
+    assert "--fsync" in refused(*base, "--fsync", "sometimes")
+    assert not cache.exists() and not is_mounted(mnt)
+
+
+def test_remote_directory_missing_is_a_clean_failure(dirs: tuple[Path, Path, str], tmp_path: Path) -> None:
+    mnt, cache, _ = dirs
+    result = burstfs("mount", str(mnt), "--cache", str(cache), "--remote", f"file://{tmp_path / 'gone'}", check=False)
+    assert result.returncode != 0
+    assert str(tmp_path / "gone") in result.stderr and "Traceback" not in result.stderr
+    assert not is_mounted(mnt)
+
+
+def _config(tmp_path: Path) -> MountConfig:
+    (tmp_path / "mnt").mkdir(exist_ok=True)
+    return MountConfig(mountpoint=tmp_path / "mnt", cache_dir=tmp_path / "cache",
+                       remote=parse_remote_url(f"file://{tmp_path}/remote"))  # fmt: skip
+
+
+def test_preflight_without_dev_fuse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: False if str(p) == "/dev/fuse" else real_exists(p))
+    with pytest.raises(ConfigError, match="/dev/fuse is missing"):
+        preflight(_config(tmp_path))
+
+
+def test_preflight_without_fusermount3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **kw: None if name == "fusermount3" else real_which(name, *a, **kw))
+    with pytest.raises(ConfigError, match="fusermount3 not found"):
+        preflight(_config(tmp_path))
+
+
+def test_preflight_accepts_good_input(tmp_path: Path) -> None:
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse and fusermount3")
+    preflight(_config(tmp_path))  # no exception, and nothing created
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.fuse
+def test_mount_twice_on_the_same_mount_point(burst: MountedFS, tmp_path: Path) -> None:
+    err = refused("mount", str(burst.path), "--cache", str(tmp_path / "other-cache"), "--remote", burst.remote_url)
+    assert "already a mount point" in err
+    assert not (tmp_path / "other-cache").exists()
+    (burst.path / "still").write_bytes(b"works")  # the first mount is unharmed
+    assert (burst.path / "still").read_bytes() == b"works"
+
+
+@pytest.mark.fuse
+def test_second_mount_of_a_cache_in_use(burst: MountedFS, tmp_path: Path) -> None:
+    (tmp_path / "mnt2").mkdir()
+    (burst.path / "f").write_bytes(b"data")
+    err = refused("mount", str(tmp_path / "mnt2"), "--cache", str(burst.cache), "--remote", burst.remote_url)
+    assert "in use" in err and str(burst.daemon_pid()) in err
+    assert not is_mounted(tmp_path / "mnt2")
+    assert (burst.path / "f").read_bytes() == b"data"
+    assert "event=daemon_failed" not in burst.log_text()
+
+
+@pytest.mark.fuse
+def test_cache_of_another_remote_is_refused_and_untouched(burst: MountedFS, tmp_path: Path) -> None:
+    (burst.path / "ckpt").mkdir()
+    (burst.path / "ckpt" / "model.pt").write_bytes(b"weights" * 1000)
+    burst.unmount()
+    before = cache_fingerprint(burst.cache)
+    assert "journal.db" in before
+    other = tmp_path / "other-remote"
+    other.mkdir()
+    err = refused("mount", str(burst.path), "--cache", str(burst.cache), "--remote", f"file://{other}")
+    assert burst.remote_url in err and f"file://{other}" in err
+    assert not is_mounted(burst.path)
+    assert cache_fingerprint(burst.cache) == before
+    assert os.listdir(other) == []
+    burst.mount()  # the right remote still works, with the files intact
+    assert (burst.path / "ckpt" / "model.pt").read_bytes() == b"weights" * 1000
+
+
+def test_unmount_of_a_path_that_is_not_burstfs(tmp_path: Path) -> None:
+    err = refused("unmount", str(tmp_path))
+    assert "is not a burstfs mount point" in err
+    err = refused("unmount", str(tmp_path / "missing"))
+    assert "is not a burstfs mount point" in err
+    err = refused("unmount", "/proc")
+    assert "is not a burstfs mount point" in err
+
+
+@pytest.mark.fuse
+def test_unmount_of_a_directory_inside_a_mount(burst: MountedFS) -> None:
+    (burst.path / "sub").mkdir()
+    err = refused("unmount", str(burst.path / "sub"))
+    assert "is not a burstfs mount point" in err
+    assert is_mounted(burst.path)

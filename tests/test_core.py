@@ -1,0 +1,592 @@
+"""BurstCore in-process, without FUSE: the semantics the mount is built on.
+
+Each test drives a core over a temp cache dir with ``trio.run`` and checks both
+what the caller sees (return values, errnos) and what the journal recorded,
+since the journal is what a restart and the mover rely on.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sqlite3
+import stat
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from burstfs.core import BurstCore, CapacityPolicy
+from burstfs.errors import BurstfsError
+from burstfs.journal import INCOMPLETE, ROOT_INO, STAGED, WRITING, Journal
+
+RENAME_NOREPLACE = 1  # linux/fs.h, the values pyfuse3 passes through
+RENAME_EXCHANGE = 2
+UID, GID = os.getuid(), os.getgid()
+
+
+@asynccontextmanager
+async def open_core(cache: Path, capacity: CapacityPolicy | None = None) -> AsyncIterator[BurstCore]:
+    """A core with its committer running, closed (not crashed) at exit."""
+    journal = Journal(cache)
+    core = BurstCore(cache, journal, capacity=capacity or CapacityPolicy())
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(core.committer.run)
+            yield core
+            nursery.cancel_scope.cancel()
+    finally:
+        core.close()
+        journal.close()
+
+
+def run(cache: Path, body: Callable[[BurstCore], Awaitable[Any]], capacity: CapacityPolicy | None = None) -> Any:
+    async def main() -> Any:
+        async with open_core(cache, capacity) as core:
+            return await body(core)
+
+    return trio.run(main)
+
+
+def db_rows(cache: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Read the journal with a separate connection, as an operator (or the mover) would."""
+    db = sqlite3.connect(cache / "journal.db")
+    try:
+        return db.execute(sql, params).fetchall()
+    finally:
+        db.close()
+
+
+class raises_errno:
+    """``with raises_errno(errno.X): ...`` for errors the core raises (FsError, NoSpaceError...)."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        assert exc is not None, f"expected {errno.errorcode[self.code]}, nothing was raised"
+        assert isinstance(exc, BurstfsError), f"expected an errno, got {exc!r}"
+        assert exc.errno == self.code, f"expected {errno.errorcode[self.code]}, got {errno.errorcode.get(exc.errno)}"
+        return True
+
+
+async def write_file(core: BurstCore, parent: int, name: bytes, data: bytes) -> int:
+    """create + write + close, then the kernel forgets the inode; returns its number."""
+    fh, inode = await core.create(parent, name, 0o644, os.O_WRONLY, UID, GID)
+    if data:
+        assert await core.write(fh, 0, data) == len(data)
+    await core.flush(fh)
+    await core.release(fh)
+    core.forget(inode.ino, inode.lookups)
+    return inode.ino
+
+
+async def read_all(core: BurstCore, ino: int) -> bytes:
+    fh = await core.open(ino, os.O_RDONLY)
+    try:
+        return await core.read(fh, 0, core.inode(ino).size + 10)
+    finally:
+        await core.release(fh)
+
+
+def test_create_write_read_flush_is_journaled(tmp_path: Path) -> None:
+    async def body(core: BurstCore) -> int:
+        fh, inode = await core.create(ROOT_INO, b"model.pt", 0o640, os.O_WRONLY, UID, GID)
+        # Created: journaled at once, as a file being written.
+        assert db_rows(tmp_path, "SELECT state, size FROM inodes WHERE name=?", (b"model.pt",)) == [(WRITING, 0)]
+        await core.write(fh, 0, b"hello ")
+        await core.write(fh, 6, b"world" * 20000)  # >= 64 KiB: goes through a worker thread
+        assert inode.size == 6 + 100000
+        await core.flush(fh)
+        rows = db_rows(tmp_path, "SELECT state, size, generation, kind, mode FROM inodes WHERE ino=?", (inode.ino,))
+        assert rows == [(STAGED, 100006, 1, "file", stat.S_IFREG | 0o640)]
+        await core.release(fh)
+        assert await read_all(core, inode.ino) == b"hello " + b"world" * 20000
+        # Reading does not change the journal; a second unchanged close does not either.
+        fh = await core.open(inode.ino, os.O_RDWR)
+        await core.flush(fh)
+        await core.release(fh)
+        assert db_rows(tmp_path, "SELECT generation FROM inodes WHERE ino=?", (inode.ino,)) == [(1,)]
+        assert core.tier.path(inode.ino).read_bytes() == b"hello " + b"world" * 20000
+        return inode.ino
+
+    ino = run(tmp_path, body)
+    events = [e for (e,) in db_rows(tmp_path, "SELECT event FROM events WHERE ino=?", (ino,))]
+    assert events == ["closed"]
+
+
+def test_empty_new_file_is_journaled_at_close(tmp_path: Path) -> None:
+    """close(2) returns after FLUSH; RELEASE comes later, so FLUSH must journal a new file."""
+
+    async def body(core: BurstCore) -> None:
+        fh, inode = await core.create(ROOT_INO, b"empty", 0o644, os.O_WRONLY, UID, GID)
+        await core.flush(fh)
+        assert db_rows(tmp_path, "SELECT state, generation FROM inodes WHERE ino=?", (inode.ino,)) == [(STAGED, 1)]
+        await core.release(fh)
+        assert db_rows(tmp_path, "SELECT state, generation FROM inodes WHERE ino=?", (inode.ino,)) == [(STAGED, 1)]
+        fh, synced = await core.create(ROOT_INO, b"synced", 0o644, os.O_WRONLY, UID, GID)
+        await core.fsync(fh, datasync=False)  # fsync of a new, still empty file publishes it too
+        assert db_rows(tmp_path, "SELECT state FROM inodes WHERE ino=?", (synced.ino,)) == [(STAGED,)]
+        await core.release(fh)
+
+    run(tmp_path, body)
+
+
+def test_rewrite_after_close_bumps_generation(tmp_path: Path) -> None:
+    async def body(core: BurstCore) -> None:
+        ino = await write_file(core, ROOT_INO, b"f", b"one")
+        fh = await core.open(ino, os.O_WRONLY)
+        await core.write(fh, 0, b"two")
+        # The first change after a close is journaled before the write returns.
+        assert db_rows(tmp_path, "SELECT state FROM inodes WHERE ino=?", (ino,)) == [(WRITING,)]
+        await core.release(fh)  # release without flush still journals the close
+        assert db_rows(tmp_path, "SELECT state, generation FROM inodes WHERE ino=?", (ino,)) == [(STAGED, 2)]
+        assert await read_all(core, ino) == b"two"
+
+    run(tmp_path, body)
+
+
+def test_open_trunc_and_truncate(tmp_path: Path) -> None:
+    async def body(core: BurstCore) -> None:
+        ino = await write_file(core, ROOT_INO, b"f", b"0123456789")
+        fh = await core.open(ino, os.O_WRONLY | os.O_TRUNC)
+        assert core.inode(ino).size == 0
+        await core.write(fh, 4, b"xy")  # a hole before: zeros
+        await core.release(fh)
+        assert await read_all(core, ino) == b"\0\0\0\0xy"
+        # truncate(2) on a path (no handle): a complete change, journaled as a close.
+        await core.setattr(ino, size=3)
+        assert db_rows(tmp_path, "SELECT state, size, generation FROM inodes WHERE ino=?", (ino,)) == [(STAGED, 3, 3)]
+        await core.setattr(ino, size=8)
+        assert await read_all(core, ino) == b"\0\0\0\0\0\0\0\0"
+        with raises_errno(errno.EISDIR):
+            await core.setattr(ROOT_INO, size=0)
+
+    run(tmp_path, body)
+
+
+def test_read_only_open_with_trunc_is_a_complete_change(tmp_path: Path) -> None:
+    """Linux truncates on open(O_RDONLY | O_TRUNC); nothing will close it as a writer."""
+
+    async def body(core: BurstCore) -> None:
+        ino = await write_file(core, ROOT_INO, b"f", b"old bytes")
+        fh = await core.open(ino, os.O_RDONLY | os.O_TRUNC)
+        assert core.inode(ino).size == 0
+        assert db_rows(tmp_path, "SELECT state, size, generation FROM inodes WHERE ino=?", (ino,)) == [(STAGED, 0, 2)]
+        await core.release(fh)
+        assert await core.getxattr(ino, b"user.burstfs.state") == STAGED.encode()
+
+    run(tmp_path, body)
+
+
+def test_a_file_that_lost_a_write_is_incomplete_not_staged(tmp_path: Path) -> None:
+    """Tier full of undrained data: ENOSPC after the timeout, and the short file never drains."""
+
+    async def body(core: BurstCore) -> None:
+        await write_file(core, ROOT_INO, b"first", b"a" * 3000)  # not durable: nothing to evict
+        fh, inode = await core.create(ROOT_INO, b"second", 0o644, os.O_WRONLY, UID, GID)
+        await core.write(fh, 0, b"b" * 1000)
+        with raises_errno(errno.ENOSPC):
+            await core.write(fh, 1000, b"b" * 1000)
+        await core.flush(fh)
+        await core.release(fh)
+        row = db_rows(tmp_path, "SELECT state, size, error FROM inodes WHERE ino=?", (inode.ino,))
+        assert row == [(INCOMPLETE, 1000, "a write failed with ENOSPC")]
+        assert await core.getxattr(inode.ino, b"user.burstfs.error") == b"a write failed with ENOSPC"
+        # Emptied and written again in full, it is an ordinary closed file (also when it was
+        # empty already: O_TRUNC still counts).
+        fh = await core.open(inode.ino, os.O_WRONLY)
+        await core.setattr(inode.ino, size=0, fh=fh)
+        await core.release(fh)
+        assert db_rows(tmp_path, "SELECT state FROM inodes WHERE ino=?", (inode.ino,)) == [(STAGED,)]
+        fh = await core.open(inode.ino, os.O_WRONLY)
+        with raises_errno(errno.ENOSPC):
+            await core.write(fh, 0, b"b" * 5000)
+        await core.release(fh)
+        assert db_rows(tmp_path, "SELECT state FROM inodes WHERE ino=?", (inode.ino,)) == [(INCOMPLETE,)]
+        assert core.inode(inode.ino).size == 0
+        await core.unlink(ROOT_INO, b"first")  # frees its 3000 bytes
+        fh = await core.open(inode.ino, os.O_WRONLY | os.O_TRUNC)
+        await core.write(fh, 0, b"c" * 2000)
+        await core.release(fh)
+        assert db_rows(tmp_path, "SELECT state, size, error FROM inodes WHERE ino=?", (inode.ino,)) == [
+            (STAGED, 2000, None)
+        ]
+
+    run(tmp_path, body, CapacityPolicy(limit=4000, evict="none", full_timeout=0.2))
+
+
+def test_read_only_handle_cannot_write(tmp_path: Path) -> None:
+    async def body(core: BurstCore) -> None:
+        ino = await write_file(core, ROOT_INO, b"f", b"abc")
+        fh = await core.open(ino, os.O_RDONLY)
+        with raises_errno(errno.EBADF):
+            await core.write(fh, 0, b"x")
+        await core.release(fh)
+        with raises_errno(errno.EISDIR):
+            await core.open(ROOT_INO, os.O_RDONLY)
+
+    run(tmp_path, body)
+
+
+def test_rename_semantics(tmp_path: Path) -> None:
+    async def body(core: BurstCore) -> None:
+        a = await write_file(core, ROOT_INO, b"a", b"AAA")
+        b = await write_file(core, ROOT_INO, b"b", b"BBB")
+        # Replace a file: the target's inode goes away, the source takes the name.
+        await core.rename(ROOT_INO, b"a", ROOT_INO, b"b", 0)
+        assert core.child(ROOT_INO, b"b").ino == a
+        assert b not in core.inodes
+        assert not core.tier.path(b).exists()
+        with raises_errno(errno.ENOENT):
+            core.child(ROOT_INO, b"a")
+        assert await read_all(core, a) == b"AAA"
+        assert db_rows(tmp_path, "SELECT ino FROM inodes WHERE name=? AND parent=?", (b"b", ROOT_INO)) == [(a,)]
+
+        d1 = await core.mkdir(ROOT_INO, b"d1", 0o755, UID, GID)
+        d2 = await core.mkdir(ROOT_INO, b"d2", 0o755, UID, GID)
+        await write_file(core, d2.ino, b"inside", b"x")
+        # A directory may replace an empty directory, not a non-empty one.
+        with raises_errno(errno.ENOTEMPTY):
+            await core.rename(ROOT_INO, b"d1", ROOT_INO, b"d2", 0)
+        empty = await core.mkdir(ROOT_INO, b"empty", 0o755, UID, GID)
+        await core.rename(ROOT_INO, b"d1", ROOT_INO, b"empty", 0)
+        assert core.child(ROOT_INO, b"empty") is d1
+        assert empty.ino not in core.inodes or empty.parent == 0
+        # File over directory, directory over file.
+        with raises_errno(errno.EISDIR):
+            await core.rename(ROOT_INO, b"b", ROOT_INO, b"d2", 0)
+        with raises_errno(errno.ENOTDIR):
+            await core.rename(ROOT_INO, b"d2", ROOT_INO, b"b", 0)
+        # RENAME_NOREPLACE refuses an existing target; RENAME_EXCHANGE is not supported.
+        c = await write_file(core, ROOT_INO, b"c", b"C")
+        with raises_errno(errno.EEXIST):
+            await core.rename(ROOT_INO, b"c", ROOT_INO, b"b", RENAME_NOREPLACE)
+        await core.rename(ROOT_INO, b"c", ROOT_INO, b"c2", RENAME_NOREPLACE)
+        assert core.child(ROOT_INO, b"c2").ino == c
+        with raises_errno(errno.EINVAL):
+            await core.rename(ROOT_INO, b"c2", ROOT_INO, b"b", RENAME_EXCHANGE)
+        # A directory into its own subtree.
+        sub = await core.mkdir(d2.ino, b"sub", 0o755, UID, GID)
+        with raises_errno(errno.EINVAL):
+            await core.rename(ROOT_INO, b"d2", sub.ino, b"moved", 0)
+        with raises_errno(errno.EINVAL):
+            await core.rename(ROOT_INO, b"d2", d2.ino, b"self", 0)
+        # Moving a directory keeps its contents and fixes link counts.
+        root = core.inode(ROOT_INO)
+        links = root.nlink
+        await core.rename(ROOT_INO, b"d2", d1.ino, b"d2", 0)
+        assert core.child(d1.ino, b"d2") is d2
+        assert root.nlink == links - 1 and d1.nlink == 3
+        assert core.path_of(core.child(sub.ino, b"..")) == "empty/d2"
+        assert core.path_of(core.child(d2.ino, b"inside")) == "empty/d2/inside"
+        # Renaming onto itself is a no-op.
+        await core.rename(ROOT_INO, b"b", ROOT_INO, b"b", 0)
+        assert core.child(ROOT_INO, b"b").ino == a
+        with raises_errno(errno.ENOENT):
+            await core.rename(ROOT_INO, b"missing", ROOT_INO, b"x", 0)
+
+    run(tmp_path, body)
+    names = {n for (n,) in db_rows(tmp_path, "SELECT name FROM inodes WHERE parent != 0")}
+    assert names == {b"", b"b", b"c2", b"empty", b"d2", b"inside", b"sub"}
+
+
+def test_unlink_rmdir(tmp_path: Path) -> None:
+    async def body(core: BurstCore) -> None:
+        d = await core.mkdir(ROOT_INO, b"d", 0o755, UID, GID)
+        await write_file(core, d.ino, b"f", b"data")
+        with raises_errno(errno.ENOTEMPTY):
+            await core.rmdir(ROOT_INO, b"d")
+        with raises_errno(errno.EISDIR):
+            await core.unlink(ROOT_INO, b"d")
+        with raises_errno(errno.ENOTDIR):
+            await core.rmdir(d.ino, b"f")
+        await core.unlink(d.ino, b"f")
+        await core.rmdir(ROOT_INO, b"d")
+        with raises_errno(errno.ENOENT):
+            await core.unlink(ROOT_INO, b"d")
+        assert core.inode(ROOT_INO).children == {}
+
+    run(tmp_path, body)
+
+
+def test_unlink_while_open_then_release_destroys_data(tmp_path: Path) -> None:
+    async def body(core: BurstCore) -> None:
+        fh, inode = await core.create(ROOT_INO, b"tmp", 0o600, os.O_RDWR, UID, GID)
+        await core.write(fh, 0, b"still readable")
+        await core.unlink(ROOT_INO, b"tmp")
+        data_path = core.tier.path(inode.ino)
+        # Unlinked but open: the name is gone, the data is still there for the handle.
+        with raises_errno(errno.ENOENT):
+            core.child(ROOT_INO, b"tmp")
+        assert await core.read(fh, 0, 100) == b"still readable"
+        assert db_rows(tmp_path, "SELECT parent FROM inodes WHERE ino=?", (inode.ino,)) == [(0,)]
+        await core.flush(fh)  # nothing to publish: no name
+        await core.release(fh)
+        assert data_path.exists()  # the kernel still holds a lookup reference
+        core.forget(inode.ino, inode.lookups)
+        assert not data_path.exists()
+        assert inode.ino not in core.inodes
+        await core.committer.commit([])  # the queued row deletion is applied
+        assert db_rows(tmp_path, "SELECT * FROM inodes WHERE ino=?", (inode.ino,)) == []
+
+    run(tmp_path, body)
+
+
+def test_group_commit_batches_concurrent_creates(tmp_path: Path) -> None:
+    count = 200
+
+    async def body(core: BurstCore) -> tuple[int, int]:
+        before = core.committer.commits
+
+        async def one(i: int) -> None:
+            await write_file(core, ROOT_INO, f"rank{i:04d}".encode(), b"x" * i)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(count):
+                nursery.start_soon(one, i)
+        return core.committer.commits - before, len(core.inode(ROOT_INO).children or {})
+
+    commits, files = run(tmp_path, body)
+    assert files == count
+    # Each file needs two journal records (create, close): 400 without grouping.
+    assert commits < count // 4, commits
+    rows = db_rows(tmp_path, "SELECT COUNT(*), SUM(size) FROM inodes WHERE state=?", (STAGED,))
+    assert rows == [(count, sum(range(count)))]
+
+
+def test_recovery_rebuilds_namespace(tmp_path: Path) -> None:
+    async def first(core: BurstCore) -> dict[str, Any]:
+        d = await core.mkdir(ROOT_INO, b"ckpt", 0o750, UID, GID)
+        sub = await core.mkdir(d.ino, b"step_10", 0o755, UID, GID)
+        await write_file(core, sub.ino, b"rank0.pt", b"r0" * 1000)
+        await write_file(core, sub.ino, b"gone", b"bye")
+        await core.unlink(sub.ino, b"gone")
+        await write_file(core, d.ino, b"tmp", b"latest=10")
+        await core.rename(d.ino, b"tmp", d.ino, b"latest", 0)
+        await core.symlink(d.ino, b"current", b"step_10", UID, GID)
+        f = core.child(sub.ino, b"rank0.pt")
+        await core.setxattr(f.ino, b"user.step", b"10")
+        await core.setattr(f.ino, mode=0o600, mtime_ns=1_000_000_000_123)
+        # Left open for writing at the "crash": data written, never closed.
+        fh, open_file = await core.create(d.ino, b"partial", 0o644, os.O_WRONLY, UID, GID)
+        await core.write(fh, 0, b"half")
+        return {"open_ino": open_file.ino, "rank0": f.ino}
+
+    info = run(tmp_path, first)  # core.close() keeps the journal as it is: like a crash
+    orphan = tmp_path / "data" / f"{0xFFFFF:016x}"
+    orphan.write_bytes(b"no inode owns this")
+
+    async def second(core: BurstCore) -> None:
+        d = core.child(ROOT_INO, b"ckpt")
+        assert d.mode == stat.S_IFDIR | 0o750
+        assert set(d.children or {}) == {b"step_10", b"latest", b"current", b"partial"}
+        sub = core.child(d.ino, b"step_10")
+        assert set(sub.children or {}) == {b"rank0.pt"}
+        f = core.child(sub.ino, b"rank0.pt")
+        assert f.ino == info["rank0"]
+        assert (f.mode, f.mtime_ns, f.size) == (stat.S_IFREG | 0o600, 1_000_000_000_123, 2000)
+        assert await read_all(core, f.ino) == b"r0" * 1000
+        assert await core.getxattr(f.ino, b"user.step") == b"10"
+        assert await core.getxattr(f.ino, b"user.burstfs.state") == STAGED.encode()
+        assert await read_all(core, core.child(d.ino, b"latest").ino) == b"latest=10"
+        assert core.readlink(core.child(d.ino, b"current").ino) == b"step_10"
+        assert d.nlink == 3 and core.inode(ROOT_INO).nlink == 3
+        partial = core.child(d.ino, b"partial")
+        assert await core.getxattr(partial.ino, b"user.burstfs.state") == INCOMPLETE.encode()
+        # What reached the local tier is visible, so the incomplete file can be inspected.
+        assert partial.size == 4
+        assert await read_all(core, partial.ino) == b"half"
+        # New inode numbers do not collide with recovered ones.
+        fh, new = await core.create(ROOT_INO, b"new", 0o644, os.O_WRONLY, UID, GID)
+        await core.release(fh)
+        assert new.ino > max(info.values())
+
+    run(tmp_path, second)
+    assert not orphan.exists()
+    assert db_rows(tmp_path, "SELECT state FROM inodes WHERE ino=?", (info["open_ino"],)) == [(INCOMPLETE,)]
+    events = db_rows(tmp_path, "SELECT event FROM events WHERE ino=?", (info["open_ino"],))
+    assert ("incomplete",) in events
+
+
+def test_only_new_files_are_published_without_a_change(tmp_path: Path) -> None:
+    """Opening and closing a file that already has a journal state (here ``incomplete``,
+    as after a crash) publishes nothing; its first write is journaled before it lands,
+    and it stays incomplete until it is emptied and written again."""
+
+    async def crash_while_writing(core: BurstCore) -> int:
+        fh, inode = await core.create(ROOT_INO, b"partial", 0o644, os.O_WRONLY, UID, GID)
+        await core.write(fh, 0, b"half")
+        return inode.ino
+
+    ino = run(tmp_path, crash_while_writing)
+
+    async def reopen(core: BurstCore) -> None:
+        fh = await core.open(ino, os.O_RDWR)
+        await core.flush(fh)
+        await core.release(fh)
+        assert db_rows(tmp_path, "SELECT state FROM inodes WHERE ino=?", (ino,)) == [(INCOMPLETE,)]
+        assert await core.getxattr(ino, b"user.burstfs.error") == b"open for writing when the daemon stopped"
+        fh = await core.open(ino, os.O_RDWR)
+        await core.write(fh, 4, b"more")
+        assert db_rows(tmp_path, "SELECT state FROM inodes WHERE ino=?", (ino,)) == [(WRITING,)]
+        await core.release(fh)  # appending does not make up for what is missing
+        assert db_rows(tmp_path, "SELECT state FROM inodes WHERE ino=?", (ino,)) == [(INCOMPLETE,)]
+        fh = await core.open(ino, os.O_RDWR)
+        await core.write(fh, 8, b"!")
+        # The daemon dies here, while the file is open for writing.
+
+    run(tmp_path, reopen)
+
+    async def restart(core: BurstCore) -> None:
+        assert core.inode(ino).size == 9
+        assert await read_all(core, ino) == b"halfmore!"
+        fh = await core.open(ino, os.O_WRONLY | os.O_TRUNC)  # rewritten in full: complete
+        await core.write(fh, 0, b"whole")
+        await core.release(fh)
+        assert db_rows(tmp_path, "SELECT state, error FROM inodes WHERE ino=?", (ino,)) == [(STAGED, None)]
+
+    run(tmp_path, restart)
+
+
+def test_recovery_drops_unlinked_open_files(tmp_path: Path) -> None:
+    async def first(core: BurstCore) -> int:
+        fh, inode = await core.create(ROOT_INO, b"scratch", 0o600, os.O_RDWR, UID, GID)
+        await core.write(fh, 0, b"x" * 100)
+        await core.unlink(ROOT_INO, b"scratch")
+        return inode.ino  # never released: the daemon "dies" here
+
+    ino = run(tmp_path, first)
+    assert (tmp_path / "data" / f"{ino:016x}").exists()
+
+    async def second(core: BurstCore) -> None:
+        assert ino not in core.inodes
+        assert core.inode(ROOT_INO).children == {}
+
+    run(tmp_path, second)
+    assert not (tmp_path / "data" / f"{ino:016x}").exists()
+    assert db_rows(tmp_path, "SELECT * FROM inodes WHERE ino=?", (ino,)) == []
+
+
+def test_names(tmp_path: Path) -> None:
+    async def body(core: BurstCore) -> None:
+        long = b"n" * 256
+        with raises_errno(errno.ENAMETOOLONG):
+            await core.create(ROOT_INO, long, 0o644, os.O_WRONLY, UID, GID)
+        with raises_errno(errno.ENAMETOOLONG):
+            await core.mkdir(ROOT_INO, long, 0o755, UID, GID)
+        with raises_errno(errno.ENAMETOOLONG):
+            await core.symlink(ROOT_INO, long, b"t", UID, GID)
+        with raises_errno(errno.ENAMETOOLONG):
+            await core.lookup(ROOT_INO, long)
+        await write_file(core, ROOT_INO, b"ok", b"")
+        with raises_errno(errno.ENAMETOOLONG):
+            await core.rename(ROOT_INO, b"ok", ROOT_INO, long, 0)
+        assert core.child(ROOT_INO, b"ok")  # the failed rename changed nothing
+        max_name = b"m" * 255
+        await write_file(core, ROOT_INO, max_name, b"fits")
+        assert (await core.lookup(ROOT_INO, max_name)).size == 4
+        with raises_errno(errno.EEXIST):
+            await core.create(ROOT_INO, max_name, 0o644, os.O_WRONLY, UID, GID)
+        with raises_errno(errno.EEXIST):
+            await core.mkdir(ROOT_INO, b"ok", 0o755, UID, GID)
+        with raises_errno(errno.ENOTDIR):
+            await core.create(core.child(ROOT_INO, b"ok").ino, b"x", 0o644, os.O_WRONLY, UID, GID)
+        # Only regular files, directories and symlinks.
+        with raises_errno(errno.EPERM):
+            await core.create(ROOT_INO, b"fifo", stat.S_IFIFO | 0o644, os.O_WRONLY, UID, GID)
+        assert set(core.inode(ROOT_INO).children or {}) == {b"ok", max_name}
+
+    run(tmp_path, body)
+
+
+def test_xattrs(tmp_path: Path) -> None:
+    async def body(core: BurstCore) -> None:
+        ino = await write_file(core, ROOT_INO, b"f", b"abc")
+        await core.setxattr(ino, b"user.step", b"42")
+        await core.setxattr(ino, b"user.step", b"43")  # replace
+        await core.setxattr(ino, b"user.empty", b"")
+        assert await core.getxattr(ino, b"user.step") == b"43"
+        assert await core.getxattr(ino, b"user.empty") == b""
+        assert set(core.listxattr(ino)) == {b"user.step", b"user.empty", b"user.burstfs.state"}
+        with raises_errno(errno.ENODATA):
+            await core.getxattr(ino, b"user.missing")
+        # Only the user namespace; burstfs' own attributes are read-only.
+        for name in (b"trusted.x", b"security.x", b"system.x"):
+            with raises_errno(errno.ENOTSUP):
+                await core.setxattr(ino, name, b"1")
+        with raises_errno(errno.EPERM):
+            await core.setxattr(ino, b"user.burstfs.state", b"durable")
+        with raises_errno(errno.EPERM):
+            await core.removexattr(ino, b"user.burstfs.state")
+        assert await core.getxattr(ino, b"user.burstfs.state") == b"staged"
+        assert await core.getxattr(ino, b"user.burstfs.generation") == b"1"
+        with raises_errno(errno.ENODATA):
+            await core.getxattr(ino, b"user.burstfs.remote_key")  # not drained
+        with raises_errno(errno.ENODATA):
+            await core.getxattr(ino, b"user.burstfs.nonsense")
+        await core.removexattr(ino, b"user.step")
+        with raises_errno(errno.ENODATA):
+            await core.removexattr(ino, b"user.step")
+        # Directories take user xattrs too; they have no drain state.
+        await core.setxattr(ROOT_INO, b"user.dir", b"yes")
+        assert await core.getxattr(ROOT_INO, b"user.dir") == b"yes"
+        assert core.listxattr(ROOT_INO) == [b"user.dir"]
+        with raises_errno(errno.ENODATA):
+            await core.getxattr(ROOT_INO, b"user.burstfs.state")
+        # While a file is being written its state says so.
+        fh = await core.open(ino, os.O_WRONLY)
+        await core.write(fh, 3, b"d")
+        assert await core.getxattr(ino, b"user.burstfs.state") == b"writing"
+        await core.release(fh)
+        assert await core.getxattr(ino, b"user.burstfs.generation") == b"2"
+
+    run(tmp_path, body)
+    assert db_rows(tmp_path, "SELECT name, value FROM xattrs ORDER BY name") == [
+        (b"user.dir", b"yes"), (b"user.empty", b""),
+    ]  # fmt: skip
+
+
+def test_readdir_snapshot_and_statfs(tmp_path: Path) -> None:
+    async def body(core: BurstCore) -> None:
+        for i in range(50):
+            await core.mkdir(ROOT_INO, f"d{i}".encode(), 0o755, UID, GID)
+        fh = await core.opendir(ROOT_INO)
+        first = core.readdir(fh, 0)
+        assert [n for n, _ in first] == [f"d{i}".encode() for i in range(50)]
+        assert [n for n, _ in core.readdir(fh, 45)] == [f"d{i}".encode() for i in range(45, 50)]
+        # Removed entries disappear from an open listing instead of pointing at nothing.
+        await core.rmdir(ROOT_INO, b"d47")
+        core.forget(first[47][1].ino, first[47][1].lookups)
+        assert [n for n, _ in core.readdir(fh, 45)] == [b"d45", b"d46", b"d48", b"d49"]
+        core.releasedir(fh)
+        plain = await write_file(core, ROOT_INO, b"plain", b"")
+        with raises_errno(errno.ENOTDIR):
+            await core.opendir(plain)
+        fs = core.statfs()
+        st = os.statvfs(tmp_path)
+        assert fs.block_size == st.f_frsize and fs.blocks == st.f_blocks and fs.name_max == 255
+
+    run(tmp_path, body)
+
+
+def test_umask_free_modes_and_setgid_dirs(tmp_path: Path) -> None:
+    async def body(core: BurstCore) -> None:
+        d = await core.mkdir(ROOT_INO, b"shared", 0o2775, UID, 1234)
+        fh, f = await core.create(d.ino, b"f", 0o664, os.O_WRONLY, UID, GID)
+        await core.release(fh)
+        sub = await core.mkdir(d.ino, b"sub", 0o755, UID, GID)
+        assert f.gid == 1234 and sub.gid == 1234
+        assert sub.mode & stat.S_ISGID
+        await core.setattr(f.ino, uid=1000, gid=1001, atime_ns=5, mtime_ns=7)
+        assert (f.uid, f.gid, f.atime_ns, f.mtime_ns) == (1000, 1001, 5, 7)
+        assert db_rows(tmp_path, "SELECT uid, gid, atime_ns, mtime_ns FROM inodes WHERE ino=?", (f.ino,)) == [
+            (1000, 1001, 5, 7)
+        ]
+
+    run(tmp_path, body)

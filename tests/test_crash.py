@@ -1,0 +1,198 @@
+"""Crash safety: kill -9 the daemon, mount the same cache again, nothing closed is lost.
+
+Tenet 1: when close() returns, the bytes are on the local tier and in the
+journal.  These tests write a realistic tree, kill the daemon without warning,
+remount, and compare the whole namespace and every closed file's sha256.
+Files that were open for writing come back flagged ``incomplete``.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import signal
+import sqlite3
+import stat
+import time
+from pathlib import Path
+
+import pytest
+from conftest import MountedFS, force_unmount
+
+pytestmark = pytest.mark.fuse
+
+MiB = 1 << 20
+
+
+def snapshot(root: Path, skip: frozenset[str] = frozenset()) -> dict[str, tuple[object, ...]]:
+    """Every entry under ``root``: type, mode, and size + sha256 or link target."""
+    tree: dict[str, tuple[object, ...]] = {}
+    for top, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(top) / name
+            rel = str(path.relative_to(root))
+            if rel in skip:
+                continue
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                tree[rel] = ("link", os.readlink(path))
+            elif stat.S_ISDIR(st.st_mode):
+                tree[rel] = ("dir", stat.S_IMODE(st.st_mode))
+            else:
+                digest = hashlib.sha256(path.read_bytes()).hexdigest()
+                tree[rel] = ("file", stat.S_IMODE(st.st_mode), st.st_size, digest)
+    return tree
+
+
+def journal_state(cache: Path, name: str) -> list[str]:
+    db = sqlite3.connect(cache / "journal.db")
+    try:
+        return [s for (s,) in db.execute("SELECT state FROM inodes WHERE name=?", (name.encode(),))]
+    finally:
+        db.close()
+
+
+def _wait_gone(pid: int) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"pid {pid} survived SIGKILL")
+
+
+def wait_for_tier_size(cache: Path, ino: int, size: int) -> None:
+    """Wait until ``size`` bytes of inode ``ino`` reached the daemon's local tier."""
+    data = cache / "data" / f"{ino:016x}"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if data.exists() and data.stat().st_size == size:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{data} never reached {size} bytes")
+
+
+def test_kill_9_loses_nothing_closed(burst: MountedFS) -> None:
+    root = burst.path
+    sizes = {"empty": 0, "one": 1, "page_less": 4095, "page": 4096, "odd": MiB + 3, "big": 20 * MiB}
+    (root / "ckpt" / "step_10").mkdir(parents=True)
+    (root / "ckpt" / "step_20").mkdir(parents=True)
+    (root / "logs" / "deep" / "er").mkdir(parents=True)
+    for i, (name, size) in enumerate(sizes.items()):
+        data = (hashlib.sha256(name.encode()).digest() * (size // 32 + 1))[:size]
+        (root / "ckpt" / "step_10" / f"{name}.bin").write_bytes(data)
+        (root / "logs" / "deep" / "er" / f"{i}.txt").write_bytes(data[:1000])
+    # Renames: a file, a file over another (atomic replace), a directory.
+    os.rename(root / "ckpt" / "step_10" / "one.bin", root / "ckpt" / "step_20" / "one.bin")
+    (root / "ckpt" / "latest.tmp").write_bytes(b"step_10")
+    (root / "ckpt" / "latest").write_bytes(b"step_0")
+    os.replace(root / "ckpt" / "latest.tmp", root / "ckpt" / "latest")
+    os.rename(root / "logs" / "deep", root / "logs" / "moved")
+    # Deletes: a file, a directory.
+    os.unlink(root / "ckpt" / "step_10" / "page.bin")
+    (root / "gone").mkdir()
+    os.rmdir(root / "gone")
+    os.symlink("ckpt/step_10", root / "current")
+    os.chmod(root / "ckpt" / "step_10" / "odd.bin", 0o600)
+    # A closed file rewritten in place and closed again.
+    with open(root / "ckpt" / "step_10" / "page_less.bin", "r+b") as f:
+        f.write(b"REWRITTEN")
+    # A file being written when the daemon dies (its bytes pushed to the daemon).
+    partial = b"P" * (3 * MiB)
+    open_fd = os.open(root / "ckpt" / "step_20" / "partial.bin", os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(open_fd, partial)
+    open_ino = os.fstat(open_fd).st_ino
+    os.posix_fadvise(open_fd, 0, 0, os.POSIX_FADV_DONTNEED)  # start writeback to the daemon
+    wait_for_tier_size(burst.cache, open_ino, len(partial))
+    assert os.getxattr(root / "ckpt" / "step_20" / "partial.bin", "user.burstfs.state") == b"writing"
+
+    before = snapshot(root, skip=frozenset({"ckpt/step_20/partial.bin"}))
+    assert before["ckpt/latest"][3] == hashlib.sha256(b"step_10").hexdigest()
+    assert len([k for k, v in before.items() if v[0] == "file"]) == len(sizes) * 2  # +latest -page.bin
+
+    burst.kill()
+    try:
+        os.close(open_fd)
+    except OSError:
+        pass  # the connection is gone: close may report it
+    assert journal_state(burst.cache, "partial.bin") == ["writing"]
+
+    burst.mount()
+    after = snapshot(root, skip=frozenset({"ckpt/step_20/partial.bin"}))
+    assert after == before
+    # The file that was open: present, flagged incomplete, with the bytes that reached the tier.
+    p = root / "ckpt" / "step_20" / "partial.bin"
+    assert journal_state(burst.cache, "partial.bin") == ["incomplete"]
+    assert os.getxattr(p, "user.burstfs.state") == b"incomplete"
+    assert os.getxattr(p, "user.burstfs.error") == b"open for writing when the daemon stopped"
+    assert p.read_bytes() == partial
+    # Closed files are not incomplete.
+    closed = ("staged", "draining", "durable")
+    assert journal_state(burst.cache, "big.bin")[0] in closed
+    assert journal_state(burst.cache, "empty.bin")[0] in closed
+    assert os.getxattr(root / "ckpt" / "step_10" / "big.bin", "user.burstfs.state").decode() in closed
+    # Appending does not make it whole; rewriting it from empty does.
+    with open(p, "ab") as f:
+        f.write(b"+")
+    assert os.getxattr(p, "user.burstfs.state") == b"incomplete"
+    p.write_bytes(b"complete now")
+    assert os.getxattr(p, "user.burstfs.state").decode() in closed
+    assert p.read_bytes() == b"complete now"
+    burst.unmount()
+    burst.mount()
+    assert snapshot(root, skip=frozenset({"ckpt/step_20/partial.bin"})) == before
+    assert p.read_bytes() == b"complete now"
+
+
+def test_kill_9_after_a_thousand_small_files(burst: MountedFS) -> None:
+    d = burst.path / "shards"
+    d.mkdir()
+    expected = {f"{i:04d}.pt": f"shard {i} ".encode() * (i % 7 + 1) for i in range(1000)}
+    for name, data in expected.items():
+        with open(d / name, "wb") as f:
+            f.write(data)
+    burst.kill()
+    burst.mount()
+    assert sorted(os.listdir(d)) == sorted(expected)
+    for name, data in expected.items():
+        assert (d / name).read_bytes() == data, name
+    db = sqlite3.connect(burst.cache / "journal.db")
+    try:
+        states = dict(db.execute("SELECT state, COUNT(*) FROM inodes WHERE kind='file' GROUP BY state"))
+    finally:
+        db.close()
+    assert "incomplete" not in states and "writing" not in states
+    assert sum(states.values()) == 1000
+
+
+def test_kill_9_with_unlinked_open_file_and_replaced_target(burst: MountedFS) -> None:
+    root = burst.path
+    (root / "keep").write_bytes(b"keep")
+    scratch = open(root / "scratch", "w+b")  # noqa: SIM115 (open when the daemon dies)
+    scratch.write(b"s" * 100_000)
+    scratch.flush()
+    os.unlink(root / "scratch")
+    (root / "new").write_bytes(b"new")
+    reader = open(root / "keep", "rb")  # noqa: SIM115 (open when the daemon dies)
+    os.replace(root / "new", root / "keep")  # replaced while a reader holds it open
+    pid = burst.daemon_pid()
+    os.kill(pid, signal.SIGKILL)
+    _wait_gone(pid)
+    with pytest.raises(OSError) as dead:  # until unmounted, the mount point says so
+        os.stat(root / "keep")
+    assert dead.value.errno == errno.ENOTCONN
+    force_unmount(root)
+    for f in (scratch, reader):
+        try:
+            f.close()
+        except OSError:
+            pass
+    burst.mount()
+    assert sorted(os.listdir(root)) == ["keep"]
+    assert (root / "keep").read_bytes() == b"new"
+    # Only the live file's data remains on the local tier.
+    data_files = sorted(p.read_bytes() for p in (burst.cache / "data").iterdir())
+    assert data_files == [b"new"]

@@ -1,0 +1,734 @@
+"""The POSIX surface of a real mount: what programs see through the kernel.
+
+Each test runs against a fresh ``burstfs mount`` (fixture ``burst``) and checks
+values and errnos as a program sees them, including the requests checkpoint
+writers rarely make (O_DIRECT, FIFOs, hard links) which must fail cleanly
+without taking the daemon down.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import mmap
+import multiprocessing
+import os
+import stat
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import MountedFS
+
+pytestmark = pytest.mark.fuse
+
+NOBODY = 65534
+SYSTEM_PYTHON = "/usr/bin/python3"  # readable by nobody, unlike a venv under /root
+# States of a file whose last close is journaled (the drain moves it along them).
+CLOSED = (b"staged", b"draining", b"durable")
+
+
+def oserror(code: int) -> pytest.RaisesContext[OSError]:
+    return pytest.raises(OSError, match=rf"^\[Errno {code}\]")
+
+
+# -- create, open flags, read, write ----------------------------------------------------
+
+
+def test_create_exclusive_trunc_append(burst: MountedFS) -> None:
+    p = burst.path / "f"
+    fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    os.write(fd, b"0123456789")
+    os.close(fd)
+    with oserror(errno.EEXIST):
+        os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    # O_CREAT without O_EXCL opens the existing file and keeps its data.
+    fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o644)
+    assert os.read(fd, 100) == b"0123456789"
+    os.close(fd)
+    # O_APPEND: every write goes to the end, whatever the offset.
+    fd = os.open(p, os.O_WRONLY | os.O_APPEND)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, b"ab")
+    other = os.open(p, os.O_WRONLY | os.O_APPEND)
+    os.write(other, b"cd")
+    os.write(fd, b"ef")
+    os.close(other)
+    os.close(fd)
+    assert p.read_bytes() == b"0123456789abcdef"
+    # O_TRUNC empties it.
+    fd = os.open(p, os.O_WRONLY | os.O_TRUNC)
+    assert os.fstat(fd).st_size == 0
+    os.write(fd, b"new")
+    os.close(fd)
+    assert p.read_bytes() == b"new"
+    # Linux truncates on O_RDONLY | O_TRUNC as well; that is a complete change, journaled at once.
+    os.close(os.open(p, os.O_RDONLY | os.O_TRUNC))
+    assert p.stat().st_size == 0
+    assert os.getxattr(p, "user.burstfs.state") in CLOSED
+    # The mode asked for, minus the umask.
+    old = os.umask(0o027)
+    try:
+        q = burst.path / "masked"
+        os.close(os.open(q, os.O_CREAT | os.O_WRONLY, 0o666))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(q.stat().st_mode) == 0o640
+    with oserror(errno.ENOENT):
+        os.open(burst.path / "missing", os.O_RDONLY)
+    with oserror(errno.ENOENT):
+        os.open(burst.path / "nodir" / "f", os.O_CREAT | os.O_WRONLY)
+
+
+def test_read_write_any_offset_and_holes(burst: MountedFS) -> None:
+    p = burst.path / "sparse"
+    with open(p, "wb") as f:
+        f.write(b"head")
+        f.seek(10 << 20)
+        f.write(b"tail")
+    assert p.stat().st_size == (10 << 20) + 4
+    with open(p, "rb") as f:
+        assert f.read(4) == b"head"
+        f.seek(5 << 20)
+        assert f.read(1 << 20) == bytes(1 << 20)  # holes read as zeros
+        f.seek((10 << 20) - 2)
+        assert f.read(100) == b"\0\0tail"
+        assert f.read(100) == b""  # at EOF
+    # Overwrite in the middle, through pwrite, on a reopened file.
+    fd = os.open(p, os.O_RDWR)
+    try:
+        assert os.pwrite(fd, b"MID", 3 << 20) == 3
+        assert os.pread(fd, 5, (3 << 20) - 1) == b"\0MID\0"
+        assert os.pread(fd, 10, 1 << 30) == b""
+    finally:
+        os.close(fd)
+    data = p.read_bytes()
+    assert len(data) == (10 << 20) + 4
+    assert data[:4] == b"head" and data[3 << 20 : (3 << 20) + 3] == b"MID" and data[-4:] == b"tail"
+    assert data.count(0) == len(data) - 11
+
+
+def test_large_file_round_trip(burst: MountedFS) -> None:
+    payload = os.urandom(1 << 20) * 24 + os.urandom(12345)  # 24 MiB + odd tail
+    p = burst.path / "big.bin"
+    with open(p, "wb") as f:
+        for i in range(0, len(payload), 3 << 20):
+            f.write(payload[i : i + (3 << 20)])
+    assert hashlib.sha256(p.read_bytes()).digest() == hashlib.sha256(payload).digest()
+    # The local tier holds exactly these bytes (one data file per inode).
+    staged = [e for e in (burst.cache / "data").iterdir() if e.stat().st_size == len(payload)]
+    assert len(staged) == 1 and staged[0].read_bytes() == payload
+
+
+def test_truncate_grow_and_shrink(burst: MountedFS) -> None:
+    p = burst.path / "t"
+    p.write_bytes(b"abcdefgh")
+    os.truncate(p, 3)
+    assert p.read_bytes() == b"abc"
+    os.truncate(p, 6)
+    assert p.read_bytes() == b"abc\0\0\0"
+    with open(p, "r+b") as f:
+        f.truncate(1)
+        assert os.fstat(f.fileno()).st_size == 1
+        f.seek(0, os.SEEK_END)
+        f.write(b"Z")
+        f.truncate(4)
+    assert p.read_bytes() == b"aZ\0\0"
+    os.truncate(p, 0)
+    assert p.stat().st_size == 0 and p.read_bytes() == b""
+    with oserror(errno.EISDIR):
+        os.truncate(burst.path, 0)
+
+
+def test_fsync_and_fdatasync_journal_before_close(burst: MountedFS) -> None:
+    p = burst.path / "synced"
+    fd = os.open(p, os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, b"x" * 100_000)
+        os.fsync(fd)
+        # fsync journaled the file as closed (staged, then drained) while fd is still open.
+        assert os.getxattr(p, "user.burstfs.state") in CLOSED
+        assert os.getxattr(p, "user.burstfs.generation") == b"1"
+        os.write(fd, b"y")
+        os.fdatasync(fd)
+        assert os.getxattr(p, "user.burstfs.generation") == b"2"
+    finally:
+        os.close(fd)
+    assert p.read_bytes() == b"x" * 100_000 + b"y"
+    # An fsync with nothing new, and fsync of a directory, succeed.
+    fd = os.open(p, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    dfd = os.open(burst.path, os.O_RDONLY | os.O_DIRECTORY)
+    os.fsync(dfd)
+    os.close(dfd)
+
+
+def test_stat_during_and_after_writes(burst: MountedFS) -> None:
+    p = burst.path / "growing"
+    before = time.time_ns()
+    fd = os.open(p, os.O_CREAT | os.O_WRONLY, 0o640)
+    try:
+        st = os.fstat(fd)
+        assert st.st_size == 0 and stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o640
+        assert st.st_uid == os.getuid() and st.st_nlink == 1
+        for n in range(1, 4):
+            os.write(fd, b"z" * 1000)
+            assert os.fstat(fd).st_size == 1000 * n
+            assert p.stat().st_size == 1000 * n  # by path, before close
+        assert p.stat().st_mtime_ns >= before - 1_000_000_000
+    finally:
+        os.close(fd)
+    st = p.stat()
+    assert st.st_size == 3000 and st.st_blksize >= 4096
+    assert before - 1_000_000_000 <= st.st_mtime_ns <= time.time_ns() + 1_000_000_000
+    # A directory's mtime moves when an entry is added.
+    d = burst.path / "dir"
+    d.mkdir()
+    os.utime(d, ns=(1, 1))
+    (d / "new").write_bytes(b"")
+    assert d.stat().st_mtime_ns > 1
+
+
+def test_chmod_chown_utimens_survive_remount(burst: MountedFS) -> None:
+    p = burst.path / "attrs"
+    p.write_bytes(b"data")
+    os.chmod(p, 0o600)
+    os.chown(p, 1234, 5678)
+    os.utime(p, ns=(1_600_000_000_123_456_789, 1_500_000_000_987_654_321))
+    d = burst.path / "d"
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o1777)
+
+    def check() -> None:
+        st = p.stat()
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        assert (st.st_uid, st.st_gid) == (1234, 5678)
+        assert st.st_atime_ns == 1_600_000_000_123_456_789
+        assert st.st_mtime_ns == 1_500_000_000_987_654_321
+        assert stat.S_IMODE(d.stat().st_mode) == 0o1777
+
+    check()
+    (burst.path / "plain").write_bytes(b"x")
+    mtime_written = (burst.path / "plain").stat().st_mtime_ns
+    burst.unmount()
+    burst.mount()
+    check()
+    assert (burst.path / "plain").stat().st_mtime_ns == mtime_written
+
+
+# -- names: rename, unlink, directories, symlinks ---------------------------------------
+
+
+def test_rename_files_and_directories(burst: MountedFS) -> None:
+    root = burst.path
+    (root / "a").write_bytes(b"A")
+    os.rename(root / "a", root / "b")
+    assert not (root / "a").exists() and (root / "b").read_bytes() == b"A"
+    (root / "d1" / "sub").mkdir(parents=True)
+    (root / "d1" / "sub" / "f").write_bytes(b"F")
+    os.rename(root / "d1", root / "d2")
+    assert (root / "d2" / "sub" / "f").read_bytes() == b"F"
+    (root / "other").mkdir()
+    os.rename(root / "d2" / "sub", root / "other" / "moved")
+    assert (root / "other" / "moved" / "f").read_bytes() == b"F"
+    assert os.listdir(root / "d2") == []
+    # Directory over an empty directory: fine; over a non-empty one: ENOTEMPTY.
+    with oserror(errno.ENOTEMPTY):
+        os.rename(root / "d2", root / "other")
+    (root / "empty").mkdir()
+    os.rename(root / "d2", root / "empty")
+    assert not (root / "d2").exists() and (root / "empty").is_dir()
+    with oserror(errno.EISDIR):
+        os.rename(root / "b", root / "empty")
+    with oserror(errno.ENOTDIR):
+        os.rename(root / "empty", root / "b")
+    with oserror(errno.EINVAL):
+        os.rename(root / "other", root / "other" / "moved" / "inside")
+    with oserror(errno.ENOENT):
+        os.rename(root / "nothing", root / "x")
+    assert sorted(os.listdir(root)) == ["b", "empty", "other"]
+    assert root.stat().st_nlink == 4  # ., .. and two subdirectories
+
+
+def test_atomic_replace_keeps_old_data_for_open_readers(burst: MountedFS) -> None:
+    target = burst.path / "latest"
+    target.write_bytes(b"step-1")
+    reader = open(target, "rb")  # noqa: SIM115 (held open across the replace)
+    try:
+        tmp = burst.path / ".latest.tmp"
+        with open(tmp, "wb") as f:
+            f.write(b"step-2")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        assert target.read_bytes() == b"step-2"
+        assert not tmp.exists()
+        assert reader.read() == b"step-1"  # the replaced file lives on for its reader
+    finally:
+        reader.close()
+    assert sorted(os.listdir(burst.path)) == ["latest"]
+    assert os.getxattr(target, "user.burstfs.state") in CLOSED
+
+
+def test_unlink_open_file_and_rmdir(burst: MountedFS) -> None:
+    p = burst.path / "scratch"
+    with open(p, "w+b") as f:
+        f.write(b"still here")
+        os.unlink(p)
+        assert not p.exists()
+        f.seek(0)
+        assert f.read() == b"still here"
+        f.write(b" and more")
+        f.seek(0)
+        assert f.read() == b"still here and more"
+    assert os.listdir(burst.path) == []
+    with oserror(errno.ENOENT):
+        os.unlink(p)
+    d = burst.path / "d"
+    d.mkdir()
+    (d / "f").write_bytes(b"")
+    with oserror(errno.ENOTEMPTY):
+        os.rmdir(d)
+    with oserror(errno.EISDIR):
+        os.unlink(d)
+    with oserror(errno.ENOTDIR):
+        os.rmdir(d / "f")
+    os.unlink(d / "f")
+    os.rmdir(d)
+    os.mkdir(burst.path / "x")
+    with oserror(errno.EEXIST):
+        os.mkdir(burst.path / "x")
+    os.rmdir(burst.path / "x")
+    # Nothing of the removed files is left on the local tier once closed.
+    deadline = time.monotonic() + 10
+    while any((burst.cache / "data").iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list((burst.cache / "data").iterdir()) == []
+
+
+def test_deep_makedirs(burst: MountedFS) -> None:
+    parts = [f"level{i:02d}" for i in range(60)]
+    deep = burst.path.joinpath(*parts)
+    os.makedirs(deep)
+    os.makedirs(deep, exist_ok=True)
+    (deep / "leaf.bin").write_bytes(b"leaf")
+    walked = [(Path(top).relative_to(burst.path), files) for top, _, files in os.walk(burst.path)]
+    assert len(walked) == 61
+    assert walked[-1] == (Path(*parts), ["leaf.bin"])
+    with oserror(errno.EEXIST):
+        os.makedirs(deep)
+    with oserror(errno.ENOTDIR):
+        os.makedirs(deep / "leaf.bin" / "below")
+
+
+def test_readdir_ten_thousand_entries(burst: MountedFS) -> None:
+    """Every name comes back, once.  The entries are directories: they do not drain,
+    so the test time is the listing's, not the drain's."""
+    d = burst.path / "many"
+    d.mkdir()
+    names = [f"shard_{i:05d}" for i in range(10_000)]
+
+    def create(chunk: list[str]) -> None:
+        for name in chunk:
+            os.mkdir(d / name)
+
+    threads = [threading.Thread(target=create, args=(names[i::8],)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (d / "plain.bin").write_bytes(b"a file among them")
+    assert sorted(os.listdir(d)) == sorted(names + ["plain.bin"])
+    with os.scandir(d) as it:
+        entries = {e.name: e.is_dir(follow_symlinks=False) for e in it}
+    assert len(entries) == 10_001 and sum(entries.values()) == 10_000 and not entries["plain.bin"]
+    assert d.stat().st_nlink == 10_002
+    for name in names[::2]:
+        os.rmdir(d / name)
+    assert sorted(os.listdir(d)) == sorted(names[1::2] + ["plain.bin"])
+
+
+def test_symlinks(burst: MountedFS) -> None:
+    (burst.path / "step_100").mkdir()
+    (burst.path / "step_100" / "model.pt").write_bytes(b"weights")
+    os.symlink("step_100", burst.path / "latest")
+    link = burst.path / "latest"
+    assert os.readlink(link) == "step_100"
+    assert stat.S_ISLNK(os.lstat(link).st_mode)
+    assert (link / "model.pt").read_bytes() == b"weights"
+    os.symlink("/nowhere/at/all", burst.path / "dangling")
+    assert os.readlink(burst.path / "dangling") == "/nowhere/at/all"
+    with oserror(errno.ENOENT):
+        os.stat(burst.path / "dangling")
+    with oserror(errno.EEXIST):
+        os.symlink("x", link)
+    with oserror(errno.EINVAL):
+        os.readlink(burst.path / "step_100")
+    os.rename(link, burst.path / "current")
+    assert os.readlink(burst.path / "current") == "step_100"
+    os.unlink(burst.path / "current")
+    assert (burst.path / "step_100" / "model.pt").exists()
+
+
+def _wait_state(path: Path, states: tuple[bytes, ...], timeout: float = 20) -> bytes:
+    deadline = time.monotonic() + timeout
+    while (state := os.getxattr(path, "user.burstfs.state")) not in states:
+        assert time.monotonic() < deadline, f"{path} still {state!r}"
+        time.sleep(0.02)
+    return state
+
+
+def test_fsync_remote_waits_until_durable_or_fails_with_eio(mounted_factory: type[MountedFS]) -> None:
+    fs = mounted_factory(extra_args=("--fsync", "remote"))  # type: ignore[call-arg]
+    fs.mount()
+    p = fs.path / "model.pt"
+    with open(p, "wb") as f:
+        f.write(b"w" * 300_000)
+        f.flush()
+        os.fsync(f.fileno())
+        assert os.getxattr(p, "user.burstfs.state") == b"durable"  # no waiting needed
+    assert (fs.remote_dir / "model.pt").read_bytes() == b"w" * 300_000
+    # A remote that cannot take the file: fsync says so instead of pretending.
+    fs.remote_dir.rename(fs.root / "remote.moved")
+    fs.remote_dir.write_bytes(b"not a directory any more")
+    fs.expect_log("event=request_failed op=fsync")
+    q = fs.path / "optim.pt"
+    with open(q, "wb") as f:
+        f.write(b"o" * 1000)
+        f.flush()
+        with oserror(errno.EIO):
+            os.fsync(f.fileno())
+    assert os.getxattr(q, "user.burstfs.state") == b"staged"  # kept, to drain later
+    assert q.read_bytes() == b"o" * 1000
+
+
+def test_tier_full_of_undrained_data_is_enospc_and_the_short_file_never_drains(
+    mounted_factory: type[MountedFS],
+) -> None:
+    fs = mounted_factory(extra_args=("--cache-size", "4M", "--evict", "none", "--full-timeout", "1"))  # type: ignore[call-arg]
+    fs.mount()
+    fs.expect_log("event=tier_full")
+    fs.expect_log("event=request_failed")
+    vfs = os.statvfs(fs.path)
+    assert vfs.f_blocks * vfs.f_frsize == 4 << 20  # statfs shows the tier burstfs may use
+    (fs.path / "first.bin").write_bytes(b"1" * (3 << 20))
+    _wait_state(fs.path / "first.bin", (b"durable",))
+    second = fs.path / "second.bin"
+    f = open(second, "wb")  # noqa: SIM115 (its close is what fails)
+    f.write(b"2" * (3 << 20))  # lands in the page cache; the tier refuses it on write-back
+    with oserror(errno.ENOSPC):
+        f.close()
+    assert os.getxattr(second, "user.burstfs.state") == b"incomplete"
+    assert b"ENOSPC" in os.getxattr(second, "user.burstfs.error")
+    # The first file is untouched; deleting the short one makes room again.
+    assert (fs.path / "first.bin").read_bytes() == b"1" * (3 << 20)
+    os.unlink(second)
+    (fs.path / "third.bin").write_bytes(b"3" * (512 << 10))
+    _wait_state(fs.path / "third.bin", (b"durable",))
+    assert not (fs.remote_dir / "second.bin").exists()
+    assert sorted(p.name for p in fs.remote_dir.iterdir() if p.name != ".burstfs") == ["first.bin", "third.bin"]
+
+
+# -- extended attributes, statfs, mmap ------------------------------------------------
+
+
+def test_user_xattrs(burst: MountedFS) -> None:
+    p = burst.path / "f"
+    p.write_bytes(b"x")
+    os.setxattr(p, "user.step", b"1000")
+    os.setxattr(p, "user.empty", b"")
+    assert os.getxattr(p, "user.step") == b"1000"
+    assert os.getxattr(p, "user.empty") == b""
+    os.setxattr(p, "user.step", b"2000")
+    assert os.getxattr(p, "user.step") == b"2000"
+    assert set(os.listxattr(p)) == {"user.step", "user.empty", "user.burstfs.state"}
+    with oserror(errno.ENODATA):
+        os.getxattr(p, "user.nothing")
+    os.removexattr(p, "user.step")
+    with oserror(errno.ENODATA):
+        os.getxattr(p, "user.step")
+    with oserror(errno.ENODATA):
+        os.removexattr(p, "user.step")
+    with oserror(errno.EOPNOTSUPP):
+        os.setxattr(p, "trusted.x", b"1")
+    with oserror(errno.EPERM):
+        os.setxattr(p, "user.burstfs.state", b"durable")
+    with oserror(errno.EPERM):
+        os.removexattr(p, "user.burstfs.state")
+    # XATTR_CREATE / XATTR_REPLACE are honoured.
+    with oserror(errno.EEXIST):
+        os.setxattr(p, "user.empty", b"x", os.XATTR_CREATE)
+    with oserror(errno.ENODATA):
+        os.setxattr(p, "user.absent", b"x", os.XATTR_REPLACE)
+    with oserror(errno.EPERM):  # the kernel allows user.* only on files and directories
+        os.symlink("f", burst.path / "link")
+        os.setxattr(burst.path / "link", "user.x", b"1", follow_symlinks=False)
+    big = os.urandom(4000)
+    os.setxattr(p, "user.big", big)
+    assert os.getxattr(p, "user.big") == big
+    # Directories take user xattrs as well, and have no drain state.
+    os.setxattr(burst.path, "user.owner", b"team")
+    assert os.getxattr(burst.path, "user.owner") == b"team"
+    assert os.listxattr(burst.path) == ["user.owner"]
+    with oserror(errno.ENODATA):
+        os.getxattr(burst.path, "user.burstfs.state")
+    # They survive a remount.
+    burst.unmount()
+    burst.mount()
+    assert os.getxattr(p, "user.big") == big
+    assert os.getxattr(burst.path, "user.owner") == b"team"
+
+
+def test_statfs_reports_the_local_tier(burst: MountedFS) -> None:
+    mine = os.statvfs(burst.path)
+    tier = os.statvfs(burst.cache)
+    assert (mine.f_frsize, mine.f_blocks) == (tier.f_frsize, tier.f_blocks)
+    assert abs(mine.f_bavail - tier.f_bavail) * tier.f_frsize < 256 << 20
+    assert mine.f_namemax == 255
+    assert mine.f_files > 0 and mine.f_ffree > 0
+
+
+def test_mmap_read_and_write(burst: MountedFS) -> None:
+    p = burst.path / "mapped"
+    data = os.urandom(3 * mmap.PAGESIZE + 17)
+    p.write_bytes(data)
+    with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        assert m[:] == data
+        assert m[mmap.PAGESIZE : mmap.PAGESIZE + 5] == data[mmap.PAGESIZE : mmap.PAGESIZE + 5]
+    with open(p, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        m[10:15] = b"HELLO"
+        m.flush()
+    assert p.read_bytes() == data[:10] + b"HELLO" + data[15:]
+    assert os.getxattr(p, "user.burstfs.state") in CLOSED
+
+
+def _writer(root: str, rank: int) -> None:
+    for part in range(2):
+        block = hashlib.sha256(f"{rank}-{part}".encode()).digest() * 32768  # 1 MiB
+        with open(os.path.join(root, f"rank{rank}_{part}.bin"), "wb") as f:
+            for _ in range(3):
+                f.write(block)
+
+
+def test_many_processes_write_different_files(burst: MountedFS) -> None:
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_writer, args=(str(burst.path), rank)) for rank in range(8)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    for rank in range(8):
+        for part in range(2):
+            block = hashlib.sha256(f"{rank}-{part}".encode()).digest() * 32768
+            assert (burst.path / f"rank{rank}_{part}.bin").read_bytes() == block * 3
+    assert len(os.listdir(burst.path)) == 16
+
+
+# -- requests the file system refuses ----------------------------------------------------
+
+
+def test_hard_links_refused(burst: MountedFS) -> None:
+    (burst.path / "a").write_bytes(b"a")
+    with oserror(errno.EPERM):
+        os.link(burst.path / "a", burst.path / "b")
+    assert os.listdir(burst.path) == ["a"]
+    assert os.stat(burst.path / "a").st_nlink == 1
+
+
+def test_special_files_refused_regular_mknod_works(burst: MountedFS) -> None:
+    with oserror(errno.EPERM):
+        os.mkfifo(burst.path / "fifo")
+    with oserror(errno.EPERM):
+        os.mknod(burst.path / "null", stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    with oserror(errno.EPERM):
+        os.mknod(burst.path / "sock", stat.S_IFSOCK | 0o600)
+    os.mknod(burst.path / "plain", stat.S_IFREG | 0o640)
+    st = os.stat(burst.path / "plain")
+    assert stat.S_ISREG(st.st_mode) and st.st_size == 0 and stat.S_IMODE(st.st_mode) == 0o640
+    assert os.listdir(burst.path) == ["plain"]
+
+
+def test_o_direct_works_or_fails_cleanly(burst: MountedFS) -> None:
+    p = burst.path / "direct"
+    buf = mmap.mmap(-1, 1 << 16)  # page aligned, as O_DIRECT wants
+    buf.write(b"D" * (1 << 16))
+    try:
+        fd = os.open(p, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o644)
+    except OSError as exc:
+        assert exc.errno in (errno.EINVAL, errno.EOPNOTSUPP)
+    else:
+        try:
+            assert os.write(fd, buf) == 1 << 16
+        finally:
+            os.close(fd)
+        assert p.read_bytes() == b"D" * (1 << 16)
+        fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+        try:
+            got = mmap.mmap(-1, 1 << 16)
+            assert os.readv(fd, [got]) == 1 << 16
+            assert got[:] == b"D" * (1 << 16)
+        finally:
+            os.close(fd)
+    assert os.stat(burst.path).st_mode & stat.S_IFDIR  # the mount survived
+
+
+def test_long_names(burst: MountedFS) -> None:
+    long = "n" * 256
+    with oserror(errno.ENAMETOOLONG):
+        os.open(burst.path / long, os.O_CREAT | os.O_WRONLY, 0o644)
+    with oserror(errno.ENAMETOOLONG):
+        os.mkdir(burst.path / long)
+    with oserror(errno.ENAMETOOLONG):
+        os.stat(burst.path / long)
+    with oserror(errno.ENAMETOOLONG):
+        os.symlink("t", burst.path / long)
+    ok = burst.path / ("m" * 255)
+    ok.write_bytes(b"fits")
+    with oserror(errno.ENAMETOOLONG):
+        os.rename(ok, burst.path / long)
+    assert ok.read_bytes() == b"fits"
+    (burst.path / "ünïcode ✓ name").write_bytes(b"u")
+    assert sorted(os.listdir(burst.path)) == sorted(["m" * 255, "ünïcode ✓ name"])
+
+
+# -- permissions: other users ------------------------------------------------------------
+
+
+def _as_nobody(cwd: Path, code: str) -> subprocess.CompletedProcess[str]:
+    """Run Python ``code`` as uid/gid 65534 with ``cwd`` as its working directory.
+
+    The working directory is entered as root before dropping privileges, so the
+    test does not depend on the (private) directories above the mount point.
+    """
+
+    def drop() -> None:
+        os.chdir(cwd)
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+
+    return subprocess.run([SYSTEM_PYTHON, "-c", code], check=False, preexec_fn=drop,
+                          capture_output=True, text=True, timeout=30)  # fmt: skip
+
+
+def _errno_of(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+TRY = """
+import errno, os, sys
+def attempt(fn, *args):
+    try:
+        fn(*args)
+        print("ok")
+    except OSError as e:
+        print(errno.errorcode[e.errno])
+"""
+
+
+def test_other_users_are_shut_out_without_allow_other(burst: MountedFS) -> None:
+    if not os.access(SYSTEM_PYTHON, os.X_OK):
+        pytest.skip(f"needs {SYSTEM_PYTHON} to run code as another user")
+    os.chmod(burst.path, 0o777)
+    (burst.path / "f").write_bytes(b"x")
+    os.chmod(burst.path / "f", 0o666)
+    result = _as_nobody(Path("/"), TRY + f"attempt(os.stat, {str(burst.path / 'f')!r})")
+    assert _errno_of(result) == "EACCES"
+
+
+def test_allow_other_permissions(mounted_factory: type[MountedFS]) -> None:
+    if not os.access(SYSTEM_PYTHON, os.X_OK):
+        pytest.skip(f"needs {SYSTEM_PYTHON} to run code as another user")
+    fs = mounted_factory(extra_args=("--allow-other",))  # type: ignore[call-arg]
+    fs.mount()
+    shared = fs.path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    secret = shared / "secret"
+    secret.write_bytes(b"root only")
+    os.chmod(secret, 0o600)
+    public = shared / "public"
+    public.write_bytes(b"everyone")
+    os.chmod(public, 0o644)
+
+    result = _as_nobody(shared, TRY + """
+with open("mine", "wb") as f:
+    f.write(b"by nobody")
+st = os.stat("mine")
+print(st.st_uid, st.st_gid)
+attempt(open, "secret", "rb")
+print(open("public", "rb").read().decode())
+attempt(open, "public", "ab")
+attempt(os.chown, "public", 65534, 65534)
+attempt(os.chmod, "public", 0o777)
+attempt(os.unlink, "public")
+attempt(os.setxattr, "mine", "user.who", b"nobody")
+""")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:-1] == [
+        "65534 65534",
+        "EACCES",  # 0600 root file
+        "everyone",
+        "EACCES",  # not writable for others
+        "EPERM",  # chown by a non-owner
+        "EPERM",  # chmod by a non-owner
+        "EPERM",  # sticky directory: only the owner may remove
+        "ok",
+    ]
+    mine = shared / "mine"
+    assert mine.read_bytes() == b"by nobody"
+    assert (mine.stat().st_uid, mine.stat().st_gid) == (NOBODY, NOBODY)
+    assert os.getxattr(mine, "user.who") == b"nobody"
+    # root may chown; stat shows it, to nobody too.
+    os.chown(secret, NOBODY, NOBODY)
+    assert (secret.stat().st_uid, secret.stat().st_gid) == (NOBODY, NOBODY)
+    result = _as_nobody(shared, "print(open('secret', 'rb').read().decode())")
+    assert result.returncode == 0 and result.stdout.strip() == "root only", result.stderr
+    # A directory of root's without write permission for others.
+    result = _as_nobody(fs.path, TRY + "attempt(os.mkdir, 'nope')\nattempt(os.listdir, '.')")
+    assert _errno_of(result).split("\n") == ["EACCES", "ok"]
+
+
+# -- a second node on the same remote ----------------------------------------------------
+
+
+def test_what_a_second_node_sees(mounted_factory: type[MountedFS], tmp_path: Path) -> None:
+    remote = tmp_path / "shared-remote"
+    remote.mkdir()
+    writer = mounted_factory("writer", f"file://{remote}")  # type: ignore[call-arg]
+    writer.mount()
+    (writer.path / "run" / "step_1").mkdir(parents=True)
+    model = writer.path / "run" / "step_1" / "model.pt"
+    model.write_bytes(b"m" * 100_000)
+    os.chmod(model, 0o600)
+    os.setxattr(model, "user.step", b"1")
+    os.symlink("step_1", writer.path / "run" / "latest")
+    (writer.path / "empty").mkdir()
+    _wait_state(model, (b"durable",))
+    reader = mounted_factory("reader", f"file://{remote}", ("--list-ttl", "1"))  # type: ignore[call-arg]
+    reader.mount()
+    seen = reader.path / "run" / "step_1" / "model.pt"
+    assert sorted(os.listdir(reader.path)) == ["run"]  # no empty directories on the remote
+    assert os.listdir(reader.path / "run") == ["step_1"]  # no symlinks either
+    st = seen.stat()
+    assert (st.st_size, stat.S_IMODE(st.st_mode)) == (100_000, 0o644)  # modes stay on the writer
+    assert os.listxattr(seen) == ["user.burstfs.state"]
+    assert os.getxattr(seen, "user.burstfs.state") == b"remote"
+    assert seen.read_bytes() == b"m" * 100_000  # fetched and verified
+    # Opening it read-write and closing without a change publishes nothing.
+    open(seen, "r+b").close()
+    assert os.getxattr(seen, "user.burstfs.state") == b"durable"
+    assert os.getxattr(seen, "user.burstfs.generation") == b"0"
+    # New files of the writer appear after the listing's TTL.
+    (writer.path / "run" / "step_1" / "optim.pt").write_bytes(b"o")
+    _wait_state(writer.path / "run" / "step_1" / "optim.pt", (b"durable",))
+    deadline = time.monotonic() + 10
+    while "optim.pt" not in os.listdir(reader.path / "run" / "step_1"):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert (reader.path / "run" / "step_1" / "optim.pt").read_bytes() == b"o"
