@@ -117,12 +117,11 @@ def mount(mountpoint: Path, cache_dir: Path, remote: str, foreground: bool, log_
 
 
 def _undrained(cache_dir: Path) -> dict[str, tuple[int, int]]:
-    from .daemon import undrained
     from .journal import Journal
 
     journal = Journal(cache_dir, readonly=True)
     try:
-        return undrained(journal)
+        return journal.undrained()
     finally:
         journal.close()
 

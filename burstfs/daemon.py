@@ -142,15 +142,6 @@ def open_cache(config: MountConfig) -> tuple[CacheLock, Journal]:
     return lock, journal
 
 
-def undrained(journal: Journal) -> dict[str, tuple[int, int]]:
-    """{state: (files, bytes)} of closed files not yet durable; they stay staged in the cache."""
-    rows = journal.query(
-        "SELECT state, COUNT(*), COALESCE(SUM(size), 0) FROM inodes WHERE kind='file' AND parent!=0 "
-        "AND state IN ('writing', 'staged', 'draining', 'failed') GROUP BY state"
-    )
-    return {state: (int(files), int(nbytes)) for state, files, nbytes in rows}
-
-
 def fuse_options(config: MountConfig) -> set[str]:
     options = set(pyfuse3.default_options)  # default_permissions: the kernel checks modes
     options |= {f"fsname={FSNAME_PREFIX}{os.path.realpath(config.cache_dir)}", "subtype=burstfs"}
@@ -209,7 +200,7 @@ def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
             pyfuse3.close(unmount=not unmounted or is_mounted(config.mountpoint))
             core.close()
             drain.stop()
-        pending = undrained(journal).values()
+        pending = journal.undrained().values()
         log.info("event=unmounted mountpoint=%s undrained_files=%d undrained_bytes=%d",
                  config.mountpoint, sum(f for f, _ in pending), sum(b for _, b in pending))  # fmt: skip
     finally:

@@ -178,6 +178,12 @@ class Journal:
         with self._lock:
             return self._db.execute(sql, params).rowcount
 
+    def insert(self, sql: str, params: Sequence[Any] = ()) -> int:
+        """One INSERT in its own transaction; returns the new row's id."""
+        with self._lock:
+            cursor = self._db.execute(sql, params)
+            return int(cursor.lastrowid or 0)
+
     def sync(self) -> None:
         """fsync the WAL so that committed records survive a power loss too."""
         wal = Path(f"{self.path}-wal")
@@ -227,6 +233,15 @@ class Journal:
 
     def max_close_seq(self) -> int:
         return int(self.query("SELECT COALESCE(MAX(close_seq), 0) FROM inodes")[0][0])
+
+    def undrained(self) -> dict[str, tuple[int, int]]:
+        """{state: (files, bytes)} of files not yet durable; they stay staged in the cache."""
+        rows = self.query(
+            "SELECT state, COUNT(*), COALESCE(SUM(size), 0) FROM inodes WHERE kind='file' AND parent!=0 "
+            "AND state IN (?, ?, ?, ?) GROUP BY state",
+            (WRITING, STAGED, DRAINING, FAILED),
+        )
+        return {state: (int(files), int(nbytes)) for state, files, nbytes in rows}
 
     def log_event(self, ino: int | None, event: str, detail: str = "") -> Op:
         return ("INSERT INTO events (time, ino, event, detail) VALUES (?, ?, ?, ?)",

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from .config import DrainOptions, RemoteURL, S3Options, is_commit_marker
 from .errors import CorruptDataError, RemoteError, UploadCancelled
-from .journal import DRAINING, DURABLE, EVICTED, FAILED, ROOT_INO, STAGED, InodeRow, Journal
+from .journal import DRAINING, DURABLE, EVICTED, FAILED, INCOMPLETE, ROOT_INO, STAGED, WRITING, InodeRow, Journal
 from .localtier import LocalTier
 from .objects import FileDigests, ObjectStore, compute_digests
 from .remote import Remote, open_remote
@@ -52,7 +52,9 @@ HALT_PROBE_S = 15.0
 REQUEUE_BACKOFF_S = 2.0
 REQUEUE_BACKOFF_MAX_S = 60.0
 
-_PENDING_STATES = (STAGED, DRAINING, FAILED)
+# A commit marker waits for every earlier-closed file in these states (an
+# incomplete file never becomes durable, so it holds the marker back for good).
+_PENDING_STATES = (STAGED, DRAINING, FAILED, INCOMPLETE, WRITING)
 
 
 @dataclasses.dataclass
@@ -273,7 +275,7 @@ class Mover:
                    SELECT ino FROM inodes WHERE parent=? AND ino!=?
                    UNION SELECT i.ino FROM inodes i JOIN sub ON i.parent=sub.ino)
                SELECT COUNT(*) FROM inodes WHERE ino IN sub AND ino!=? AND kind='file'
-                   AND state IN (?, ?, ?) AND close_seq < ?""",
+                   AND state IN (?, ?, ?, ?, ?) AND close_seq > 0 AND close_seq < ?""",
             (marker.parent, ROOT_INO, marker.ino, *_PENDING_STATES, marker.close_seq),
         )
         return bool(rows[0][0])
@@ -291,7 +293,18 @@ class Mover:
             key = self.journal.path_of(ino)
             if not changed or key is None:
                 return
+            if self.journal.query("SELECT 1 FROM inodes WHERE remote_key=? AND ino!=? AND parent!=0", (key, ino)):
+                # Another file's object still sits at this key (a rename not yet
+                # moved on the remote): move it first, then upload.
+                self._relocate_needed = True
+                self._requeue(ino, generation, None)
+                self._not_before[ino] = time.time() + 1.0
+                return
             self._in_flight[ino] = key
+            # Recorded before a byte goes up: if the daemon dies before _finish, the
+            # next delete pass removes the orphan (unless a live file owns the key)
+            # and no listing resurrects it.
+            intent = self.journal.insert("INSERT INTO remote_deletes (key, reason) VALUES (?, 'upload')", (key,))
             digests = await self._digests(row)
             if digests is None:
                 return
@@ -301,7 +314,7 @@ class Mover:
                 mode=row.mode, concurrency=self.options.concurrency, compress=self.options.compress,
                 cancel_check=lambda: self._superseded(ino, generation),
             )  # fmt: skip
-            self._finish(row, key, manifest.size, started)
+            self._finish(row, key, manifest.size, started, intent)
         except (asyncio.CancelledError, UploadCancelled) as exc:
             self._requeue(ino, generation, None)  # stopping, or the file changed: drains again
             if isinstance(exc, asyncio.CancelledError):
@@ -315,6 +328,11 @@ class Mover:
             self._requeue(ino, generation, exc)
             if exc.kind != "unavailable":
                 self._halt(exc)
+        except FileNotFoundError as exc:
+            if self._superseded(ino, generation):
+                self._requeue(ino, generation, None)  # unlinked under us: nothing to drain
+            else:
+                self._fail(ino, generation, exc)
         except Exception as exc:
             log.exception("event=drain_bug ino=%d", ino)
             self._fail(ino, generation, exc)
@@ -338,26 +356,26 @@ class Mover:
         rows = self.journal.query("SELECT generation, parent FROM inodes WHERE ino=?", (ino,))
         return not rows or rows[0][0] != generation or rows[0][1] == 0
 
-    def _finish(self, row: InodeRow, key: str, size: int, started: float) -> None:
+    def _finish(self, row: InodeRow, key: str, size: int, started: float, intent: int) -> None:
+        """Record the upload; the ``intent`` row stays as a delete request if the file went away."""
         old_key = row.remote_key
-        ops = [
-            ("UPDATE inodes SET state=?, remote_key=?, durable_generation=?, error=NULL, attempts=0, updated=? "
-             "WHERE ino=? AND generation=? AND state=?",
-             (DURABLE, key, row.generation, time.time(), row.ino, row.generation, DRAINING)),
-            self.journal.log_event(row.ino, "durable", f"key={key} generation={row.generation} size={size}"),
-        ]  # fmt: skip
         if old_key and old_key != key:  # renamed before this upload: the old object goes
-            ops.append(("INSERT INTO remote_deletes (key, reason) VALUES (?, 'replaced')", (old_key,)))
-        self.journal.apply(ops)
-        if self._superseded(row.ino, row.generation):
-            # Changed or unlinked during the upload: remember the object so that
-            # unlink or the next drain of this file cleans it up.
-            self.journal.apply([
-                ("UPDATE inodes SET remote_key=? WHERE ino=? AND parent!=0", (key, row.ino)),
-                ("INSERT INTO remote_deletes (key, reason) SELECT ?, 'unlinked' WHERE NOT EXISTS "
-                 "(SELECT 1 FROM inodes WHERE ino=? AND parent!=0)", (key, row.ino)),
-            ])  # fmt: skip
+            self.journal.execute("INSERT INTO remote_deletes (key, reason) VALUES (?, 'replaced')", (old_key,))
+        recorded = self.journal.execute(
+            "UPDATE inodes SET state=?, remote_key=?, durable_generation=?, error=NULL, attempts=0, updated=? "
+            "WHERE ino=? AND generation=? AND state=?",
+            (DURABLE, key, row.generation, time.time(), row.ino, row.generation, DRAINING),
+        )
+        if not recorded:
+            # Changed during the upload: the object is this file's until the next
+            # generation replaces it (its intent row is dropped as owned).  Unlinked:
+            # the intent row makes the delete pass remove the object.
+            self.journal.execute("UPDATE inodes SET remote_key=? WHERE ino=? AND parent!=0", (key, row.ino))
             return
+        self.journal.apply([
+            ("DELETE FROM remote_deletes WHERE id=?", (intent,)),
+            self.journal.log_event(row.ino, "durable", f"key={key} generation={row.generation} size={size}"),
+        ])  # fmt: skip
         if self.journal.path_of(row.ino) != key:  # renamed during the upload: move the object
             self._relocate_needed = True
         latency = time.time() - started

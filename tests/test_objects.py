@@ -18,7 +18,8 @@ from s3server import fresh_bucket
 from burstfs.config import S3Options, parse_remote_url
 from burstfs.errors import CorruptDataError, RemoteError, UploadCancelled
 from burstfs.objects import FileDigests, Manifest, ObjectStore, compute_digests, manifest_key
-from burstfs.remote import FileRemote, Remote, RetryPolicy, S3Remote
+from burstfs.remote import FileRemote, Remote, RetryPolicy
+from burstfs.remote.s3 import S3Remote
 
 T = TypeVar("T")
 

@@ -21,7 +21,8 @@ from s3server import free_port, fresh_bucket
 
 from burstfs.config import S3Options, parse_remote_url
 from burstfs.errors import RemoteError, RemoteNotFound
-from burstfs.remote import INTERNAL_DIR, FileRemote, Remote, RetryPolicy, S3Remote, open_remote, retrying
+from burstfs.remote import INTERNAL_DIR, FileRemote, Remote, RetryPolicy, open_remote, retrying
+from burstfs.remote.s3 import S3Remote
 from burstfs.remote.s3 import crc32c_b64
 
 T = TypeVar("T")

@@ -7,7 +7,6 @@ from .base import INTERNAL_DIR, ObjectInfo, Remote, UploadedPart
 from .file import FileRemote
 from .pool import fail_fast_group, run_workers
 from .retry import RetryPolicy, retrying
-from .s3 import S3Remote
 
 __all__ = [
     "INTERNAL_DIR",
@@ -15,7 +14,6 @@ __all__ = [
     "ObjectInfo",
     "Remote",
     "RetryPolicy",
-    "S3Remote",
     "UploadedPart",
     "fail_fast_group",
     "open_remote",
@@ -30,6 +28,8 @@ def open_remote(url: RemoteURL, s3: S3Options | None = None, *, max_connections:
     max_connections: HTTP connections to S3; at least max_files x concurrency of the drain.
     """
     if url.scheme == "s3":
+        from .s3 import S3Remote  # aiobotocore is slow to import: only when S3 is used
+
         return S3Remote(url, s3, max_connections=max_connections)
     if url.scheme == "file":
         return FileRemote(url)
