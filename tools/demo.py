@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--keep", action="store_true", help="keep the demo's files (default: removed)")
     args = parser.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="burstfs-demo-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     mnt, cache, remote = work / "mnt", work / "cache", work / "remote"
@@ -76,7 +78,10 @@ def main() -> None:
     state = torch.load(remote / "ckpt" / latest / "model.pt", weights_only=True)
     print(f"loaded {latest} from the remote directory without burstfs: step {state['step']}, "
           f"{sum(t.numel() for t in state['model'].values())} parameters")  # fmt: skip
-    print(f"demo files are in {work}")
+    if args.keep or args.workdir:
+        print(f"demo files are in {work}")
+    else:
+        shutil.rmtree(work)
 
 
 if __name__ == "__main__":
