@@ -179,7 +179,7 @@ def read_journal(cache_dir: Path) -> Iterator[Journal]:
 
 def _live_mount_of(cache_dir: Path) -> Path | None:
     source = f"{FSNAME_PREFIX}{cache_dir}"
-    return next((point for point, fstype, src in mounts() if fstype.startswith("fuse") and src == source), None)
+    return next((point for point, fstype, src, _ in mounts() if fstype.startswith("fuse") and src == source), None)
 
 
 def _is_cache_dir(path: Path) -> bool:

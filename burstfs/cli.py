@@ -71,7 +71,9 @@ def main() -> None:
 @click.option("--region", default=None, help="S3 region.")
 @click.option("--part-size", default="8M", show_default=True, help="Multipart part and checksum chunk size.")
 @click.option("--concurrency", default=8, show_default=True, help="Parts in flight per file.")
-@click.option("--max-files", default=4, show_default=True, help="Files draining at once.")
+@click.option("--max-files", default=2, show_default=True,
+              help="Files draining at once (drain memory: max-files x concurrency x part size).")
+@click.option("--read-ahead", default="1M", show_default=True, help="Kernel readahead of the mount.")
 @click.option("--compress", type=click.Choice(["none", "lz4"]), default="none", show_default=True)
 @click.option("--drain-delay", default=0.0, show_default=True,
               help="Seconds a closed file waits before it drains (coalesces quick rewrites).")
@@ -81,14 +83,14 @@ def main() -> None:
 def mount(mountpoint: Path, cache_dir: Path, remote: str, foreground: bool, log_level: str, fsync_mode: str,
           allow_other: bool, no_writeback_cache: bool, cache_size: str | None, min_free: str, evict_policy: str,
           full_timeout: float, list_ttl: float, endpoint_url: str | None,
-          region: str | None, part_size: str, concurrency: int, max_files: int, compress: str, drain_delay: float,
+          region: str | None, part_size: str, concurrency: int, max_files: int, compress: str, drain_delay: float, read_ahead: str,
           commit_markers: tuple[str, ...], metrics_addr: str | None) -> None:  # fmt: skip
     """Mount burstfs at MOUNTPOINT; returns once the mount is live."""
     from .daemon import mount as run
 
     try:
         config = MountConfig(
-            mountpoint=mountpoint.absolute(),
+            mountpoint=Path(os.path.realpath(mountpoint)),  # as /proc/self/mountinfo will show it
             cache_dir=cache_dir.absolute(),
             remote=parse_remote_url(remote),
             s3=S3Options(endpoint_url=endpoint_url, region=region),
@@ -108,6 +110,7 @@ def mount(mountpoint: Path, cache_dir: Path, remote: str, foreground: bool, log_
             evict_policy=evict_policy,
             full_timeout=full_timeout,
             list_ttl=list_ttl,
+            read_ahead=parse_size(read_ahead),
             log_level=log_level.upper(),
             metrics_addr=metrics_addr,
         )

@@ -96,7 +96,7 @@ class DrainOptions:
 
     part_size: int = 8 * 1024 * 1024
     concurrency: int = 8
-    max_files: int = 4
+    max_files: int = 2
     compress: str | None = None
     commit_markers: tuple[str, ...] = DEFAULT_COMMIT_MARKERS
     delay: float = 0.0
@@ -121,6 +121,7 @@ class MountConfig:
     evict_policy: lru | fifo | none (which durable files leave the tier first).
     full_timeout: seconds a write waits for the drain on a full tier before ENOSPC.
     list_ttl: seconds a directory's remote listing stays fresh.
+    read_ahead: kernel readahead of the mount, bytes.
     """
 
     mountpoint: Path
@@ -136,5 +137,6 @@ class MountConfig:
     evict_policy: str = "lru"
     full_timeout: float = 60.0
     list_ttl: float = 30.0
+    read_ahead: int = 1 << 20
     log_level: str = "INFO"
     metrics_addr: str | None = None

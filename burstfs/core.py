@@ -665,7 +665,7 @@ class BurstCore:
         inode.last_access = time.monotonic()
         fd = self.tier.fd(inode.ino)
         assert fd is not None
-        return os.pread(fd, size, offset)
+        return os.pread(fd, size, offset)  # inline: measured faster than a thread hop for 1 MiB
 
     async def write(self, fh: int, offset: int, data: bytes) -> int:
         handle = self.handles[fh]

@@ -36,7 +36,7 @@ from .mover import Mover
 from .remote import open_remote
 from .log import setup_logging
 from .metrics import parse_metrics_addr, start_metrics
-from .mountinfo import FSNAME_PREFIX, is_mounted
+from .mountinfo import FSNAME_PREFIX, device_of, is_mounted
 
 log = logging.getLogger("burstfs.daemon")
 
@@ -142,6 +142,22 @@ def open_cache(config: MountConfig) -> tuple[CacheLock, Journal]:
     return lock, journal
 
 
+async def set_read_ahead(mountpoint: Path, nbytes: int) -> None:
+    """Kernel readahead of the mount.  The default 128 KiB turns a 1 GiB sequential
+    read into 8192 requests; 1 MiB requests cut the per-request cost 8x.
+
+    The kernel sets readahead when it gets the INIT reply, so this first waits
+    for a statfs of the mount to be answered (from a thread: the loop serves it).
+    """
+    await trio.to_thread.run_sync(os.statvfs, mountpoint)
+    device = device_of(mountpoint)
+    knob = Path(f"/sys/class/bdi/{device}/read_ahead_kb")
+    try:
+        knob.write_text(f"{max(nbytes // 1024, 4)}\n")
+    except OSError as exc:  # not root, or /sys read-only: slower reads, nothing worse
+        log.warning("event=read_ahead_unchanged device=%s error=%s", device, exc)
+
+
 def fuse_options(config: MountConfig) -> set[str]:
     options = set(pyfuse3.default_options)  # default_permissions: the kernel checks modes
     options |= {f"fsname={FSNAME_PREFIX}{os.path.realpath(config.cache_dir)}", "subtype=burstfs"}
@@ -160,6 +176,7 @@ async def serve(config: MountConfig, core: BurstCore, on_ready: Callable[[], Non
         await nursery.start(core.committer.run)
         await nursery.start(serve_control, config, core, drain)
         nursery.start_soon(_stop_on_signals, nursery.cancel_scope)
+        nursery.start_soon(set_read_ahead, config.mountpoint, config.read_ahead)
         on_ready()
         log.info("event=mounted mountpoint=%s cache=%s remote=%s", config.mountpoint, config.cache_dir, config.remote)
         await pyfuse3.main(min_tasks=4, max_tasks=64)

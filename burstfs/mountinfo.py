@@ -17,28 +17,39 @@ def _unescape(field: str) -> str:
     return field.encode().decode("unicode_escape").encode("latin-1").decode(errors="surrogateescape")
 
 
-def mounts() -> list[tuple[Path, str, str]]:
-    """(mount point, fs type, source) of every mount this process can see."""
+def mounts() -> list[tuple[Path, str, str, str]]:
+    """(mount point, fs type, source, "major:minor") of every mount this process can see."""
     found = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
             left, _, right = line.partition(" - ")
             fields = left.split()
             fstype, source = right.split()[:2]
-            found.append((Path(_unescape(fields[4])), fstype, _unescape(source)))
+            found.append((Path(_unescape(fields[4])), fstype, _unescape(source), fields[2]))
     return found
 
 
-def is_mounted(path: Path) -> bool:
-    real = Path(os.path.realpath(path))
-    return any(point == real for point, _, _ in mounts())
+def is_mounted(mountpoint: Path) -> bool:
+    """Whether something is mounted at ``mountpoint`` (a resolved path; never stat-ed,
+    so the daemon can ask about its own mount while it is not serving)."""
+    return any(point == mountpoint for point, *_ in mounts())
+
+
+def device_of(mountpoint: Path) -> str | None:
+    """"major:minor" of the file system mounted at ``mountpoint`` (a resolved path).
+
+    Never stats the path: that would ask the FUSE daemon, which may be this very
+    process, before it serves requests.
+    """
+    devices = [device for point, _, _, device in mounts() if point == mountpoint]
+    return devices[-1] if devices else None
 
 
 def find_burstfs_mount(path: Path) -> tuple[Path, Path] | None:
     """The burstfs mount containing ``path``: (mount point, cache dir), or None."""
     real = Path(os.path.realpath(path))
     best: tuple[Path, Path] | None = None
-    for point, fstype, source in mounts():
+    for point, fstype, source, _ in mounts():
         if not fstype.startswith("fuse") or not source.startswith(FSNAME_PREFIX):
             continue
         if real == point or point in real.parents:

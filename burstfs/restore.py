@@ -172,14 +172,14 @@ class RestoreService:
         start = index * fetch.chunk_size
         end = min(start + fetch.chunk_size, fetch.size)
         try:
-            async with self._slots:
+            async with self._slots:  # held until the chunk is on the tier: bounds fetch memory
                 if fetch.manifest is not None:
                     data = await self.store.read_chunk(fetch.key, fetch.manifest, index)
                 else:
                     data = await self.store.read_range(fetch.key, None, start, end)
-            if len(data) != end - start:
-                raise CorruptDataError(f"{fetch.key} bytes {start}-{end}: remote returned {len(data)} bytes")
-            await asyncio.to_thread(os.pwrite, fetch.fd, data, start)
+                if len(data) != end - start:
+                    raise CorruptDataError(f"{fetch.key} bytes {start}-{end}: remote returned {len(data)} bytes")
+                await asyncio.to_thread(os.pwrite, fetch.fd, data, start)
             fetch.present.add(index)
             self.fetched_bytes += len(data)
         finally:
