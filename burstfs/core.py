@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import itertools
+import json
 import logging
 import os
 import stat
@@ -45,6 +46,7 @@ from .journal import (
     update_inode_op,
 )
 from .localtier import LocalTier
+from .objects import StreamingDigests
 
 log = logging.getLogger("burstfs.core")
 
@@ -126,6 +128,7 @@ class Inode:
     listed: bool = False  # known only from a remote listing (state remote)
     listed_at: float = -1e9  # directories: monotonic time of the last remote listing merge
     accounted: int = 0  # bytes of this file counted in BurstCore.local_bytes
+    digests: StreamingDigests | None = None  # computed as written; None: the drain hashes the file
     incomplete: str = ""  # why bytes may be missing (a lost write, a crash); cleared when emptied
 
     @property
@@ -151,6 +154,14 @@ class StatFs:
     name_max: int = NAME_MAX
 
 
+def _write_hashed(fd: int, data: bytes, offset: int, digests: StreamingDigests | None) -> int:
+    """pwrite, then hash what landed (runs in a worker thread for large writes)."""
+    written = os.pwrite(fd, data, offset)
+    if digests is not None:
+        digests.update(offset, data if written == len(data) else data[:written])
+    return written
+
+
 def _now_ns() -> int:
     return time.time_ns()
 
@@ -172,6 +183,7 @@ class BurstCore:
         *,
         fsync_remote: bool = False,
         offload_writes: bool = True,
+        digest_chunk_size: int = 8 << 20,
         capacity: CapacityPolicy = CapacityPolicy(),
         list_ttl: float = 30.0,
     ) -> None:
@@ -183,6 +195,7 @@ class BurstCore:
         self.fetcher: Fetcher | None = None
         self.fsync_remote = fsync_remote
         self.offload_writes = offload_writes
+        self.digest_chunk_size = digest_chunk_size
         self.capacity = capacity
         self.list_ttl = list_ttl
         self.inodes: dict[int, Inode] = {}
@@ -439,6 +452,7 @@ class BurstCore:
             raise FsError(errno.EPERM, "only regular files, directories and symlinks are supported")
         inode = self._new_inode(parent, name, "file", stat.S_IFREG | stat.S_IMODE(mode), uid, gid)
         inode.new = True
+        inode.digests = StreamingDigests(self.digest_chunk_size)
         self.tier.create(inode.ino)
         self._link(parent, inode)
         inode.lookups += 1
@@ -583,6 +597,9 @@ class BurstCore:
             inode.size = inode.accounted = size
             if size == 0:  # emptied: what is written next is all of it
                 inode.incomplete = ""
+                inode.digests = StreamingDigests(self.digest_chunk_size)
+            elif inode.digests is not None and size != inode.digests.size:
+                inode.digests = None  # the drain hashes the staged bytes instead
             inode.mtime_ns = now
             fields.update(size=size, mtime_ns=now)
         if mode is not None:
@@ -681,9 +698,9 @@ class BurstCore:
             fd = self.tier.fd(inode.ino)
             assert fd is not None
             if self.offload_writes and len(data) >= 65536:
-                written = await trio.to_thread.run_sync(os.pwrite, fd, data, offset)
+                written = await trio.to_thread.run_sync(_write_hashed, fd, data, offset, inode.digests)
             else:
-                written = os.pwrite(fd, data, offset)
+                written = _write_hashed(fd, data, offset, inode.digests)  # small: not worth a thread
         except (BurstfsError, OSError) as exc:
             # With the writeback cache the writer learns this only at close(); the file
             # now lacks bytes it sent, so it must never drain as if complete.
@@ -708,12 +725,15 @@ class BurstCore:
         seq = next(self._next_close_seq)
         state = INCOMPLETE if inode.incomplete else STAGED
         error = inode.incomplete or None
+        digests = inode.digests.result(inode.size) if inode.digests is not None else None
         return [
             update_inode_op(
                 inode.ino, state=state, generation=inode.generation, close_seq=seq,
-                size=inode.size, mtime_ns=inode.mtime_ns, ctime_ns=inode.ctime_ns, digest=None,
-                chunks=None, chunk_size=None, error=error, attempts=0, updated=time.time(),
-                local_bytes=inode.size,
+                size=inode.size, mtime_ns=inode.mtime_ns, ctime_ns=inode.ctime_ns,
+                digest=digests.digest if digests else None,
+                chunks=json.dumps(list(digests.chunks)) if digests else None,
+                chunk_size=digests.chunk_size if digests else None,
+                error=error, attempts=0, updated=time.time(), local_bytes=inode.size,
             ),  # fmt: skip
             self.journal.log_event(inode.ino, "closed" if state == STAGED else "incomplete",
                                    f"generation={inode.generation} size={inode.size} {error or ''}".rstrip()),

@@ -198,7 +198,7 @@ def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
         capacity = CapacityPolicy(limit=config.cache_size, min_free=config.min_free,
                                   evict=config.evict_policy, full_timeout=config.full_timeout)  # fmt: skip
         core = BurstCore(config.cache_dir, journal, fsync_remote=config.fsync_remote, capacity=capacity,
-                         list_ttl=config.list_ttl)  # fmt: skip
+                         list_ttl=config.list_ttl, digest_chunk_size=config.drain.part_size)  # fmt: skip
         drain = DrainService(Mover(config.cache_dir, config.remote, config.s3, config.drain), journal)
         core.drain = drain
         core.fetcher = drain

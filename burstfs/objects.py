@@ -23,6 +23,7 @@ import functools
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,75 @@ class FileDigests:
     chunk_size: int
     chunks: tuple[str, ...]
     digest: str
+
+
+class StreamingDigests:
+    """Digests of a file written front to back, computed as the writes land.
+
+    A close then journals the digests without re-reading the file, and the
+    upload checks them against the staged bytes.  Writes may arrive slightly out
+    of order (the kernel's write-back sends several at once): those ahead of the
+    hashed prefix wait in a small buffer.  Anything else (an overwrite, a hole,
+    more than ``max_pending`` bytes out of order) makes the digests unusable and
+    the drain hashes the file instead.  Thread-safe: writes land in worker threads.
+    """
+
+    def __init__(self, chunk_size: int, max_pending: int = 32 << 20) -> None:
+        self.chunk_size = chunk_size
+        self.max_pending = max_pending
+        self.size = 0  # bytes hashed: the prefix [0, size)
+        self.broken = False
+        self._whole = xxhash.xxh3_128()
+        self._chunk = xxhash.xxh3_64()
+        self._in_chunk = 0
+        self._chunks: list[str] = []
+        self._pending: dict[int, bytes] = {}
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+
+    def update(self, offset: int, data: bytes) -> None:
+        with self._lock:
+            if self.broken or not data:
+                return
+            if offset != self.size:
+                if offset < self.size or offset in self._pending or self._pending_bytes + len(data) > self.max_pending:
+                    self._break()
+                    return
+                self._pending[offset] = data
+                self._pending_bytes += len(data)
+                return
+            self._hash(data)
+            while self.size in self._pending:
+                ready = self._pending.pop(self.size)
+                self._pending_bytes -= len(ready)
+                self._hash(ready)
+
+    def result(self, size: int) -> FileDigests | None:
+        """The digests of a file of ``size`` bytes, or None if they do not cover exactly that."""
+        with self._lock:
+            if self.broken or self._pending or self.size != size:
+                return None
+            chunks = [*self._chunks, self._chunk.copy().hexdigest()] if self._in_chunk else list(self._chunks)
+            return FileDigests(self.size, self.chunk_size, tuple(chunks), self._whole.hexdigest())
+
+    def _hash(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            piece = view[: self.chunk_size - self._in_chunk]
+            self._chunk.update(piece)
+            self._whole.update(piece)
+            self._in_chunk += len(piece)
+            view = view[len(piece):]
+            if self._in_chunk == self.chunk_size:
+                self._chunks.append(self._chunk.hexdigest())
+                self._chunk = xxhash.xxh3_64()
+                self._in_chunk = 0
+        self.size += len(data)
+
+    def _break(self) -> None:
+        self.broken = True
+        self._pending.clear()
+        self._pending_bytes = 0
 
 
 def compute_digests(path: str | os.PathLike[str], chunk_size: int) -> FileDigests:

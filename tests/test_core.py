@@ -8,6 +8,7 @@ since the journal is what a restart and the mover rely on.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import sqlite3
 import stat
@@ -590,3 +591,32 @@ def test_umask_free_modes_and_setgid_dirs(tmp_path: Path) -> None:
         ]
 
     run(tmp_path, body)
+
+
+def test_digests_are_computed_as_written_and_journaled_at_close(tmp_path: Path) -> None:
+    """Sequential writes (even slightly reordered) need no re-read: close journals the digests."""
+    from burstfs.objects import compute_digests
+
+    content = os.urandom((8 << 20) * 2 + 12345)
+
+    async def body(core: BurstCore) -> tuple[int, int]:
+        fh, inode = await core.create(ROOT_INO, b"seq.bin", 0o644, os.O_WRONLY, 0, 0)
+        blocks = [(o, content[o : o + (1 << 20)]) for o in range(0, len(content), 1 << 20)]
+        blocks[0], blocks[1] = blocks[1], blocks[0]  # write-back may deliver out of order
+        for offset, block in blocks:
+            await core.write(fh, offset, block)
+        await core.flush(fh)
+        await core.release(fh)
+        fh, other = await core.create(ROOT_INO, b"patched.bin", 0o644, os.O_WRONLY, 0, 0)
+        await core.write(fh, 0, b"a" * 1000)
+        await core.write(fh, 10, b"b")  # an overwrite: digests must come from the drain
+        await core.flush(fh)
+        await core.release(fh)
+        return inode.ino, other.ino
+
+    ino, patched = run(tmp_path, body)
+    expected = compute_digests(tmp_path / "data" / f"{ino:016x}", 8 << 20)
+    digest, chunks, chunk_size = db_rows(tmp_path, "SELECT digest, chunks, chunk_size FROM inodes WHERE ino=?", (ino,))[0]
+    assert (digest, chunk_size) == (expected.digest, 8 << 20)
+    assert tuple(json.loads(chunks)) == expected.chunks and len(expected.chunks) == 3
+    assert db_rows(tmp_path, "SELECT digest FROM inodes WHERE ino=?", (patched,))[0][0] is None
