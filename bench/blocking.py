@@ -18,15 +18,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_mount, median, report, timed  # noqa: E402
+from common import bench_mount, median, report, run_ranks, state_dict, timed  # noqa: E402
 
-
-def state_dict(size_mib: int) -> dict[str, object]:
-    import torch
-
-    n_tensors = 16
-    per = size_mib * (1 << 20) // n_tensors // 4
-    return {f"layer{i}.weight": torch.randn(per) for i in range(n_tensors)}
 
 
 def write_shard(path: str, size: int, start: multiprocessing.Barrier) -> None:  # type: ignore[valid-type]
@@ -38,18 +31,7 @@ def write_shard(path: str, size: int, start: multiprocessing.Barrier) -> None:  
 
 
 def shards_once(directory: Path, ranks: int, size: int) -> float:
-    ctx = multiprocessing.get_context("fork")
-    barrier = ctx.Barrier(ranks + 1)
-    procs = [ctx.Process(target=write_shard, args=(str(directory / f"shard{r}.bin"), size, barrier)) for r in range(ranks)]
-    for p in procs:
-        p.start()
-
-    def run() -> None:
-        barrier.wait()
-        for p in procs:
-            p.join()
-
-    return timed(run)
+    return run_ranks(write_shard, [(str(directory / f"shard{r}.bin"), size) for r in range(ranks)])
 
 
 def main() -> None:

@@ -89,3 +89,101 @@ def report(title: str, rows: list[tuple[str, float, float, float | None]], as_js
     for case, b, p, target in rows:
         mark = "" if target is None else ("ok" if b / p <= target else "MISS")
         print(f"{case:<44} {b:>10.3f} {p:>11.3f} {b / p:>6.2f}x {'' if target is None else f'{target:.2f}x':>7} {mark}")
+
+
+# -- helpers for drain.py and restore.py (added; nothing above changed) ---------------------
+
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+
+
+def file_state(cache: Path, name: str) -> str | None:
+    """The journal state of the live file called ``name`` (basename) in ``cache``, or None."""
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{cache / 'journal.db'}?mode=ro", uri=True)
+    try:
+        row = db.execute("SELECT state FROM inodes WHERE name=? AND parent!=0", (name.encode(),)).fetchone()
+        return row[0] if row else None
+    finally:
+        db.close()
+
+
+def wait_durable(cache: Path, names: list[str], timeout: float = 600.0, interval: float = 0.005) -> float:
+    """Poll the journal until every file in ``names`` is durable; returns perf_counter() then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if all(file_state(cache, n) == "durable" for n in names):
+            return time.perf_counter()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{names} not durable after {timeout:.0f}s: {[file_state(cache, n) for n in names]}")
+        time.sleep(interval)
+
+
+@contextlib.contextmanager
+def moto_endpoint() -> Iterator[str]:
+    """A moto S3 server on 127.0.0.1 (tests/s3server.py), with this process's AWS env pointing at it.
+
+    The environment is what the daemon (a child of this process) inherits.
+    """
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
+    from s3server import _USER_AWS_VARS, MotoServer, client_env
+
+    saved = dict(os.environ)
+    for name in _USER_AWS_VARS:
+        os.environ.pop(name, None)
+    os.environ.update(client_env())
+    server = MotoServer()
+    server.start()
+    try:
+        yield server.endpoint
+    finally:
+        server.stop()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def make_bucket(endpoint: str, name: str) -> None:
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
+    from s3server import make_bucket as make
+
+    make(endpoint, name)
+
+
+def rss_peak_mib(pid: int) -> float:
+    """VmHWM of a live process, MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def state_dict(size_mib: int) -> dict[str, object]:
+    """A model-like state dict of ``size_mib`` MiB: 16 float32 tensors."""
+    import torch
+
+    n_tensors = 16
+    per = size_mib * (1 << 20) // n_tensors // 4
+    return {f"layer{i}.weight": torch.randn(per) for i in range(n_tensors)}
+
+
+def run_ranks(target: Callable[..., None], args_per_rank: list[tuple[object, ...]]) -> float:
+    """Seconds until one process per rank has run ``target(*args, barrier)``, all
+    started together on a barrier (process start-up is not timed)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(len(args_per_rank) + 1)
+    procs = [ctx.Process(target=target, args=(*args, barrier)) for args in args_per_rank]
+    for p in procs:
+        p.start()
+
+    def run() -> None:
+        barrier.wait()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            raise RuntimeError("a rank failed")
+
+    return timed(run)

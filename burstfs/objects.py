@@ -74,12 +74,16 @@ class StreamingDigests:
     """Digests of a file written front to back, computed as the writes land.
 
     A close then journals the digests without re-reading the file, and the
-    upload checks them against the staged bytes.  Writes may arrive slightly out
-    of order (the kernel's write-back sends several at once): those ahead of the
-    hashed prefix wait in a small buffer.  Anything else (an overwrite, a hole,
-    more than ``max_pending`` bytes out of order) makes the digests unusable and
-    the drain hashes the file instead.  Thread-safe: writes land in worker threads.
+    upload checks them against the staged bytes.  The kernel's write-back may
+    deliver writes slightly out of order (those ahead of the hashed prefix wait
+    in a small buffer) and rewrites a partly written page from its start (the
+    repeated bytes are compared with the last page hashed and skipped).
+    Anything else (an overwrite, a hole, more than ``max_pending`` bytes out of
+    order) makes the digests unusable and the drain hashes the file instead.
+    Thread-safe: writes land in worker threads.
     """
+
+    TAIL = 4096  # a page: how far back a write-back rewrite of a partial page reaches
 
     def __init__(self, chunk_size: int, max_pending: int = 32 << 20) -> None:
         self.chunk_size = chunk_size
@@ -90,6 +94,7 @@ class StreamingDigests:
         self._chunk = xxhash.xxh3_64()
         self._in_chunk = 0
         self._chunks: list[str] = []
+        self._tail = b""  # the last bytes hashed, up to TAIL
         self._pending: dict[int, bytes] = {}
         self._pending_bytes = 0
         self._lock = threading.Lock()
@@ -98,18 +103,22 @@ class StreamingDigests:
         with self._lock:
             if self.broken or not data:
                 return
-            if offset != self.size:
-                if offset < self.size or offset in self._pending or self._pending_bytes + len(data) > self.max_pending:
+            if offset > self.size:
+                if offset in self._pending or self._pending_bytes + len(data) > self.max_pending:
                     self._break()
-                    return
-                self._pending[offset] = data
-                self._pending_bytes += len(data)
+                else:
+                    self._pending[offset] = data
+                    self._pending_bytes += len(data)
                 return
-            self._hash(data)
-            while self.size in self._pending:
-                ready = self._pending.pop(self.size)
-                self._pending_bytes -= len(ready)
-                self._hash(ready)
+            self._consume(offset, data)
+            while not self.broken:
+                ready = [o for o in self._pending if o <= self.size]
+                if not ready:
+                    break
+                for o in sorted(ready):
+                    data = self._pending.pop(o)
+                    self._pending_bytes -= len(data)
+                    self._consume(o, data)
 
     def result(self, size: int) -> FileDigests | None:
         """The digests of a file of ``size`` bytes, or None if they do not cover exactly that."""
@@ -118,6 +127,18 @@ class StreamingDigests:
                 return None
             chunks = [*self._chunks, self._chunk.copy().hexdigest()] if self._in_chunk else list(self._chunks)
             return FileDigests(self.size, self.chunk_size, tuple(chunks), self._whole.hexdigest())
+
+    def _consume(self, offset: int, data: bytes) -> None:
+        """Hash ``data`` at ``offset`` <= size, skipping bytes that repeat the hashed tail."""
+        overlap = self.size - offset
+        if overlap:
+            repeated = data[:overlap]
+            if overlap > len(self._tail) or repeated != self._tail[len(self._tail) - overlap :][: len(repeated)]:
+                self._break()  # a real overwrite: the journal gets no digests for this close
+                return
+            data = data[overlap:]
+        if data:
+            self._hash(data)
 
     def _hash(self, data: bytes) -> None:
         view = memoryview(data)
@@ -132,6 +153,7 @@ class StreamingDigests:
                 self._chunk = xxhash.xxh3_64()
                 self._in_chunk = 0
         self.size += len(data)
+        self._tail = (self._tail + data[-self.TAIL:])[-self.TAIL:]
 
     def _break(self) -> None:
         self.broken = True

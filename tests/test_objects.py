@@ -444,3 +444,25 @@ def test_upload_through_faults_is_byte_identical(s3_env: str, tmp_path: Path) ->
 
         assert run(store, body) == data
         assert proxy.injected == 8
+
+
+def test_streaming_digests_match_a_reread_despite_writeback_patterns(tmp_path: Path) -> None:
+    """Reordered writes and page-aligned rewrites of a partial page still give the file's digests."""
+    from burstfs.objects import StreamingDigests
+
+    data = os.urandom((3 << 20) + 777)
+    (tmp_path / "f").write_bytes(data)
+    expected = compute_digests(tmp_path / "f", 1 << 20)
+    stream = StreamingDigests(1 << 20)
+    stream.update(0, data[:1000])  # a partial page...
+    stream.update(0, data[:70000])  # ...rewritten from its start with more
+    stream.update(1 << 20, data[1 << 20 : 2 << 20])  # ahead of the hashed prefix: waits
+    stream.update(69632, data[69632 : 1 << 20])  # from the partial page start: overlaps the tail, unblocks the rest
+    stream.update(2 << 20, data[2 << 20 :])
+    assert stream.result(len(data)) == expected
+    assert stream.result(len(data) - 1) is None  # must cover exactly the file
+
+    changed = StreamingDigests(1 << 20)
+    changed.update(0, data[:1000])
+    changed.update(0, b"X" + data[1:2000])  # the repeated bytes differ: a real overwrite
+    assert changed.result(2000) is None
