@@ -53,6 +53,10 @@ log = logging.getLogger("burstfs.core")
 NAME_MAX = 255
 XATTR_USER = b"user."
 XATTR_RESERVED = b"user.burstfs."  # computed, read-only attributes (drain state)
+# Reads of a file being fetched go straight to the tier while they stay this far
+# behind its local prefix; nearer the frontier they go through the fetcher, which
+# sees them and keeps its prefetch window running ahead.
+PREFETCH_MARGIN = 64 << 20
 
 
 class DrainHooks(Protocol):
@@ -71,8 +75,9 @@ class DrainHooks(Protocol):
 class Fetcher(Protocol):
     """What the core needs from the restore path: remote listings and remote bytes."""
 
-    async def ensure_local(self, ino: int, offset: int, size: int) -> bool:
-        """Make bytes [offset, offset+size) of ``ino`` local; True once the whole file is."""
+    async def ensure_local(self, ino: int, offset: int, size: int) -> int:
+        """Make bytes [offset, offset+size) of ``ino`` local; returns the length of the
+        gap-free local prefix of the file (its size once it is all local)."""
 
     async def list_dir(self, dir_key: str) -> tuple[list[tuple[str, int, float]], list[str]]:
         """(name, size, mtime) of the remote files directly under ``dir_key``, and subdirectory names."""
@@ -129,6 +134,7 @@ class Inode:
     listed_at: float = -1e9  # directories: monotonic time of the last remote listing merge
     accounted: int = 0  # bytes of this file counted in BurstCore.local_bytes
     digests: StreamingDigests | None = None  # computed as written; None: the drain hashes the file
+    local_prefix: int = 0  # a file being fetched: bytes from its start known to be local
     incomplete: str = ""  # why bytes may be missing (a lost write, a crash); cleared when emptied
 
     @property
@@ -657,7 +663,8 @@ class BurstCore:
         if self.fetcher is None:
             raise FsError(errno.EIO, "file is not on the local tier and no remote is configured")
         await self._account(inode, inode.size)  # room for the whole file: a restore usually reads all of it
-        if await self.fetcher.ensure_local(inode.ino, offset, inode.size if size is None else size):
+        inode.local_prefix = await self.fetcher.ensure_local(inode.ino, offset, inode.size if size is None else size)
+        if inode.local_prefix >= inode.size:
             inode.local, inode.listed = True, False
 
     async def prefetch(self, ino: int) -> None:
@@ -677,7 +684,7 @@ class BurstCore:
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self.handles[fh]
         inode = handle.inode
-        if not inode.local:
+        if not inode.local and offset + size + PREFETCH_MARGIN > inode.local_prefix:
             await self._ensure_local(inode, offset, size)
         inode.last_access = time.monotonic()
         fd = self.tier.fd(inode.ino)
@@ -875,7 +882,7 @@ class BurstCore:
         )
         if not changed or inode.handles or inode.dirty:
             return 0
-        inode.local = False
+        inode.local, inode.local_prefix = False, 0
         self.tier.remove(inode.ino)
         self._release_space(inode.accounted)
         inode.accounted = 0

@@ -90,7 +90,7 @@ class DrainService:
 
     # -- Fetcher ------------------------------------------------------------------
 
-    async def ensure_local(self, ino: int, offset: int, size: int) -> bool:
+    async def ensure_local(self, ino: int, offset: int, size: int) -> int:
         assert self.mover.restore is not None
         return await self._on_mover_loop(self.mover.restore.ensure_local(ino, offset, size))
 

@@ -53,6 +53,7 @@ class _FileFetch:
     in_flight: dict[int, asyncio.Task[None]] = dataclasses.field(default_factory=dict)
     window: int = 1
     next_offset: int = 0
+    contiguous: int = 0  # chunks present from the start without a gap
 
     @property
     def chunks(self) -> int:
@@ -99,14 +100,21 @@ class RestoreService:
             self._compressed = await self.store.retry.call(remote, remote.head, LAYOUT_KEY, what="head layout") is not None
         return self._compressed
 
-    async def ensure_local(self, ino: int, offset: int, length: int) -> bool:
-        """Make bytes [offset, offset+length) local; True once the whole file is local."""
+    async def ensure_local(self, ino: int, offset: int, length: int) -> int:
+        """Make bytes [offset, offset+length) local.
+
+        Returns how many bytes from the start of the file are now local without a
+        gap (the file's size once it is all here), so the caller can serve reads
+        below that without asking again.
+        """
         fetch = await self._fetch_state(ino)
         if fetch.size == 0:
             return self._complete(fetch)
         end = min(offset + length, fetch.size)
         first, last = offset // fetch.chunk_size, max(offset, end - 1) // fetch.chunk_size
-        if offset == fetch.next_offset:
+        # Sequential: where the last read ended, or further on inside the gap-free
+        # local prefix (the core serves reads there without asking).
+        if offset == fetch.next_offset or fetch.next_offset < offset <= self._contiguous(fetch):
             fetch.window = min(fetch.window * 2, MAX_WINDOW_CHUNKS)
         else:
             fetch.window = 1
@@ -116,6 +124,11 @@ class RestoreService:
             self._chunk(fetch, i)  # prefetch: not awaited
         await asyncio.gather(*needed)
         return self._complete(fetch)
+
+    def _contiguous(self, fetch: _FileFetch) -> int:
+        while fetch.contiguous < fetch.chunks and fetch.contiguous in fetch.present:
+            fetch.contiguous += 1
+        return min(fetch.contiguous * fetch.chunk_size, fetch.size)
 
     async def _fetch_state(self, ino: int) -> _FileFetch:
         if ino in self._files:
@@ -185,9 +198,10 @@ class RestoreService:
         finally:
             fetch.in_flight.pop(index, None)
 
-    def _complete(self, fetch: _FileFetch) -> bool:
+    def _complete(self, fetch: _FileFetch) -> int:
+        """The contiguous local prefix; the file is recorded local once all chunks are."""
         if len(fetch.present) < fetch.chunks:
-            return False
+            return self._contiguous(fetch)
         os.close(fetch.fd)
         del self._files[fetch.ino]
         fields: dict[str, object] = {"state": DURABLE, "local_bytes": fetch.size, "updated": time.time()}
@@ -200,7 +214,7 @@ class RestoreService:
             (*fields.values(), fetch.ino, EVICTED, REMOTE),
         )
         log.info("event=fetched key=%s bytes=%d verified=%s", fetch.key, fetch.size, fetch.manifest is not None)
-        return True
+        return fetch.size
 
     def forget(self, ino: int) -> None:
         """Drop fetch state of a file that went away (unlinked or evicted again)."""
