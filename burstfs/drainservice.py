@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import trio
 
 from .errors import FsError
-from .journal import DURABLE, EVICTED, FAILED, Journal
+from .journal import DURABLE, EVICTED, FAILED, INCOMPLETE, Journal
 from .mover import Mover
 
 log = logging.getLogger("burstfs.drain")
@@ -81,8 +81,10 @@ class DrainService:
                 state, durable_generation, error = rows[0]
                 if state in (DURABLE, EVICTED) and (durable_generation or 0) >= generation:
                     return
-                if state == FAILED:
-                    raise FsError(errno.EIO, f"drain failed: {error}")
+                if state in (FAILED, INCOMPLETE):
+                    raise FsError(errno.EIO, f"cannot become durable ({state}): {error}")
+                if self.crashed is not None:
+                    raise FsError(errno.EIO, f"the mover stopped: {self.crashed}")
                 if self.mover.stats.halted is not None:
                     raise FsError(errno.EIO, f"drain halted: {self.mover.stats.halted}")
                 await trio.sleep(DURABLE_POLL_S)
