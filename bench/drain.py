@@ -61,7 +61,6 @@ from common import (
 MiB = 1 << 20
 
 
-
 def fresh_base() -> Path:
     return Path(tempfile.mkdtemp(prefix="burstfs-bench-drain-", dir="/dev/shm"))
 

@@ -43,6 +43,9 @@ from .restore import LAYOUT_KEY, RestoreService
 
 log = logging.getLogger("burstfs.mover")
 
+# After a wake-up, let more closes arrive before scanning the journal: a burst of
+# small files costs a few passes instead of one per close.
+COALESCE_S = 0.005
 # How long the loop sleeps when nothing wakes it: bounds the delay of retries
 # and of re-probing a halted remote without busy-looping.
 IDLE_RESCAN_S = 1.0
@@ -165,6 +168,7 @@ class Mover:
             await self._record_layout()
             while not self._stopping:
                 self._wakeup.clear()
+                await asyncio.sleep(COALESCE_S)  # a burst of closes becomes one pass
                 if self.stats.halted is not None:
                     if not await self._probe_remote():
                         await self._sleep(HALT_PROBE_S)
@@ -250,14 +254,16 @@ class Mover:
         if slots <= 0 or self.stats.halted is not None:
             return []
         now = time.time()
-        chosen: list[InodeRow] = []
         delay = 0.0 if self._skip_delay else self.options.delay
+        # This runs after every close: read enough rows to fill the free slots past the
+        # files in flight or backing off (and a few blocked markers), not the whole queue.
+        limit = slots + len(self._in_flight) + len(self._not_before) + 32
+        chosen: list[InodeRow] = []
         for row in self.journal.inodes(
-            "WHERE state=? AND kind='file' AND parent!=0 ORDER BY close_seq LIMIT 1000", (STAGED,)
+            "WHERE state=? AND kind='file' AND parent!=0 AND updated <= ? ORDER BY close_seq LIMIT ?",
+            (STAGED, now - delay, limit),
         ):
             if row.ino in self._in_flight or self._not_before.get(row.ino, 0) > now:
-                continue
-            if delay and now - row.updated < delay:
                 continue
             if is_commit_marker(os.fsdecode(row.name), self.options.commit_markers) and self._blocks_marker(row):
                 continue
