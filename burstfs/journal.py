@@ -228,9 +228,6 @@ class Journal:
                 ino = row[0]
         return "/".join(reversed(parts))
 
-    def max_ino(self) -> int:
-        return int(self.query("SELECT COALESCE(MAX(ino), 1) FROM inodes")[0][0])
-
     def max_close_seq(self) -> int:
         return int(self.query("SELECT COALESCE(MAX(close_seq), 0) FROM inodes")[0][0])
 

@@ -68,13 +68,6 @@ class LocalTier:
         except FileNotFoundError:
             return 0
 
-    def allocated_bytes(self, ino: int) -> int:
-        """Bytes the data file really occupies (sparse files count what is written)."""
-        try:
-            return os.stat(self.path(ino)).st_blocks * 512
-        except FileNotFoundError:
-            return 0
-
     def data_inodes(self) -> set[int]:
         """Inode numbers that have a data file (to find orphans after a crash)."""
         found = set()
