@@ -335,7 +335,9 @@ class BurstCore:
         prefix = f"{dir_key}/" if dir_key else ""
         ops: list[Op] = []
         remote_names = set()
-        for name, size, mtime in files:
+        for count, (name, size, mtime) in enumerate(files, 1):
+            if count % 1000 == 0:
+                await trio.sleep(0)  # a 100,000-object listing must not stall other requests
             remote_names.add(name)
             raw = os.fsencode(name)
             if raw in directory.children or prefix + name in known_keys:  # type: ignore[operator]

@@ -43,6 +43,9 @@ from .restore import LAYOUT_KEY, RestoreService
 
 log = logging.getLogger("burstfs.mover")
 
+# The journal's event log keeps this many recent events (checked every 10 minutes).
+EVENTS_KEPT = 200_000
+EVENT_PRUNE_EVERY_S = 600.0
 # After a wake-up, let more closes arrive before scanning the journal: a burst of
 # small files costs a few passes instead of one per close.
 COALESCE_S = 0.005
@@ -111,6 +114,7 @@ class Mover:
         self._in_flight: dict[int, str] = {}  # ino -> key being uploaded
         self._not_before: dict[int, float] = {}  # ino -> earliest retry time
         self._skip_delay = False
+        self._next_prune = 0.0
         self.on_durable: Callable[[int, float], None] | None = None  # (bytes, seconds): metrics hook
 
     # -- thread-safe controls (called from the FUSE thread or the control socket) ----
@@ -174,6 +178,7 @@ class Mover:
                         await self._sleep(HALT_PROBE_S)
                         continue
                 await self._process_deletes()
+                self._prune_events()
                 if self._relocate_needed:
                     self._relocate_needed = False
                     await self._relocate_renamed()
@@ -211,6 +216,13 @@ class Mover:
             await self.store.abort_stale_uploads()
         except RemoteError as exc:
             self._halt(exc)
+
+    def _prune_events(self) -> None:
+        """Keep the event log bounded on long runs (status and `journal` read the recent end)."""
+        if time.monotonic() < self._next_prune:
+            return
+        self._next_prune = time.monotonic() + EVENT_PRUNE_EVERY_S
+        self.journal.execute("DELETE FROM events WHERE seq <= (SELECT MAX(seq) FROM events) - ?", (EVENTS_KEPT,))
 
     async def _record_layout(self) -> None:
         """Tell readers of this prefix that object sizes may be compressed sizes."""
