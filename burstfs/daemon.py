@@ -44,12 +44,18 @@ log = logging.getLogger("burstfs.daemon")
 def preflight(config: MountConfig) -> None:
     """Refuse bad input before touching anything (tenet 5)."""
     mnt = config.mountpoint
+    if is_mounted(mnt):  # asked of /proc first: stat() of a dead FUSE mount fails
+        try:
+            os.stat(mnt)
+        except OSError as exc:
+            raise ConfigError(
+                f"{mnt} is a mount whose daemon is gone ({exc.strerror}); clean it up first: burstfs unmount {mnt}"
+            ) from None
+        raise ConfigError(f"{mnt} is already a mount point (unmount it first: burstfs unmount {mnt})")
     if not mnt.exists():
         raise ConfigError(f"mount point {mnt} does not exist (create it with: mkdir -p {mnt})")
     if not mnt.is_dir():
         raise ConfigError(f"mount point {mnt} is not a directory")
-    if is_mounted(mnt):
-        raise ConfigError(f"{mnt} is already a mount point (unmount it first: burstfs unmount {mnt})")
     real_mnt = Path(os.path.realpath(mnt))
     real_cache = Path(os.path.realpath(config.cache_dir))
     if real_cache == real_mnt or real_mnt in real_cache.parents:

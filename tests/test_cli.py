@@ -195,3 +195,16 @@ def test_unmount_of_a_directory_inside_a_mount(burst: MountedFS) -> None:
     err = refused("unmount", str(burst.path / "sub"))
     assert "is not a burstfs mount point" in err
     assert is_mounted(burst.path)
+
+
+def test_mount_over_a_dead_mount_says_how_to_clean_it(burst: MountedFS) -> None:
+    (burst.path / "kept.bin").write_bytes(b"closed before the crash")
+    os.kill(burst.daemon_pid(), 9)
+    burst.expect_log("recover")
+    result = burstfs("mount", str(burst.path), "--cache", str(burst.cache), "--remote", burst.remote_url, check=False)
+    assert result.returncode == 2
+    assert "daemon is gone" in result.stderr and f"burstfs unmount {burst.path}" in result.stderr
+    assert "Traceback" not in result.stderr
+    burstfs("unmount", str(burst.path))  # cleans up the dead mount
+    burst.mount()
+    assert (burst.path / "kept.bin").read_bytes() == b"closed before the crash"
