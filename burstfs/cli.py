@@ -167,8 +167,8 @@ def unmount(mountpoint: Path, wait_drain: bool, timeout: float, wait_timeout: fl
         if time.monotonic() > deadline:
             _fail(BurstfsError(f"daemon pid {pid} did not exit within {timeout:.0f}s after unmount"))
         time.sleep(0.05)
-    pending = _undrained(cache_dir).values()
-    files, nbytes = sum(f for f, _ in pending), sum(b for _, b in pending)
+    remaining = _undrained(cache_dir).values()
+    files, nbytes = sum(f for f, _ in remaining), sum(b for _, b in remaining)
     click.echo(f"unmounted {point} (cache {cache_dir})")
     if files:
         click.echo(f"{files} files ({nbytes} bytes) are not durable yet: they stay staged in {cache_dir}; "

@@ -285,7 +285,11 @@ def _copy_storages(
         n = storage.nbytes()
         # A zero-byte slice would share its address with the next storage: torch.save
         # would then see one address under two dtypes and refuse to save.
-        host[key] = whole[offset : offset + n] if n else torch.UntypedStorage(0)
+        if n:
+            assert whole is not None  # a buffer exists whenever some storage has bytes
+            host[key] = whole[offset : offset + n]
+        else:
+            host[key] = torch.UntypedStorage(0)
         if n and storage.device.type == "cuda":
             by_device.setdefault(storage.device.index, []).append(key)
     events = []
