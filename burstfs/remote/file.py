@@ -222,14 +222,18 @@ class FileRemote(Remote):
         await self._run(f"create upload {key}", create)
         return upload_id
 
+    def _open_upload(self, path: Path, key: str, upload_id: str) -> int:
+        """The temp file of an upload in progress (blocking: called in threads)."""
+        try:
+            return os.open(path, os.O_WRONLY)
+        except FileNotFoundError:
+            raise RemoteNotFound(f"{self.url}: no multipart upload {upload_id} for {key}") from None
+
     async def upload_part(self, key: str, upload_id: str, part_number: int, offset: int, data: bytes) -> UploadedPart:
         path = self._upload_path(upload_id)
 
         def write() -> None:
-            try:
-                fd = os.open(path, os.O_WRONLY)
-            except FileNotFoundError:
-                raise RemoteNotFound(f"{self.url}: no multipart upload {upload_id} for {key}") from None
+            fd = self._open_upload(path, key, upload_id)
             try:
                 _pwrite_full(fd, data, offset)
             finally:
@@ -254,10 +258,7 @@ class FileRemote(Remote):
             size += length
 
         def complete() -> None:
-            try:
-                fd = os.open(path, os.O_WRONLY)
-            except FileNotFoundError:
-                raise RemoteNotFound(f"{self.url}: no multipart upload {upload_id} for {key}") from None
+            fd = self._open_upload(path, key, upload_id)
             try:
                 if os.fstat(fd).st_size < size:
                     raise RemoteError(f"{self.url}: upload {upload_id} for {key} is short", kind="invalid_upload")
