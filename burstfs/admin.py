@@ -311,6 +311,10 @@ def _print_status(doc: dict[str, Any]) -> None:
         owner = f"; pid {doc['pid']} holds the cache (burstfs drain?)" if doc["pid"] else ""
         click.echo(f"burstfs cache {doc['cache_dir']}: not mounted (last at {doc['mountpoint'] or '-'}){owner}")
     click.echo(f"  cache {doc['cache_dir']}   remote {doc['remote']}")
+    if doc["data_path"] == "passthrough":
+        click.echo("  data path: FUSE passthrough (the kernel reads and writes local files on the tier)")
+    elif doc["data_path"]:
+        click.echo("  data path: through the daemon (see burstfs.log for why passthrough is off)")
     states = doc["states"]
     rows = [[s, str(states[s]["files"]), fmt_bytes(states[s]["bytes"])] for s in FILE_STATES]
     click.echo(table(["STATE", "FILES", "BYTES"], rows, right=(1, 2)))

@@ -60,6 +60,8 @@ def main() -> None:
               help="local: fsync returns once the local tier and journal hold the data; remote: once durable remotely.")
 @click.option("--allow-other", is_flag=True, help="Let other users access the mount (kernel checks permissions).")
 @click.option("--no-writeback-cache", is_flag=True, help="Send every write to the daemon at once (slower).")
+@click.option("--no-passthrough", is_flag=True,
+              help="Serve file data through the daemon even where FUSE passthrough is available (slower).")
 @click.option("--cache-size", default=None, help="Bytes of the local tier to use (e.g. 20G); default: all of it.")
 @click.option("--min-free", default="0", show_default=True, help="Free space the local tier's file system keeps (e.g. 2G).")
 @click.option("--evict", "evict_policy", type=click.Choice(["lru", "fifo", "none"]), default="lru", show_default=True,
@@ -81,7 +83,7 @@ def main() -> None:
               help=f"Pattern of files that publish a checkpoint (repeatable). Default: {', '.join(DEFAULT_COMMIT_MARKERS)}")
 @click.option("--metrics-addr", default=None, help="Serve Prometheus metrics on HOST:PORT.")
 def mount(mountpoint: Path, cache_dir: Path, remote: str, foreground: bool, log_level: str, fsync_mode: str,
-          allow_other: bool, no_writeback_cache: bool, cache_size: str | None, min_free: str, evict_policy: str,
+          allow_other: bool, no_writeback_cache: bool, no_passthrough: bool, cache_size: str | None, min_free: str, evict_policy: str,
           full_timeout: float, list_ttl: float, endpoint_url: str | None,
           region: str | None, part_size: str, concurrency: int, max_files: int, compress: str, drain_delay: float, read_ahead: str,
           commit_markers: tuple[str, ...], metrics_addr: str | None) -> None:  # fmt: skip
@@ -105,6 +107,7 @@ def mount(mountpoint: Path, cache_dir: Path, remote: str, foreground: bool, log_
             fsync_remote=fsync_mode == "remote",
             allow_other=allow_other,
             writeback_cache=not no_writeback_cache,
+            passthrough=not no_passthrough,
             cache_size=parse_size(cache_size) if cache_size else None,
             min_free=parse_size(min_free),
             evict_policy=evict_policy,

@@ -116,6 +116,7 @@ class MountConfig:
 
     fsync_remote: fsync(2) waits until the file is durable on the remote.
     writeback_cache: let the kernel buffer writes (large, batched writes to us).
+    passthrough: let the kernel read and write local files on the tier itself (FUSE passthrough).
     cache_size: bytes of the local tier burstfs may use (None: the whole file system).
     min_free: bytes the local tier's file system must keep free.
     evict_policy: lru | fifo | none (which durable files leave the tier first).
@@ -132,6 +133,7 @@ class MountConfig:
     fsync_remote: bool = False
     allow_other: bool = False
     writeback_cache: bool = True
+    passthrough: bool = True
     cache_size: int | None = None
     min_free: int = 0
     evict_policy: str = "lru"

@@ -170,6 +170,8 @@ def journal_status(journal: Journal, cache_dir: Path) -> dict[str, Any]:
         "cache_dir": str(cache_dir),
         "remote": journal.get_meta("remote"),
         "pid": None,
+        "data_path": None,
+        "daemon_written_bytes": None,
         "states": states,
         "undrained": {
             "files": sum(states[s]["files"] for s in UNDRAINED_STATES),
@@ -488,7 +490,9 @@ class ControlServer:
 
     async def _status(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:
         doc = await trio.to_thread.run_sync(journal_status, self.journal, self.config.cache_dir)
-        doc.update(live=True, pid=os.getpid(), mountpoint=str(self.config.mountpoint), remote=str(self.config.remote))
+        doc.update(live=True, pid=os.getpid(), mountpoint=str(self.config.mountpoint), remote=str(self.config.remote),
+                   data_path="passthrough" if self.core.backing is not None else "daemon",
+                   daemon_written_bytes=self.core.daemon_written_bytes)  # fmt: skip
         fs = self.core.statfs()
         doc["local_tier"].update(
             limit_bytes=self.config.cache_size,

@@ -86,6 +86,16 @@ class Fetcher(Protocol):
         """The file went away: drop any fetch state."""
 
 
+class BackingFiles(Protocol):
+    """Hands a local-tier file to the kernel so that opens of it bypass the daemon
+    (FUSE passthrough: reads, writes and mmap go straight to the tier)."""
+
+    def open(self, fd: int) -> int:
+        """A backing id for ``fd``; raises OSError when the kernel refuses."""
+
+    def close(self, backing_id: int) -> None: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class CapacityPolicy:
     """How the local tier is kept from overflowing.
@@ -136,6 +146,12 @@ class Inode:
     digests: StreamingDigests | None = None  # computed as written; None: the drain hashes the file
     local_prefix: int = 0  # a file being fetched: bytes from its start known to be local
     incomplete: str = ""  # why bytes may be missing (a lost write, a crash); cleared when emptied
+    backing_id: int = 0  # passthrough backing file registered with the kernel while opened direct
+    direct_handles: int = 0  # open handles whose I/O bypasses the daemon
+    direct_writers: int = 0  # ... of which writable
+    cached_handles: int = 0  # open handles whose I/O comes to the daemon
+    backing_seen: tuple[int, int] = (0, 0)  # (size, mtime_ns) of the data file when last adopted
+    reopened_clean: bool = False  # marked writing by a direct open, and nothing changed since
 
     @property
     def nlink(self) -> int:
@@ -148,6 +164,7 @@ class Inode:
 class Handle:
     inode: Inode
     writable: bool
+    direct: bool = False  # FUSE passthrough: the kernel does this handle's I/O on the tier itself
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +209,7 @@ class BurstCore:
         digest_chunk_size: int = 8 << 20,
         capacity: CapacityPolicy = CapacityPolicy(),
         list_ttl: float = 30.0,
+        backing: BackingFiles | None = None,
     ) -> None:
         self.cache_dir = Path(cache_dir)
         self.journal = journal
@@ -204,6 +222,8 @@ class BurstCore:
         self.digest_chunk_size = digest_chunk_size
         self.capacity = capacity
         self.list_ttl = list_ttl
+        self.backing = backing
+        self.daemon_written_bytes = 0  # bytes clients wrote through the daemon (passthrough bypasses it)
         self.inodes: dict[int, Inode] = {}
         self.handles: dict[int, Handle] = {}
         self.dir_handles: dict[int, list[tuple[bytes, int]]] = {}
@@ -309,6 +329,7 @@ class BurstCore:
                 raise
             inode = self.child(parent, name)
         inode.lookups += 1
+        self._adopt_direct_writes(inode)
         return inode
 
     # -- remote listings (what other nodes drained) --------------------------------------
@@ -465,7 +486,9 @@ class BurstCore:
         self._link(parent, inode)
         inode.lookups += 1
         await self.committer.commit([insert_inode_op(self._row(inode, WRITING)), self._touch_parent_op(parent)])
-        return self._open_handle(inode, writable=True), inode
+        fh = self._open_handle(inode, writable=True)
+        await self._choose_io_path(inode, self.handles[fh])
+        return fh, inode
 
     async def unlink(self, parent_ino: int, name: bytes) -> None:
         parent = self._dir(parent_ino)
@@ -577,6 +600,34 @@ class BurstCore:
 
     # -- attributes -----------------------------------------------------------------
 
+    def getattr(self, ino: int) -> Inode:
+        inode = self.inode(ino)
+        self._adopt_direct_writes(inode)
+        return inode
+
+    def _adopt_direct_writes(self, inode: Inode) -> None:
+        """Size and times of bytes written through passthrough, read off the data file.
+
+        The kernel writes those bytes to the tier without telling us; it asks for
+        attributes again after each write, and every close comes here first.
+        """
+        if not inode.direct_writers:
+            return
+        fd = self.tier.fd(inode.ino)
+        assert fd is not None
+        st = os.fstat(fd)
+        if (st.st_size, st.st_mtime_ns) == inode.backing_seen:
+            return
+        inode.backing_seen = (st.st_size, st.st_mtime_ns)
+        inode.dirty = True  # written after a close through a dup'd descriptor: the next close publishes it
+        inode.reopened_clean = False
+        inode.size = st.st_size
+        inode.mtime_ns, inode.ctime_ns = st.st_mtime_ns, st.st_ctime_ns
+        inode.last_access = time.monotonic()
+        if st.st_size > inode.accounted:  # no byte limit is set when passthrough is on
+            self.local_bytes += st.st_size - inode.accounted
+            inode.accounted = st.st_size
+
     async def setattr(
         self,
         ino: int,
@@ -590,6 +641,7 @@ class BurstCore:
         fh: int | None = None,
     ) -> Inode:
         inode = self.inode(ino)
+        self._adopt_direct_writes(inode)  # before new times, so they are not overwritten later
         now = _now_ns()
         fields: dict[str, int] = {}
         if size is not None:
@@ -598,6 +650,7 @@ class BurstCore:
             await self._ensure_local(inode)
             await self._mark_writing(inode)
             await trio.to_thread.run_sync(self.tier.truncate, ino, size)
+            inode.reopened_clean = False
             if size < inode.accounted:
                 self._release_space(inode.accounted - size)
             else:  # sparse growth: counted, but never waits for room
@@ -605,7 +658,7 @@ class BurstCore:
             inode.size = inode.accounted = size
             if size == 0:  # emptied: what is written next is all of it
                 inode.incomplete = ""
-                inode.digests = StreamingDigests(self.digest_chunk_size)
+                inode.digests = None if inode.direct_writers else StreamingDigests(self.digest_chunk_size)
             elif inode.digests is not None and size != inode.digests.size:
                 inode.digests = None  # the drain hashes the staged bytes instead
             inode.mtime_ns = now
@@ -656,7 +709,57 @@ class BurstCore:
             # Through a read-only handle (Linux truncates on O_RDONLY | O_TRUNC) no close
             # will publish the change: journal it at once, as truncate(2) does.
             await self.setattr(ino, size=0, fh=fh if writable else None)
+        await self._choose_io_path(inode, self.handles[fh])
         return fh
+
+    async def _choose_io_path(self, inode: Inode, handle: Handle) -> None:
+        """Let the kernel do a handle's reads and writes on the tier itself when it can.
+
+        All direct opens of an inode share one backing file, and the kernel refuses
+        to mix direct and cached opens of an inode: a file still being fetched is
+        opened cached, and so is every open of it until its cached handles close.
+        """
+        fd = self.tier.fd(inode.ino)
+        assert fd is not None
+        if self.backing is None or not inode.local or inode.cached_handles:
+            inode.cached_handles += 1
+            return
+        if not inode.backing_id:
+            try:
+                inode.backing_id = self.backing.open(fd)
+            except OSError as exc:
+                log.warning("event=passthrough_refused ino=%d error=%s", inode.ino, exc)
+                inode.cached_handles += 1
+                return
+        inode.direct_handles += 1
+        handle.direct = True
+        if handle.writable:
+            if not inode.direct_writers:
+                st = os.fstat(fd)
+                inode.backing_seen = (st.st_size, st.st_mtime_ns)
+            inode.direct_writers += 1
+            inode.digests = None  # these bytes never reach the daemon: the drain hashes the file
+            if not self._unpublished(inode):
+                inode.reopened_clean = True  # undone at close if nothing changes
+            await self._mark_writing(inode)  # before any byte lands: a crash flags it incomplete
+
+    def backing_id(self, fh: int) -> int:
+        """The passthrough backing id of a handle; 0 when its I/O comes to the daemon."""
+        handle = self.handles[fh]
+        return handle.inode.backing_id if handle.direct else 0
+
+    def _close_io_path(self, inode: Inode, handle: Handle) -> None:
+        if not handle.direct:
+            inode.cached_handles -= 1
+            return
+        inode.direct_handles -= 1
+        inode.direct_writers -= handle.writable
+        if not inode.direct_handles and self.backing is not None:
+            try:
+                self.backing.close(inode.backing_id)
+            except OSError as exc:  # the kernel drops it with the mount anyway
+                log.warning("event=passthrough_close_failed ino=%d error=%s", inode.ino, exc)
+            inode.backing_id = 0
 
     async def _ensure_local(self, inode: Inode, offset: int = 0, size: int | None = None) -> None:
         """Fetch (part of) a file that is only on the remote before it is read or changed."""
@@ -718,6 +821,7 @@ class BurstCore:
             raise
         if end > inode.size:
             inode.size = end
+        self.daemon_written_bytes += written
         inode.last_access = time.monotonic()
         inode.mtime_ns = inode.ctime_ns = _now_ns()
         return written
@@ -748,6 +852,18 @@ class BurstCore:
                                    f"generation={inode.generation} size={inode.size} {error or ''}".rstrip()),
         ]
 
+    def _publish_ops(self, inode: Inode) -> list[Op]:
+        """What a close journals: a new generation, or, for a file opened for
+        writing through passthrough and left unchanged, its state from before."""
+        if not inode.reopened_clean:
+            return self._close_ops(inode)
+        inode.dirty = inode.reopened_clean = False
+        return [(
+            "UPDATE inodes SET state=CASE WHEN durable_generation=generation THEN ? ELSE ? END "
+            "WHERE ino=? AND state=?",
+            (DURABLE, STAGED, inode.ino, WRITING),
+        )]  # fmt: skip
+
     def _file_closed(self) -> None:
         if self.drain is not None:
             self.drain.file_closed()
@@ -770,10 +886,11 @@ class BurstCore:
         if handle is None or not handle.writable or not self._unpublished(handle.inode):
             return
         inode = handle.inode
+        self._adopt_direct_writes(inode)
         if inode.parent == 0:  # unlinked while open: nothing to publish
             inode.dirty = inode.new = False
             return
-        await self.committer.commit(self._close_ops(inode))
+        await self.committer.commit(self._publish_ops(inode))
         self._file_closed()
 
     async def release(self, fh: int) -> None:
@@ -781,8 +898,10 @@ class BurstCore:
         if handle is None:
             return
         inode = handle.inode
+        self._adopt_direct_writes(inode)
+        self._close_io_path(inode, handle)
         if handle.writable and self._unpublished(inode) and inode.parent and not self._has_writer(inode):
-            await self.committer.commit(self._close_ops(inode))
+            await self.committer.commit(self._publish_ops(inode))
             self._file_closed()
         inode.handles -= 1
         self.tier.release(inode.ino)
@@ -794,8 +913,9 @@ class BurstCore:
         fd = self.tier.fd(inode.ino)
         assert fd is not None
         await trio.to_thread.run_sync(os.fdatasync if datasync else os.fsync, fd)
+        self._adopt_direct_writes(inode)
         publish = inode.dirty or (handle.writable and self._unpublished(inode))
-        ops = self._close_ops(inode) if publish and inode.parent else []
+        ops = self._publish_ops(inode) if publish and inode.parent else []
         await self.committer.commit(ops, sync=True)
         if ops:
             self._file_closed()

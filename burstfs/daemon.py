@@ -21,6 +21,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from . import passthrough  # noqa: I001 (before pyfuse3: the shim interposes fuse_session_mount)
+
 import pyfuse3
 import trio
 
@@ -197,18 +199,35 @@ async def _stop_on_signals(scope: trio.CancelScope) -> None:
             return
 
 
+def passthrough_backing(config: MountConfig) -> passthrough.BackingFiles | None:
+    """FUSE passthrough when this daemon can have it, else None (the writeback-cache path)."""
+    if not config.passthrough:
+        reason = "--no-passthrough"
+    elif config.cache_size is not None or config.min_free:
+        reason = "--cache-size/--min-free are enforced on writes, which passthrough hides from the daemon"
+    else:
+        reason = passthrough.unavailable_reason()
+    passthrough.request(not reason)
+    if reason:
+        log.info("event=passthrough state=off reason=%s", reason)
+        return None
+    return passthrough.BackingFiles()
+
+
 def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
     """Mount, serve until unmounted, then leave the cache consistent for the next start."""
     lock, journal = open_cache(config)
     try:
         capacity = CapacityPolicy(limit=config.cache_size, min_free=config.min_free,
                                   evict=config.evict_policy, full_timeout=config.full_timeout)  # fmt: skip
+        backing = passthrough_backing(config)
         core = BurstCore(config.cache_dir, journal, fsync_remote=config.fsync_remote, capacity=capacity,
-                         list_ttl=config.list_ttl, digest_chunk_size=config.drain.part_size)  # fmt: skip
+                         list_ttl=config.list_ttl, digest_chunk_size=config.drain.part_size,
+                         backing=backing)  # fmt: skip
         drain = DrainService(Mover(config.cache_dir, config.remote, config.s3, config.drain), journal)
         core.drain = drain
         core.fetcher = drain
-        ops = BurstOperations(core, writeback_cache=config.writeback_cache)
+        ops = BurstOperations(core, writeback_cache=config.writeback_cache, backing=backing)
         try:
             pyfuse3.init(ops, str(config.mountpoint), fuse_options(config))
         except RuntimeError as exc:

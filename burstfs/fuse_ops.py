@@ -14,6 +14,8 @@ import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from . import passthrough  # noqa: I001 (before pyfuse3: the shim interposes fuse_session_mount)
+
 import pyfuse3
 
 from .core import BurstCore, Inode
@@ -72,12 +74,35 @@ def entry_attributes(inode: Inode) -> pyfuse3.EntryAttributes:
 class BurstOperations(pyfuse3.Operations):
     """pyfuse3 handlers; each is one call into the core."""
 
-    enable_writeback_cache = True
-
-    def __init__(self, core: BurstCore, *, writeback_cache: bool = True) -> None:
+    def __init__(self, core: BurstCore, *, writeback_cache: bool = True,
+                 backing: passthrough.BackingFiles | None = None) -> None:  # fmt: skip
         super().__init__()
         self.core = core
-        self.enable_writeback_cache = writeback_cache
+        self.writeback_cache = writeback_cache
+        self.backing = backing
+
+    @property  # type: ignore[override]
+    def enable_writeback_cache(self) -> bool:
+        """Read by pyfuse3 while it answers INIT (after the request was read)."""
+        if self.backing is not None and passthrough.kernel_offers():
+            return False  # the kernel refuses passthrough together with the writeback cache
+        return self.writeback_cache
+
+    def init(self) -> None:
+        if self.backing is None:
+            return
+        if passthrough.kernel_offers():
+            log.info("event=passthrough state=on")
+        else:
+            log.warning("event=passthrough state=off reason=the kernel does not offer it (Linux 6.9+)")
+            self.backing = self.core.backing = None
+
+    def _file_info(self, fh: int) -> pyfuse3.FileInfo:
+        backing_id = self.core.backing_id(fh)
+        if backing_id and self.backing is not None:
+            self.backing.attach(fh, backing_id)
+            return pyfuse3.FileInfo(fh=fh, keep_cache=False)  # the kernel refuses page-cache flags here
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     @_errors_to_fuse
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -92,7 +117,7 @@ class BurstOperations(pyfuse3.Operations):
 
     @_errors_to_fuse
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return entry_attributes(self.core.inode(inode))
+        return entry_attributes(self.core.getattr(inode))
 
     @_errors_to_fuse
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
@@ -149,14 +174,13 @@ class BurstOperations(pyfuse3.Operations):
 
     @_errors_to_fuse
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        fh = await self.core.open(inode, flags)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        return self._file_info(await self.core.open(inode, flags))
 
     @_errors_to_fuse
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:  # fmt: skip
         fh, inode = await self.core.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True), entry_attributes(inode)
+        return self._file_info(fh), entry_attributes(inode)
 
     @_errors_to_fuse
     async def read(self, fh: int, off: int, size: int) -> bytes:

@@ -131,12 +131,16 @@ def mounted_factory(tmp_path: Path) -> Iterator[type[MountedFS]]:
     assert not problems, "daemon logged unexpected errors:\n" + "\n".join(problems)
 
 
-@pytest.fixture
-def burst(mounted_factory: type[MountedFS]) -> MountedFS:
-    """A live mount over a file:// remote in a temp dir."""
+DATA_PATHS = {"passthrough": (), "daemon": ("--no-passthrough",)}
+
+
+@pytest.fixture(params=sorted(DATA_PATHS))
+def burst(request: pytest.FixtureRequest, mounted_factory: type[MountedFS]) -> MountedFS:
+    """A live mount over a file:// remote in a temp dir, once per data path: FUSE
+    passthrough (the kernel does file I/O on the tier) and through the daemon."""
     if not FUSE_OK:
         pytest.skip("needs /dev/fuse, fusermount3 and root")
-    fs = mounted_factory()  # type: ignore[call-arg]
+    fs = mounted_factory(extra_args=DATA_PATHS[request.param])  # type: ignore[call-arg]
     fs.mount()
     return fs
 
