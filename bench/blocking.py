@@ -1,7 +1,9 @@
 """How long a checkpoint write blocks the writer: burstfs mount vs plain tmpfs.
 
-Cases, each run into the mount and into a plain directory on the same tmpfs,
-alternating, several repeats, medians compared:
+Cases, each run into a plain directory on tmpfs and into two mounts whose caches
+are on the same tmpfs: one with FUSE passthrough (the default where available)
+and one with the data path through the daemon (--no-passthrough); interleaved,
+several repeats, medians compared:
   - torch.save of a 1 GiB state dict (close included: that is when close returns);
   - 8 processes each writing a 128 MiB shard at once (DCP-style ranks).
 Also reports the daemon's peak RSS.  Targets: ratio <= 1.15x, RSS <= 300 MiB.
@@ -56,36 +58,43 @@ def main() -> None:
     import torch
 
     sd = state_dict(args.size_mib)
-    results: dict[str, dict[str, list[float]]] = {
-        case: {"fs": [], "plain": []} for case in ("save", "shards", "small")
-    }
-    with bench_mount(args=tuple(args.mount_arg)) as m:
+    extra = tuple(args.mount_arg)
+    cases = ("save", "shards", "small")
+    results: dict[str, dict[str, list[float]]] = {case: {} for case in cases}
+    with bench_mount(args=extra) as direct, bench_mount(args=("--no-passthrough", *extra)) as daemon:
+        targets = {"passthrough": direct.mnt, "daemon": daemon.mnt, "plain": direct.plain}
+        for case in cases:
+            for where in targets:
+                results[case][where] = []
         for i in range(args.repeat):
-            for where, directory in (("fs", m.mnt), ("plain", m.plain)):
+            for where, directory in targets.items():  # interleaved: machine noise hits all alike
                 target = directory / f"ckpt{i}.pt"
                 results["save"][where].append(timed(lambda: torch.save(sd, target)))
                 target.unlink()
-            for where, directory in (("fs", m.mnt), ("plain", m.plain)):
+            for where, directory in targets.items():
                 d = directory / f"step{i}"
                 d.mkdir()
                 results["shards"][where].append(shards_once(d, args.ranks, args.shard_mib << 20))
                 for f in d.iterdir():
                     f.unlink()
-            for where, directory in (("fs", m.mnt), ("plain", m.plain)):
+            for where, directory in targets.items():
                 d = directory / f"small{i}"
                 d.mkdir()
                 results["small"][where].append(timed(lambda: write_small_files(d, args.small_files)))
-        rss = m.daemon_peak_rss_mib()
+        rss = {"passthrough": direct.daemon_peak_rss_mib(), "daemon": daemon.daemon_peak_rss_mib()}
+    names = {
+        "save": (f"torch.save {args.size_mib} MiB", 1.15),
+        "shards": (f"{args.ranks} ranks x {args.shard_mib} MiB shards", 1.15),
+        "small": (f"{args.small_files} x 4 KiB files (draining)", None),
+    }
     rows = [
-        (f"torch.save {args.size_mib} MiB", median(results["save"]["fs"]), median(results["save"]["plain"]), 1.15),
-        (f"{args.ranks} ranks x {args.shard_mib} MiB shards", median(results["shards"]["fs"]),
-         median(results["shards"]["plain"]), 1.15),
-        (f"{args.small_files} x 4 KiB files (draining)", median(results["small"]["fs"]),
-         median(results["small"]["plain"]), None),
+        (f"{names[case][0]} [{path}]", median(results[case][path]), median(results[case]["plain"]), names[case][1])
+        for case in cases for path in ("passthrough", "daemon")
     ]  # fmt: skip
     report("blocking time: burstfs mount vs plain tmpfs (medians)", rows, args.json)
     if not args.json:
-        print(f"daemon peak RSS: {rss:.0f} MiB (target <= 300 MiB)")
+        for path, mib in rss.items():
+            print(f"daemon peak RSS [{path}]: {mib:.0f} MiB (target <= 300 MiB)")
 
 
 if __name__ == "__main__":

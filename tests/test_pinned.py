@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
 from burstfs.pinned import PinnedPool, SaveHandle, async_save  # noqa: E402
+from conftest import FUSE_OK  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.cuda
@@ -35,11 +36,11 @@ def ckpt_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
     """A checkpoint directory: a plain temp dir, or one inside a live burstfs mount."""
     if request.param == "tmpdir":
         return tmp_path
-    try:
-        mount: Path = request.getfixturevalue("burst_mount")
-    except pytest.FixtureLookupError:
-        pytest.skip("burst_mount fixture not available yet")
-    path = mount / f"pinned-{uuid.uuid4().hex[:8]}"
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    fs = request.getfixturevalue("mounted_factory")()
+    fs.mount()
+    path = fs.path / f"pinned-{uuid.uuid4().hex[:8]}"
     path.mkdir()
     return path
 
