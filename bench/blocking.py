@@ -66,18 +66,29 @@ def main() -> None:
         for case in cases:
             for where in targets:
                 results[case][where] = []
+
+        def settle() -> None:  # each write starts with both drains idle (drain.py measures overlap)
+            direct.wait_drained()
+            daemon.wait_drained()
+
         for i in range(args.repeat):
-            for where, directory in targets.items():  # interleaved: machine noise hits all alike
+            # Interleaved, and each repeat starts with another contender: the VM makes
+            # touching recently freed memory slow, which hits whoever runs first.
+            names = list(targets)
+            order = [(where, targets[where]) for where in names[i % len(names):] + names[: i % len(names)]]
+            for where, directory in order:
                 target = directory / f"ckpt{i}.pt"
+                settle()
                 results["save"][where].append(timed(lambda: torch.save(sd, target)))
                 target.unlink()
-            for where, directory in targets.items():
+            for where, directory in order:
                 d = directory / f"step{i}"
                 d.mkdir()
+                settle()
                 results["shards"][where].append(shards_once(d, args.ranks, args.shard_mib << 20))
                 for f in d.iterdir():
                     f.unlink()
-            for where, directory in targets.items():
+            for where, directory in order:
                 d = directory / f"small{i}"
                 d.mkdir()
                 results["small"][where].append(timed(lambda: write_small_files(d, args.small_files)))

@@ -41,6 +41,23 @@ class BenchMount:
     def daemon_pid(self) -> int:
         return int((self.cache / "lock").read_text().strip())
 
+    def wait_drained(self, timeout: float = 600.0) -> None:
+        """Until no live file waits to drain (so one case's drain does not slow the next)."""
+        import sqlite3
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            db = sqlite3.connect(f"file:{self.cache / 'journal.db'}?mode=ro", uri=True)
+            try:
+                (busy,) = db.execute("SELECT count(*) FROM inodes WHERE kind='file' AND parent!=0 "
+                                     "AND state IN ('writing', 'staged', 'draining')").fetchone()  # fmt: skip
+            finally:
+                db.close()
+            if not busy:
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.mnt}: drain still busy after {timeout:.0f}s")
+
     def daemon_peak_rss_mib(self) -> float:
         for line in Path(f"/proc/{self.daemon_pid()}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):

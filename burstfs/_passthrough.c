@@ -12,7 +12,12 @@
  * pyfuse3, see burstfs/passthrough.py) to install libfuse's custom I/O hooks on
  * the session.  The read hook notes INIT, OPEN and CREATE requests; the writev
  * hook amends exactly those replies.  Nothing else in a request or reply is
- * touched, and with passthrough not requested both hooks are plain read/writev.
+ * touched, and with nothing requested both hooks are plain read/writev.
+ *
+ * It can also ask for FUSE_HANDLE_KILLPRIV_V2, which tells the kernel that the
+ * server clears setuid/setgid bits itself (burstfs never stores them on files)
+ * and lets it mark inodes S_NOSEC: without it every write(2) first sends a
+ * GETXATTR of security.capability to the daemon.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -34,6 +39,7 @@
 #define OP_CREATE 35
 #define INIT_EXT (1u << 30)
 #define INIT_WRITEBACK_CACHE (1u << 16)
+#define INIT_HANDLE_KILLPRIV_V2 (1u << 28)
 #define INIT2_PASSTHROUGH (1u << 5) /* FUSE_PASSTHROUGH is bit 37: flags2 bit 5 */
 #define FOPEN_PASSTHROUGH_FLAG (1u << 7)
 
@@ -70,6 +76,8 @@ struct open_out {
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int requested_depth;     /* 0: passthrough not wanted */
+static int requested_nosec;     /* ask for FUSE_HANDLE_KILLPRIV_V2 */
+static uint32_t kernel_flags;   /* flags of the INIT request */
 static int hooked_fd = -1;      /* /dev/fuse of the session we hooked */
 static int kernel_offers;       /* INIT request advertised FUSE_PASSTHROUGH */
 static int negotiated;          /* our INIT reply enabled it */
@@ -116,6 +124,7 @@ static ssize_t hook_read(int fd, void *buf, size_t len, void *userdata) {
     if (in->opcode == OP_INIT && res >= (ssize_t)(sizeof *in + sizeof(struct init_in))) {
         const struct init_in *init = (const void *)((const char *)buf + sizeof *in);
         init_unique = in->unique;
+        kernel_flags = init->flags;
         kernel_offers = (init->flags & INIT_EXT) && (init->flags2 & INIT2_PASSTHROUGH);
     } else if ((in->opcode == OP_OPEN || in->opcode == OP_CREATE) && requested_depth &&
                negotiated && n_pending_ops < MAX_PENDING) {
@@ -152,13 +161,18 @@ static ssize_t hook_writev(int fd, struct iovec *iov, int count, void *userdata)
     if (out->unique == init_unique && init_unique != 0) {
         init_unique = 0;
         ssize_t n = gather(iov, count, payload, sizeof payload);
-        if (n >= (ssize_t)sizeof(struct init_out) && out->error == 0 && requested_depth && kernel_offers) {
+        if (n >= (ssize_t)sizeof(struct init_out) && out->error == 0) {
             struct init_out *init = (struct init_out *)payload;
-            if (!(init->flags & INIT_WRITEBACK_CACHE)) { /* the kernel refuses both together */
+            /* the kernel refuses passthrough together with the writeback cache */
+            if (requested_depth && kernel_offers && !(init->flags & INIT_WRITEBACK_CACHE)) {
                 init->flags |= INIT_EXT;
                 init->flags2 |= INIT2_PASSTHROUGH;
                 init->max_stack_depth = (uint32_t)requested_depth;
                 negotiated = 1;
+                amended[1].iov_len = (size_t)n;
+            }
+            if (requested_nosec && (kernel_flags & INIT_HANDLE_KILLPRIV_V2)) {
+                init->flags |= INIT_HANDLE_KILLPRIV_V2;
                 amended[1].iov_len = (size_t)n;
             }
         }
@@ -211,11 +225,12 @@ int fuse_session_mount(struct fuse_session *se, const char *mountpoint) {
 }
 
 static PyObject *py_request(PyObject *self, PyObject *args) {
-    int depth;
-    if (!PyArg_ParseTuple(args, "i", &depth))
+    int depth, nosec;
+    if (!PyArg_ParseTuple(args, "ip", &depth, &nosec))
         return NULL;
     pthread_mutex_lock(&lock);
     requested_depth = depth;
+    requested_nosec = nosec;
     pthread_mutex_unlock(&lock);
     Py_RETURN_NONE;
 }
@@ -260,7 +275,8 @@ static PyObject *py_detach(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"request", py_request, METH_VARARGS, "request(max_stack_depth): ask for passthrough at INIT (0: do not)."},
+    {"request", py_request, METH_VARARGS,
+     "request(max_stack_depth, nosec): at INIT ask for passthrough (depth 0: do not) and HANDLE_KILLPRIV_V2."},
     {"state", py_state, METH_NOARGS, "state() -> {fuse_fd, kernel_offers, negotiated}."},
     {"attach", py_attach, METH_VARARGS, "attach(fh, backing_id): the reply to this open passes through."},
     {"detach", py_detach, METH_VARARGS, "detach(fh): forget an attach whose open failed."},

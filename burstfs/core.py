@@ -57,6 +57,10 @@ XATTR_RESERVED = b"user.burstfs."  # computed, read-only attributes (drain state
 # behind its local prefix; nearer the frontier they go through the fetcher, which
 # sees them and keeps its prefetch window running ahead.
 PREFETCH_MARGIN = 64 << 20
+# Never kept on regular files: a checkpoint store runs no programs, and without
+# them the kernel may skip a security.capability lookup on every write
+# (FUSE_HANDLE_KILLPRIV_V2, see burstfs/_passthrough.c).
+FILE_MODE_DROPPED = stat.S_ISUID | stat.S_ISGID
 
 
 class DrainHooks(Protocol):
@@ -479,7 +483,7 @@ class BurstCore:
         parent = self._dir(parent_ino)
         if not stat.S_ISREG(mode) and stat.S_IFMT(mode) != 0:
             raise FsError(errno.EPERM, "only regular files, directories and symlinks are supported")
-        inode = self._new_inode(parent, name, "file", stat.S_IFREG | stat.S_IMODE(mode), uid, gid)
+        inode = self._new_inode(parent, name, "file", stat.S_IFREG | (stat.S_IMODE(mode) & ~FILE_MODE_DROPPED), uid, gid)
         inode.new = True
         inode.digests = StreamingDigests(self.digest_chunk_size)
         self.tier.create(inode.ino)
@@ -664,7 +668,8 @@ class BurstCore:
             inode.mtime_ns = now
             fields.update(size=size, mtime_ns=now)
         if mode is not None:
-            inode.mode = stat.S_IFMT(inode.mode) | stat.S_IMODE(mode)
+            kept = ~FILE_MODE_DROPPED if inode.kind == "file" else ~0
+            inode.mode = stat.S_IFMT(inode.mode) | (stat.S_IMODE(mode) & kept)
             fields["mode"] = inode.mode
         if uid is not None:
             inode.uid = fields["uid"] = uid

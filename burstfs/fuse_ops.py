@@ -81,8 +81,8 @@ class BurstOperations(pyfuse3.Operations):
         self.writeback_cache = writeback_cache
         self.backing = backing
 
-    @property  # type: ignore[override]
-    def enable_writeback_cache(self) -> bool:
+    @property
+    def enable_writeback_cache(self) -> bool:  # type: ignore[override]
         """Read by pyfuse3 while it answers INIT (after the request was read)."""
         if self.backing is not None and passthrough.kernel_offers():
             return False  # the kernel refuses passthrough together with the writeback cache

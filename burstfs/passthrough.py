@@ -65,9 +65,11 @@ def unavailable_reason() -> str:
 
 
 def request(enabled: bool) -> None:
-    """Ask for passthrough in the INIT reply of the next mount (before ``pyfuse3.init``)."""
+    """What to ask for in the INIT reply of the next mount (call before ``pyfuse3.init``):
+    passthrough if ``enabled``, and always FUSE_HANDLE_KILLPRIV_V2 (see ``_passthrough.c``;
+    the core keeps no setuid/setgid bits on files, so there is never a privilege to kill)."""
     if _shim is not None:
-        _shim.request(MAX_STACK_DEPTH if enabled else 0)
+        _shim.request(MAX_STACK_DEPTH if enabled else 0, True)
 
 
 def kernel_offers() -> bool:
