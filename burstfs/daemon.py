@@ -17,7 +17,6 @@ import shutil
 import signal
 import sqlite3
 import sys
-import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -200,19 +199,6 @@ async def _stop_on_signals(scope: trio.CancelScope) -> None:
             return
 
 
-# Nice value of the request loop and of the worker threads it starts.  Writers
-# block on every request the loop answers, so when training processes keep all
-# cores busy the loop must still get a core at once.  Needs CAP_SYS_NICE.
-REQUEST_LOOP_NICE = -10
-
-
-def raise_request_priority() -> None:
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), REQUEST_LOOP_NICE)
-    except OSError as exc:  # not root: requests wait their turn for a core, nothing worse
-        log.info("event=request_priority_unchanged error=%s", exc)
-
-
 def passthrough_backing(config: MountConfig) -> passthrough.BackingFiles | None:
     """FUSE passthrough when this daemon can have it, else None (the writeback-cache path)."""
     if not config.passthrough:
@@ -246,7 +232,6 @@ def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
             pyfuse3.init(ops, str(config.mountpoint), fuse_options(config))
         except RuntimeError as exc:
             raise BurstfsError(f"mounting {config.mountpoint} failed: {exc}") from exc
-        raise_request_priority()
         drain.start()
         drain.wait_ready()
         unmounted = False

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import os
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -29,10 +28,6 @@ T = TypeVar("T")
 
 # fsync(2) in --fsync remote mode polls the journal this often while it waits.
 DURABLE_POLL_S = 0.05
-# The mover thread (and the worker threads it starts, which inherit it) runs at
-# this nice value: hashing and copying yield the CPU to the training job, whose
-# next step and next checkpoint write matter more than a drain a moment sooner.
-MOVER_NICE = 10
 
 
 class DrainService:
@@ -49,10 +44,6 @@ class DrainService:
         self._thread.start()
 
     def _run(self) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), MOVER_NICE)
-        except OSError as exc:
-            log.warning("event=mover_nice_unchanged error=%s", exc)
         try:
             asyncio.run(self.mover.run())
         except BaseException as exc:  # reported in status; staged data stays journaled
