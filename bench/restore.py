@@ -258,7 +258,7 @@ def run_remote(label: str, remote: Remote, sd: dict[str, Any], args: argparse.Na
                 (plain / key).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(src / key, plain / key)
         for i in range(args.repeat):
-            reader = BenchMount(root / f"reader{i}", remote.url, remote.extra)
+            reader = BenchMount(root / f"reader{i}", remote.url, (*remote.extra, *args.mount_arg))
             reader.mount()
             set_read_ahead(reader.mnt, args.read_ahead_kb)
             try:
@@ -321,6 +321,7 @@ def main() -> None:
     parser.add_argument("--read-ahead-kb", type=int, default=None,
                         help="set the reader mounts' bdi read_ahead_kb (an experiment; default: the kernel's 128)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--mount-arg", action="append", default=[], help="extra mount argument for the reader")
     args = parser.parse_args()
     retain_freed_memory()
     load_start = os.getloadavg()
