@@ -21,8 +21,8 @@ One run, contenders side by side (alternating order), ``--repeat`` times, median
     drain together (the mover drains max-files=4 at a time, each holding up to
     concurrency x part size of chunks).
 Also the daemon's peak RSS over every mount (target <= 300 MiB), and, for (a), where
-the burstfs time goes (close returned / digests journaled / durable, polled from
-the journal every 5 ms).
+the burstfs time goes (close returned / draining / durable, polled from the
+journal every 5 ms).
 
     .venv/bin/python bench/drain.py [--size-mib 1024] [--s3-size-mib 256] [--repeat 3]
                                     [--ranks 8] [--shard-mib 512] [--skip-s3] [--json]
@@ -178,15 +178,13 @@ class Timeline:
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:
-                row = db.execute("SELECT state, digest IS NOT NULL FROM inodes WHERE name=? AND parent!=0",
+                row = db.execute("SELECT state FROM inodes WHERE name=? AND parent!=0",
                                  (self.name.encode(),)).fetchone()  # fmt: skip
                 now = time.perf_counter()
                 if row is not None:
-                    state, hashed = row
+                    (state,) = row
                     if state in ("draining", "durable"):
                         seen.setdefault("draining", now)
-                    if hashed:
-                        seen.setdefault("hashed", now)
                     if state == "durable":
                         seen["durable"] = now
                         return seen
@@ -218,8 +216,7 @@ def burstfs_to_durable(sd: dict[str, Any], args: argparse.Namespace, remote_url:
     parts = {
         "save (close returned)": closed - start,
         "close -> draining": seen["draining"] - closed,
-        "draining -> digests journaled": seen.get("hashed", seen["draining"]) - seen["draining"],
-        "digests -> durable (upload)": seen["durable"] - seen.get("hashed", seen["draining"]),
+        "draining -> durable (hash + upload)": seen["durable"] - seen["draining"],
     }
     return seen["durable"] - start, parts, rss
 

@@ -37,7 +37,7 @@ from .config import DrainOptions, RemoteURL, S3Options, is_commit_marker
 from .errors import CorruptDataError, RemoteError, UploadCancelled
 from .journal import DRAINING, DURABLE, EVICTED, FAILED, INCOMPLETE, ROOT_INO, STAGED, WRITING, InodeRow, Journal
 from .localtier import LocalTier
-from .objects import FileDigests, ObjectStore, compute_digests
+from .objects import FileDigests, ObjectStore
 from .remote import Remote, open_remote
 from .restore import LAYOUT_KEY, RestoreService
 
@@ -323,15 +323,19 @@ class Mover:
             # next delete pass removes the orphan (unless a live file owns the key)
             # and no listing resurrects it.
             intent = self.journal.insert("INSERT INTO remote_deletes (key, reason) VALUES (?, 'upload')", (key,))
-            digests = await self._digests(row)
-            if digests is None:
-                return
+            digests = self._journaled_digests(row)
             assert self.store is not None
             manifest = await self.store.upload_file(
-                key, self.tier_paths.path(ino), digests, generation=generation, mtime_ns=row.mtime_ns,
-                mode=row.mode, concurrency=self.options.concurrency, compress=self.options.compress,
-                cancel_check=lambda: self._superseded(ino, generation),
+                key, self.tier_paths.path(ino), digests, chunk_size=self.options.part_size, generation=generation,
+                mtime_ns=row.mtime_ns, mode=row.mode, concurrency=self.options.concurrency,
+                compress=self.options.compress, cancel_check=lambda: self._superseded(ino, generation),
             )  # fmt: skip
+            if digests is None:  # taken during the upload: journal them for verify and the xattr
+                self.journal.execute(
+                    "UPDATE inodes SET digest=?, chunks=?, chunk_size=? WHERE ino=? AND generation=?",
+                    (manifest.digest, json.dumps([c.xxh3 for c in manifest.chunks]), manifest.chunk_size,
+                     ino, generation),
+                )  # fmt: skip
             self._finish(row, key, manifest.size, started, intent)
         except (asyncio.CancelledError, UploadCancelled) as exc:
             self._requeue(ino, generation, None)  # stopping, or the file changed: drains again
@@ -358,17 +362,11 @@ class Mover:
             self._in_flight.pop(ino, None)
             self.wake()
 
-    async def _digests(self, row: InodeRow) -> FileDigests | None:
-        """The digests journaled for this generation, computed from the staged bytes if new."""
+    def _journaled_digests(self, row: InodeRow) -> FileDigests | None:
+        """The digests journaled at close for this generation, if taken in the drain's chunk size."""
         if row.digest and row.chunk_size == self.options.part_size:
             return FileDigests(row.size, row.chunk_size, row.chunk_digests(), row.digest)
-        path = self.tier_paths.path(row.ino)
-        digests = await asyncio.to_thread(compute_digests, path, self.options.part_size)
-        stored = self.journal.execute(
-            "UPDATE inodes SET digest=?, chunks=?, chunk_size=? WHERE ino=? AND generation=?",
-            (digests.digest, json.dumps(list(digests.chunks)), digests.chunk_size, row.ino, row.generation),
-        )
-        return digests if stored else None
+        return None
 
     def _superseded(self, ino: int, generation: int) -> bool:
         rows = self.journal.query("SELECT generation, parent FROM inodes WHERE ino=?", (ino,))

@@ -43,6 +43,8 @@ CODECS = ("raw", "lz4")
 #: A chunk is stored compressed only if lz4 saves at least this fraction: below
 #: that, decompressing on every read costs more than the bytes it saves.
 MIN_COMPRESSION_SAVING = 0.10
+# Read size of the whole-file digest pass.
+DIGEST_READ_SIZE = 8 << 20
 
 
 def manifest_key(key: str) -> str:
@@ -159,6 +161,23 @@ class StreamingDigests:
         self.broken = True
         self._pending.clear()
         self._pending_bytes = 0
+
+
+def whole_file_digest(path: str | os.PathLike[str], size: int) -> str:
+    """xxh3-128 of the first ``size`` bytes of ``path`` (blocking: run it in a thread)."""
+    whole = xxhash.xxh3_128()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        offset = 0
+        while offset < size:
+            data = pread_full(fd, min(DIGEST_READ_SIZE, size - offset), offset)
+            if not data:
+                raise CorruptDataError(f"staged file {path} shrank below {size} bytes while it was hashed")
+            whole.update(data)
+            offset += len(data)
+    finally:
+        os.close(fd)
+    return whole.hexdigest()
 
 
 def compute_digests(path: str | os.PathLike[str], chunk_size: int) -> FileDigests:
@@ -309,8 +328,9 @@ class ObjectStore:
         self,
         key: str,
         path: str | os.PathLike[str],
-        expected: FileDigests,
+        expected: FileDigests | None,
         *,
+        chunk_size: int = 0,
         generation: int,
         mtime_ns: int,
         mode: int,
@@ -329,26 +349,46 @@ class ObjectStore:
         If ``cancel_check()`` returns true between chunks, the upload is aborted
         and :class:`~burstfs.errors.UploadCancelled` raised.  Any failure aborts
         the multipart upload.  Returns the manifest written.
+
+        With ``expected`` None (a file whose digests were not taken as it was
+        written, e.g. written through FUSE passthrough) there is nothing to check
+        against: chunks of ``chunk_size`` are hashed as they are read for upload
+        and the whole-file digest is taken by a concurrent pass, so the file is
+        not read once more before the upload; the manifest carries both.
         """
         if compress not in (None, "lz4"):
             raise ValueError(f"unknown compression {compress!r}")
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, not {concurrency}")
-        if expected.chunk_size <= 0 or len(expected.chunks) != _chunk_count(expected.size, expected.chunk_size):
-            raise ValueError(f"digests of {key}: {len(expected.chunks)} chunks do not cover {expected.size} bytes")
         size = (await asyncio.to_thread(os.stat, path)).st_size
-        if size != expected.size:
-            raise CorruptDataError(f"staged file {path} ({key}) is {size} bytes, but {expected.size} were checksummed")
-        reader = _ChunkReader(Path(path), key, expected, compress)
-        if len(expected.chunks) <= 1:
-            chunks = await self._put_whole(key, reader, cancel_check)
-        else:
-            chunks = await self._put_multipart(key, reader, concurrency, cancel_check)
+        if expected is not None:
+            chunk_size = expected.chunk_size
+            if chunk_size <= 0 or len(expected.chunks) != _chunk_count(expected.size, chunk_size):
+                raise ValueError(f"digests of {key}: {len(expected.chunks)} chunks do not cover {expected.size} bytes")
+            if size != expected.size:
+                raise CorruptDataError(f"staged file {path} ({key}) is {size} bytes, but {expected.size} were checksummed")
+        elif chunk_size <= 0:
+            raise ValueError(f"chunk size must be positive, not {chunk_size}")
+        reader = _ChunkReader(Path(path), key, size, chunk_size, expected.chunks if expected else None, compress)
+        whole = None if expected else asyncio.ensure_future(asyncio.to_thread(whole_file_digest, reader.path, size))
+        try:
+            if reader.count <= 1:
+                chunks = await self._put_whole(key, reader, cancel_check)
+            else:
+                chunks = await self._put_multipart(key, reader, concurrency, cancel_check)
+            if whole is not None:
+                digest = await whole
+            else:
+                assert expected is not None
+                digest = expected.digest
+        finally:
+            if whole is not None and not whole.done():
+                whole.cancel()
         manifest = Manifest(
             key=key,
-            size=expected.size,
-            chunk_size=expected.chunk_size,
-            digest=expected.digest,
+            size=size,
+            chunk_size=chunk_size,
+            digest=digest,
             generation=generation,
             mtime_ns=mtime_ns,
             mode=mode,
@@ -361,7 +401,7 @@ class ObjectStore:
         self, key: str, reader: _ChunkReader, cancel_check: Callable[[], bool] | None
     ) -> list[ChunkInfo]:
         _check_cancel(cancel_check, key)
-        if not reader.expected.chunks:
+        if not reader.count:
             await self._call(self.remote.put_object, key, b"", what=f"put {key}")
             return []
         info, data = await asyncio.to_thread(reader.read, 0)
@@ -378,8 +418,8 @@ class ObjectStore:
         Chunks are read ahead and parts uploaded concurrently within a byte
         budget of ``concurrency`` chunks (or one part plus one chunk if larger).
         """
-        chunk_size = reader.expected.chunk_size
-        count = len(reader.expected.chunks)
+        chunk_size = reader.chunk_size
+        count = reader.count
         target = max(self.remote.min_part_size, chunk_size * -(-count // self.remote.max_parts))
         budget = _ByteBudget(max(concurrency * chunk_size, target + chunk_size))
         upload_slots = asyncio.Semaphore(concurrency)
@@ -557,14 +597,20 @@ class _ChunkReader:
 
     path: Path
     key: str
-    expected: FileDigests
+    size: int
+    chunk_size: int
+    expected: tuple[str, ...] | None  # xxh3 of each chunk taken at close; None: nothing to check
     compress: str | None
 
+    @property
+    def count(self) -> int:
+        return _chunk_count(self.size, self.chunk_size)
+
     def length(self, index: int) -> int:
-        return min(self.expected.chunk_size, self.expected.size - index * self.expected.chunk_size)
+        return min(self.chunk_size, self.size - index * self.chunk_size)
 
     def read(self, index: int) -> tuple[ChunkInfo, bytes]:
-        start = index * self.expected.chunk_size
+        start = index * self.chunk_size
         length = self.length(index)
         fd = os.open(self.path, os.O_RDONLY)
         try:
@@ -572,10 +618,12 @@ class _ChunkReader:
         finally:
             os.close(fd)
         digest = xxhash.xxh3_64_hexdigest(data)
-        if len(data) != length or digest != self.expected.chunks[index]:
+        if len(data) != length:
+            raise CorruptDataError(f"staged file {self.path} ({self.key}) shrank below {start + length} bytes")
+        if self.expected is not None and digest != self.expected[index]:
             raise CorruptDataError(
                 f"staged file {self.path} ({self.key}): bytes {start}-{start + length} no longer match "
-                f"the checksum taken at close (xxh3 {digest}, expected {self.expected.chunks[index]})"
+                f"the checksum taken at close (xxh3 {digest}, expected {self.expected[index]})"
             )
         if self.compress == "lz4":
             packed = lz4.frame.compress(data, block_size=lz4.frame.BLOCKSIZE_MAX4MB, content_checksum=False)

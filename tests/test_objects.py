@@ -63,7 +63,7 @@ def staged(tmp_path: Path, data: bytes, name: str = "staged.bin") -> tuple[Path,
     return path, compute_digests(path, CHUNK)
 
 
-async def upload(store: ObjectStore, key: str, path: Path, digests: FileDigests, **kw: Any) -> Manifest:
+async def upload(store: ObjectStore, key: str, path: Path, digests: FileDigests | None, **kw: Any) -> Manifest:
     options: dict[str, Any] = {"generation": 7, "mtime_ns": 123, "mode": 0o100644, "concurrency": 3, **kw}
     return await store.upload_file(key, path, digests, **options)
 
@@ -103,6 +103,26 @@ def test_manifest_json_and_ranges() -> None:
 
 
 # -- upload and read back ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compress", [None, "lz4"])
+@pytest.mark.parametrize("size", [0, CHUNK - 1, CHUNK * 5 + 123])
+def test_upload_without_digests_takes_them_in_the_same_pass(
+    store: ObjectStore, tmp_path: Path, size: int, compress: str | None
+) -> None:
+    """Files written through passthrough have no digests from close: the upload takes them."""
+    data = compressible(size)
+    path, digests = staged(tmp_path, data)
+
+    async def body() -> None:
+        manifest = await upload(store, "p/ckpt.pt", path, None, chunk_size=CHUNK, compress=compress)
+        assert (manifest.size, manifest.chunk_size, manifest.digest) == (size, CHUNK, digests.digest)
+        assert tuple(c.xxh3 for c in manifest.chunks) == digests.chunks
+        assert await store.read_range("p/ckpt.pt", await store.fetch_manifest("p/ckpt.pt"), 0, size) == data
+
+    run(store, body)
+    with pytest.raises(ValueError):
+        run(store, lambda: upload(store, "p/x", path, None))  # no chunk size to hash with
 
 
 @pytest.mark.parametrize("size", [0, 1, CHUNK, CHUNK + 1, CHUNK * 5 + 123])
