@@ -237,9 +237,8 @@ static PyObject *py_request(PyObject *self, PyObject *args) {
 
 static PyObject *py_state(PyObject *self, PyObject *noargs) {
     pthread_mutex_lock(&lock);
-    PyObject *state = Py_BuildValue("{s:i,s:O,s:O}", "fuse_fd", hooked_fd, "kernel_offers",
-                                    kernel_offers ? Py_True : Py_False, "negotiated",
-                                    negotiated ? Py_True : Py_False);
+    PyObject *state = Py_BuildValue("{s:i,s:O}", "fuse_fd", hooked_fd, "kernel_offers",
+                                    kernel_offers ? Py_True : Py_False);
     pthread_mutex_unlock(&lock);
     return state;
 }
@@ -264,22 +263,11 @@ static PyObject *py_attach(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_detach(PyObject *self, PyObject *args) {
-    unsigned long long fh;
-    if (!PyArg_ParseTuple(args, "K", &fh))
-        return NULL;
-    pthread_mutex_lock(&lock);
-    take_attached(fh);
-    pthread_mutex_unlock(&lock);
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef methods[] = {
     {"request", py_request, METH_VARARGS,
      "request(max_stack_depth, nosec): at INIT ask for passthrough (depth 0: do not) and HANDLE_KILLPRIV_V2."},
-    {"state", py_state, METH_NOARGS, "state() -> {fuse_fd, kernel_offers, negotiated}."},
+    {"state", py_state, METH_NOARGS, "state() -> {fuse_fd, kernel_offers}."},
     {"attach", py_attach, METH_VARARGS, "attach(fh, backing_id): the reply to this open passes through."},
-    {"detach", py_detach, METH_VARARGS, "detach(fh): forget an attach whose open failed."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -153,7 +153,6 @@ class Inode:
     backing_id: int = 0  # passthrough backing file registered with the kernel while opened direct
     direct_handles: int = 0  # open handles whose I/O bypasses the daemon
     direct_writers: int = 0  # ... of which writable
-    cached_handles: int = 0  # open handles whose I/O comes to the daemon
     backing_seen: tuple[int, int] = (0, 0)  # (size, mtime_ns) of the data file when last adopted
     reopened_clean: bool = False  # marked writing by a direct open, and nothing changed since
 
@@ -726,15 +725,14 @@ class BurstCore:
         """
         fd = self.tier.fd(inode.ino)
         assert fd is not None
-        if self.backing is None or not inode.local or inode.cached_handles:
-            inode.cached_handles += 1
+        others_cached = inode.handles - 1 - inode.direct_handles  # this handle is already counted
+        if self.backing is None or not inode.local or others_cached:
             return
         if not inode.backing_id:
             try:
                 inode.backing_id = self.backing.open(fd)
             except OSError as exc:
                 log.warning("event=passthrough_refused ino=%d error=%s", inode.ino, exc)
-                inode.cached_handles += 1
                 return
         inode.direct_handles += 1
         handle.direct = True
@@ -755,7 +753,6 @@ class BurstCore:
 
     def _close_io_path(self, inode: Inode, handle: Handle) -> None:
         if not handle.direct:
-            inode.cached_handles -= 1
             return
         inode.direct_handles -= 1
         inode.direct_writers -= handle.writable
@@ -888,10 +885,12 @@ class BurstCore:
         RELEASE reaches us only after close(2) has returned, so it is too late for that.
         """
         handle = self.handles.get(fh)
-        if handle is None or not handle.writable or not self._unpublished(handle.inode):
+        if handle is None or not handle.writable:
             return
         inode = handle.inode
-        self._adopt_direct_writes(inode)
+        self._adopt_direct_writes(inode)  # passthrough writes since the last close make it dirty
+        if not self._unpublished(inode):
+            return
         if inode.parent == 0:  # unlinked while open: nothing to publish
             inode.dirty = inode.new = False
             return

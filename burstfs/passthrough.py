@@ -77,11 +77,6 @@ def kernel_offers() -> bool:
     return _shim is not None and bool(_shim.state()["kernel_offers"])
 
 
-def negotiated() -> bool:
-    """Passthrough is on for this mount (known once INIT was answered)."""
-    return _shim is not None and bool(_shim.state()["negotiated"])
-
-
 class BackingFiles:
     """Registers local-tier files with the kernel as passthrough backing files."""
 
@@ -108,8 +103,3 @@ class BackingFiles:
         """The reply to the open that made ``fh`` will pass through to ``backing_id``."""
         assert _shim is not None
         _shim.attach(fh, backing_id)
-
-    @staticmethod
-    def detach(fh: int) -> None:
-        assert _shim is not None
-        _shim.detach(fh)

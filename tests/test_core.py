@@ -152,6 +152,57 @@ def test_rewrite_after_close_bumps_generation(tmp_path: Path) -> None:
     run(tmp_path, body)
 
 
+class FakeBackingFiles:
+    """Stands in for the kernel's passthrough registry: the test writes the data file itself."""
+
+    def __init__(self) -> None:
+        self.open_ids: set[int] = set()
+        self._next = 0
+
+    def open(self, fd: int) -> int:
+        self._next += 1
+        self.open_ids.add(self._next)
+        return self._next
+
+    def close(self, backing_id: int) -> None:
+        self.open_ids.remove(backing_id)
+
+
+def test_passthrough_writes_are_published_by_every_close(tmp_path: Path) -> None:
+    """Bytes written through passthrough never reach the core: each close(2) (FLUSH)
+    reads size and times off the data file and journals them before it returns,
+    also when a dup'd descriptor wrote after an earlier close."""
+
+    async def body(core: BurstCore) -> None:
+        backing = FakeBackingFiles()
+        core.backing = backing
+        fh, inode = await core.create(ROOT_INO, b"shard", 0o644, os.O_WRONLY, 0, 0)
+        assert core.backing_id(fh) in backing.open_ids
+        data = tmp_path / "data" / f"{inode.ino:016x}"
+        with open(data, "r+b") as f:
+            f.write(b"a" * 1000)
+        assert core.getattr(inode.ino).size == 1000
+        await core.flush(fh)  # close of a dup
+        assert db_rows(tmp_path, "SELECT state, size, generation FROM inodes WHERE ino=?",
+                       (inode.ino,)) == [(STAGED, 1000, 1)]  # fmt: skip
+        with open(data, "r+b") as f:
+            f.seek(1000)
+            f.write(b"b" * 500)
+        await core.flush(fh)  # the last close(2): published before it returns
+        assert db_rows(tmp_path, "SELECT state, size, generation FROM inodes WHERE ino=?",
+                       (inode.ino,)) == [(STAGED, 1500, 2)]  # fmt: skip
+        await core.release(fh)
+        assert not backing.open_ids  # the backing id goes with the last direct handle
+        # Reopened for writing and closed unchanged: the previous state comes back.
+        fh = await core.open(inode.ino, os.O_RDWR)
+        assert db_rows(tmp_path, "SELECT state FROM inodes WHERE ino=?", (inode.ino,)) == [(WRITING,)]
+        await core.flush(fh)
+        await core.release(fh)
+        assert db_rows(tmp_path, "SELECT state, generation FROM inodes WHERE ino=?", (inode.ino,)) == [(STAGED, 2)]
+
+    run(tmp_path, body)
+
+
 def test_open_trunc_and_truncate(tmp_path: Path) -> None:
     async def body(core: BurstCore) -> None:
         ino = await write_file(core, ROOT_INO, b"f", b"0123456789")
