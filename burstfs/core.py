@@ -367,9 +367,14 @@ class BurstCore:
             if raw in directory.children or prefix + name in known_keys:  # type: ignore[operator]
                 continue
             ops += self._add_listed(directory, raw, "file", size, int(mtime * 1e9), prefix + name)
+        # A remote directory holding keys this node owns is its own layout from before
+        # a rename whose objects have not moved yet: not another node's directory.
+        owned_dirs = {key[len(prefix):].split("/", 1)[0] for key in known_keys if "/" in key[len(prefix):]}
         for name in subdirs:
             raw = os.fsencode(name)
-            if raw in directory.children or (directory.ino == ROOT_INO and name == ".burstfs"):  # type: ignore[operator]
+            if name in owned_dirs or raw in directory.children:  # type: ignore[operator]
+                continue
+            if directory.ino == ROOT_INO and name == ".burstfs":
                 continue
             ops += self._add_listed(directory, raw, "dir", 0, time.time_ns(), None)
         for raw, ino in list(directory.children.items()):  # type: ignore[union-attr]

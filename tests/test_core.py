@@ -203,6 +203,40 @@ def test_passthrough_writes_are_published_by_every_close(tmp_path: Path) -> None
     run(tmp_path, body)
 
 
+class ListingFetcher:
+    """A remote that only lists: ``listing`` maps a directory key to (files, subdirectories)."""
+
+    def __init__(self, listing: dict[str, tuple[list[tuple[str, int, float]], list[str]]]) -> None:
+        self.listing = listing
+
+    async def ensure_local(self, ino: int, offset: int, size: int) -> int:
+        raise AssertionError("nothing is fetched here")
+
+    async def list_dir(self, dir_key: str) -> tuple[list[tuple[str, int, float]], list[str]]:
+        return self.listing.get(dir_key, ([], []))
+
+    def forget(self, ino: int) -> None:
+        pass
+
+
+def test_listing_does_not_resurrect_a_renamed_directory(tmp_path: Path) -> None:
+    """Until the drain moves the objects of a renamed directory, the remote still
+    lists the old name: it holds this node's keys, so it is not merged back."""
+
+    async def body(core: BurstCore) -> None:
+        logs = await core.mkdir(ROOT_INO, b"logs", 0o755, 0, 0)
+        deep = await core.mkdir(logs.ino, b"deep", 0o755, 0, 0)
+        ino = await write_file(core, deep.ino, b"0.txt", b"log line")
+        core.journal.execute("UPDATE inodes SET remote_key=? WHERE ino=?", ("logs/deep/0.txt", ino))  # drained
+        await core.rename(logs.ino, b"deep", logs.ino, b"moved", 0)
+        core.fetcher = ListingFetcher({"logs": ([], ["deep", "other"])})
+        logs.listed_at = -1e9  # the listing's TTL has run out
+        assert await core.refresh_listing(logs)
+        assert sorted(logs.children) == [b"moved", b"other"]  # type: ignore[arg-type]
+
+    run(tmp_path, body)
+
+
 def test_open_trunc_and_truncate(tmp_path: Path) -> None:
     async def body(core: BurstCore) -> None:
         ino = await write_file(core, ROOT_INO, b"f", b"0123456789")
