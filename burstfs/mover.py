@@ -95,7 +95,11 @@ class MoverStats:
 class Mover:
     """Drains one cache directory to its remote."""
 
-    def __init__(self, cache_dir: Path, remote_url: RemoteURL, s3: S3Options, options: DrainOptions) -> None:
+    def __init__(
+        self, cache_dir: Path, remote_url: RemoteURL, s3: S3Options, options: DrainOptions,
+        *, remote: Remote | None = None,
+    ) -> None:
+        """``remote``: use this remote instead of opening ``remote_url`` (tests wrap one to inject faults)."""
         self.cache_dir = Path(cache_dir)
         self.remote_url = remote_url
         self.s3 = s3
@@ -103,7 +107,7 @@ class Mover:
         self.journal = Journal(self.cache_dir)
         self.tier_paths = LocalTier(self.cache_dir)
         self.stats = MoverStats()
-        self.remote: Remote | None = None
+        self.remote: Remote | None = remote
         self.store: ObjectStore | None = None
         self.restore: RestoreService | None = None
         self._ready = threading.Event()  # set once the loop, remote and restore exist
@@ -159,9 +163,10 @@ class Mover:
         """Drain until stopped (or, with ``until_idle``, until nothing is left to drain)."""
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
-        self.remote = open_remote(
-            self.remote_url, self.s3, max_connections=self.options.max_files * self.options.concurrency + 4
-        )
+        if self.remote is None:
+            self.remote = open_remote(
+                self.remote_url, self.s3, max_connections=self.options.max_files * self.options.concurrency + 4
+            )
         self.store = ObjectStore(self.remote)
         self.restore = RestoreService(self.store, self.journal, self.tier_paths)
         self._ready.set()
