@@ -118,6 +118,8 @@ class StreamingDigests:
                 if not ready:
                     break
                 for o in sorted(ready):
+                    if self.broken:  # an overwrite among them: _break() dropped the rest
+                        break
                     data = self._pending.pop(o)
                     self._pending_bytes -= len(data)
                     self._consume(o, data)

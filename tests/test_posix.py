@@ -734,3 +734,24 @@ def test_what_a_second_node_sees(mounted_factory: type[MountedFS], tmp_path: Pat
         assert time.monotonic() < deadline
         time.sleep(0.2)
     assert (reader.path / "run" / "step_1" / "optim.pt").read_bytes() == b"o"
+
+
+def test_overlapping_out_of_order_writes_through_the_daemon(mounted_factory: type[MountedFS]) -> None:
+    """Issue 10 #20: queued writes released together, one an overwrite, were EIO
+    (KeyError in the streaming digests); the bytes and the drain must be right."""
+    fs = mounted_factory(extra_args=("--no-passthrough", "--no-writeback-cache"))  # type: ignore[call-arg]
+    fs.mount()
+    p = fs.path / "shuffled"
+    fd = os.open(p, os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        assert os.pwrite(fd, b"a" * 8, 0) == 8
+        assert os.pwrite(fd, b"c" * 4, 12) == 4  # ahead of what is hashed: queued
+        assert os.pwrite(fd, b"X" * 4, 10) == 4  # queued too
+        assert os.pwrite(fd, b"b" * 6, 8) == 6  # releases both, and overwrites the one at 10
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    expected = b"a" * 8 + b"b" * 6 + b"cc"
+    assert p.read_bytes() == expected
+    _wait_state(p, (b"durable",))
+    assert (fs.remote_dir / "shuffled").read_bytes() == expected
