@@ -34,7 +34,7 @@ import xxhash
 
 from .errors import CorruptDataError, RemoteNotFound, UploadCancelled
 from .remote import INTERNAL_DIR, Remote, RetryPolicy, UploadedPart, fail_fast_group, run_workers
-from .remote.file import pread_full
+from .fileio import pread_full
 
 log = logging.getLogger("burstfs.objects")
 

@@ -514,3 +514,110 @@ def test_throttling_exhausts_into_unavailable(s3_endpoint: str) -> None:
 
         run(remote, body)
         assert proxy.injected == 3
+
+
+@pytest.fixture(params=["openat2", "openat-walk"])
+def path_resolution(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways the file remote resolves keys: one openat2 call, and the O_NOFOLLOW walk."""
+    from burstfs.remote import file as file_remote
+
+    if request.param == "openat-walk":
+        monkeypatch.setitem(file_remote._openat2_state, "usable", False)
+    elif not file_remote._openat2_usable():
+        pytest.skip("openat2 not available here")
+    return str(request.param)
+
+
+def test_file_remote_never_follows_a_planted_directory_symlink(tmp_path: Path, path_resolution: str) -> None:
+    """A symlink planted in the shared directory must not let the (root) daemon write,
+    read or delete outside it: every operation through it fails that object, 'refused'."""
+    root, outside = tmp_path / "remote", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "victim").write_bytes(b"precious")
+    (root / "ckpt").symlink_to(outside)
+    remote = FileRemote(parse_remote_url(f"file://{root}"))
+
+    async def body() -> None:
+        await remote.put_object("real", b"mine")
+        attempts: list[Callable[[], Awaitable[object]]] = [
+            lambda: remote.put_object("ckpt/victim", b"overwritten"),
+            lambda: remote.put_object("ckpt/new", b"planted"),
+            lambda: remote.get_object("ckpt/victim"),
+            lambda: remote.get_range("ckpt/victim", 0, 3),
+            lambda: remote.head("ckpt/victim"),
+            lambda: remote.list_dir("ckpt"),
+            lambda: remote.copy("ckpt/victim", "stolen"),
+            lambda: remote.copy("real", "ckpt/victim"),
+            lambda: remote.delete("ckpt/victim"),
+            lambda: remote.create_multipart("ckpt/victim"),
+        ]
+        for attempt in attempts:
+            with pytest.raises(RemoteError) as info:
+                await attempt()
+            assert info.value.kind == "refused", info.value
+            assert "ckpt" in str(info.value)
+        upload_id = await remote.create_multipart("x")
+        part = await remote.upload_part("x", upload_id, 1, 0, b"overwritten")
+        with pytest.raises(RemoteError) as info:
+            await remote.complete_multipart("ckpt/victim", upload_id, [part])
+        assert info.value.kind == "refused"
+        files, dirs = await remote.list_dir("")
+        assert [f.key for f in files] == ["real"] and "ckpt" not in dirs  # links are not listed
+        assert [i.key async for i in remote.list_all("") if not i.key.startswith(INTERNAL_DIR)] == ["real"]
+
+    run(remote, body)
+    assert (outside / "victim").read_bytes() == b"precious"
+    assert sorted(p.name for p in outside.iterdir()) == ["victim"]
+    assert not (root / "stolen").exists()
+
+
+def test_file_remote_never_follows_symlinked_internal_dirs(tmp_path: Path, path_resolution: str) -> None:
+    """``.burstfs/tmp`` or ``.burstfs/uploads`` swapped for links must not redirect temp files."""
+    root, outside = tmp_path / "remote", tmp_path / "outside"
+    (root / INTERNAL_DIR).mkdir(parents=True)
+    outside.mkdir()
+    (root / INTERNAL_DIR / "tmp").symlink_to(outside)
+    (root / INTERNAL_DIR / "uploads").symlink_to(outside)
+    remote = FileRemote(parse_remote_url(f"file://{root}"))
+
+    async def body() -> None:
+        for attempt in (lambda: remote.put_object("a", b"1"), lambda: remote.create_multipart("a")):
+            with pytest.raises(RemoteError) as info:
+                await attempt()
+            assert info.value.kind == "refused"
+        with pytest.raises(RemoteError) as info:
+            await remote.list_multipart_uploads()
+        assert info.value.kind == "refused"
+
+    run(remote, body)
+    assert list(outside.iterdir()) == []
+
+
+def test_file_remote_refuses_a_symlink_at_the_key(tmp_path: Path, path_resolution: str) -> None:
+    root, outside = tmp_path / "remote", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "victim").write_bytes(b"precious")
+    (root / "latest").symlink_to(outside / "victim")
+    remote = FileRemote(parse_remote_url(f"file://{root}"))
+
+    async def body() -> None:
+        for attempt in (
+            lambda: remote.get_object("latest"),
+            lambda: remote.get_range("latest", 0, 4),
+            lambda: remote.put_object("latest", b"overwritten"),
+            lambda: remote.copy("latest", "stolen"),
+            lambda: remote.delete("latest"),
+        ):
+            with pytest.raises(RemoteError) as info:
+                await attempt()
+            assert info.value.kind == "refused", info.value
+        assert await remote.head("latest") is None  # a link is not an object
+        files, dirs = await remote.list_dir("")
+        assert files == [] and user_dirs(dirs) == []
+
+    run(remote, body)
+    assert (outside / "victim").read_bytes() == b"precious"
+    assert (root / "latest").is_symlink()
+    assert not (root / "stolen").exists()
