@@ -4,22 +4,48 @@ Requests hand their journal records to :meth:`GroupCommitter.commit` and wait.
 One background task applies everything that arrived since the previous commit
 in a single SQLite transaction, in a worker thread, so the request loop never
 blocks on disk and a thousand concurrent closes cost a handful of commits.
+
+A request changes the in-memory namespace before it commits (so concurrent
+requests see each other's changes at once and still share a transaction) and
+hands in an ``undo`` that restores exactly what it changed.  When a transaction
+fails, nothing of it is in the journal: the committer runs the undos of that
+batch and of the batch that filled while it ran (whose records may build on it),
+newest first, before any other task runs, so memory again equals the journal,
+and every waiter gets the error as an errno (ENOSPC for a full disk).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 
 import trio
 
+from .errors import FsError, to_errno
 from .journal import Journal, Op
+
+log = logging.getLogger("burstfs.committer")
+
+Undo = Callable[[], None]
 
 
 class _Batch:
     def __init__(self) -> None:
         self.ops: list[Op] = []
+        self.undos: list[Undo] = []
         self.done = trio.Event()
         self.error: BaseException | None = None
+
+    def fail(self, error: BaseException) -> None:
+        """Nothing of this batch was committed: undo its memory changes, newest first."""
+        self.error = error
+        for undo in reversed(self.undos):
+            try:
+                undo()
+            except Exception:  # an undo must not stop the others
+                log.exception("event=undo_failed")
+        self.undos.clear()
+        self.done.set()
 
 
 class GroupCommitter:
@@ -30,23 +56,30 @@ class GroupCommitter:
         self._batch = _Batch()
         self._wakeup = trio.Event()
         self.commits = 0  # number of transactions, for tests and metrics
+        self.failures = 0  # transactions that failed (their changes were undone)
 
-    async def commit(self, ops: Sequence[Op], *, sync: bool = False) -> None:
+    async def commit(self, ops: Sequence[Op], *, sync: bool = False, undo: Undo | None = None) -> None:
         """Queue ``ops`` and wait until the transaction holding them is committed.
 
+        ``undo`` restores the memory changes these records describe; it runs (in
+        the committer task) if they are not committed.  Raises FsError then.
         ``sync`` also fsyncs the journal's WAL (fsync(2) on a persistent tier).
         """
         batch = self._batch
         batch.ops.extend(ops)
+        if undo is not None:
+            batch.undos.append(undo)
         self._wakeup.set()
         await batch.done.wait()
         if batch.error is not None:
-            raise batch.error
+            code = to_errno(batch.error)
+            raise FsError(code, f"journal commit failed: {batch.error}") from batch.error
         if sync:
             await trio.to_thread.run_sync(self._journal.sync)
 
     def enqueue(self, ops: Sequence[Op]) -> None:
-        """Queue ``ops`` for the next commit without waiting for it."""
+        """Queue ``ops`` for the next commit without waiting for it (records whose
+        loss is harmless: they are dropped if that commit fails)."""
         self._batch.ops.extend(ops)
         self._wakeup.set()
 
@@ -70,7 +103,16 @@ class GroupCommitter:
         batch, self._batch = self._batch, _Batch()
         try:
             await trio.to_thread.run_sync(self._journal.apply, batch.ops)
-            self.commits += 1
-        except Exception as exc:  # surfaced to every waiter of this batch as EIO
-            batch.error = exc
+        except Exception as exc:
+            self.failures += 1
+            # The batch that filled meanwhile may build on this one (a file created in
+            # a directory made here): it fails too, and is undone first.
+            later, self._batch = self._batch, _Batch()
+            log.error("event=commit_failed records=%d later_records=%d errno=%s error=%s", len(batch.ops),
+                      len(later.ops), to_errno(exc), exc)  # fmt: skip
+            later.fail(exc)
+            batch.fail(exc)
+            return
+        self.commits += 1
+        batch.undos.clear()
         batch.done.set()

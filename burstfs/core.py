@@ -22,6 +22,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -51,6 +52,12 @@ from .objects import StreamingDigests
 log = logging.getLogger("burstfs.core")
 
 NAME_MAX = 255
+#: The remote's own directory (manifests, layout) at the root of the prefix: no
+#: file, directory or symlink of that name can be made at the root of the mount.
+RESERVED_ROOT_NAME = b".burstfs"
+#: How long this mount remembers a key it deleted: a listing that started before
+#: the delete may still show it, and must not bring the file back.
+TOMBSTONE_SECONDS = 600.0
 XATTR_USER = b"user."
 XATTR_RESERVED = b"user.burstfs."  # computed, read-only attributes (drain state)
 # Reads of a file being fetched go straight to the tier while they stay this far
@@ -155,6 +162,8 @@ class Inode:
     direct_writers: int = 0  # ... of which writable
     backing_seen: tuple[int, int] = (0, 0)  # (size, mtime_ns) of the data file when last adopted
     reopened_clean: bool = False  # marked writing by a direct open, and nothing changed since
+    marking: trio.Event | None = None  # set while the `writing` record of a first change commits
+    pending: int = 0  # namespace changes of this inode in flight (not destroyed meanwhile)
 
     @property
     def nlink(self) -> int:
@@ -195,8 +204,33 @@ def _now_ns() -> int:
 def _check_name(name: bytes) -> None:
     if len(name) > NAME_MAX:
         raise FsError(errno.ENAMETOOLONG)
-    if not name or name in (b".", b"..") or b"/" in name:
+    if not name or name in (b".", b"..") or b"/" in name or b"\0" in name:
         raise FsError(errno.EINVAL)
+
+
+def _check_new_name(parent: Inode, name: bytes) -> None:
+    """A name something is about to be made or renamed to; ``.burstfs`` is the
+    remote's own at the root (manifests, layout) and is refused with EPERM."""
+    _check_name(name)
+    if parent.ino == ROOT_INO and name == RESERVED_ROOT_NAME:
+        raise FsError(errno.EPERM, ".burstfs is reserved at the root of the mount")
+
+
+class _Undo:
+    """Steps that restore memory changed ahead of a journal commit, run newest
+    first if the commit fails (the committer calls it)."""
+
+    __slots__ = ("_steps",)
+
+    def __init__(self) -> None:
+        self._steps: list[Callable[[], None]] = []
+
+    def add(self, step: Callable[[], None]) -> None:
+        self._steps.append(step)
+
+    def __call__(self) -> None:
+        for step in reversed(self._steps):
+            step()
 
 
 class BurstCore:
@@ -230,6 +264,8 @@ class BurstCore:
         self.inodes: dict[int, Inode] = {}
         self.handles: dict[int, Handle] = {}
         self.dir_handles: dict[int, list[tuple[bytes, int]]] = {}
+        self._tombstones: dict[str, float] = {}  # key -> monotonic time this mount removed it
+        self._skipped_logged: set[str] = set()  # listed keys already logged as skipped
         self._next_fh = itertools.count(1)
         self._recover()
         self._next_ino = itertools.count(max(self.inodes) + 1)
@@ -342,6 +378,14 @@ class BurstCore:
 
         Returns True if a listing was merged.  A remote that cannot be listed
         does not block local work: the failure is logged and retried after the TTL.
+
+        The keys this mount owns or is deleting are read *before* the listing:
+        a delete that completes while the remote is listed would otherwise make
+        this mount's own just-deleted file look like another node's.  Keys this
+        mount deleted after that (tombstones) are ignored too.  Names that cannot
+        be a file name here are skipped (logged once).  Entries that vanished
+        from the remote are forgotten, never deleted: the object may be another
+        node's new one.  The merge is one commit, applied to memory with it.
         """
         now = time.monotonic()
         if self.fetcher is None or now - directory.listed_at < self.list_ttl:
@@ -351,39 +395,118 @@ class BurstCore:
         if dir_key is None:
             return False
         try:
+            known_keys = await trio.to_thread.run_sync(self._keys_owned_under, dir_key)
             files, subdirs = await self.fetcher.list_dir(dir_key)
         except Exception as exc:
             log.warning("event=list_failed dir=%s error=%s", dir_key or "/", exc)
             return False
-        known_keys = await trio.to_thread.run_sync(self._keys_owned_under, dir_key)
         prefix = f"{dir_key}/" if dir_key else ""
-        ops: list[Op] = []
-        remote_names = set()
-        for count, (name, size, mtime) in enumerate(files, 1):
+        at_root = directory.ino == ROOT_INO
+        # Filter first (yielding on huge listings), then apply in one synchronous pass.
+        wanted_files: list[tuple[bytes, int, int, str]] = []
+        remote_names: set[bytes] = set()
+        for count, entry in enumerate(files, 1):
             if count % 1000 == 0:
                 await trio.sleep(0)  # a 100,000-object listing must not stall other requests
-            remote_names.add(name)
-            raw = os.fsencode(name)
-            if raw in directory.children or prefix + name in known_keys:  # type: ignore[operator]
+            try:
+                name, size, mtime = entry
+                raw = self._listed_name(dir_key, name, at_root)
+                size, mtime_ns = int(size), int(mtime * 1e9)
+                if size < 0:
+                    raise ValueError(f"negative size {size}")
+            except (TypeError, ValueError, OverflowError) as exc:
+                self._skip_listed(dir_key, entry, exc)
                 continue
-            ops += self._add_listed(directory, raw, "file", size, int(mtime * 1e9), prefix + name)
+            if raw is None:
+                continue
+            remote_names.add(raw)
+            if prefix + name not in known_keys:
+                wanted_files.append((raw, size, mtime_ns, prefix + name))
         # A remote directory holding keys this node owns is its own layout from before
         # a rename whose objects have not moved yet: not another node's directory.
         owned_dirs = {key[len(prefix):].split("/", 1)[0] for key in known_keys if "/" in key[len(prefix):]}
+        wanted_dirs: list[bytes] = []
         for name in subdirs:
-            raw = os.fsencode(name)
-            if name in owned_dirs or raw in directory.children:  # type: ignore[operator]
+            try:
+                raw = self._listed_name(dir_key, name, at_root)
+            except (TypeError, ValueError) as exc:
+                self._skip_listed(dir_key, name, exc)
                 continue
-            if directory.ino == ROOT_INO and name == ".burstfs":
+            if raw is not None and name not in owned_dirs:
+                wanted_dirs.append(raw)
+        return await self._merge_listing(directory, prefix, now, wanted_files, wanted_dirs, remote_names)
+
+    async def _merge_listing(self, directory: Inode, prefix: str, started: float,
+                             wanted_files: list[tuple[bytes, int, int, str]], wanted_dirs: list[bytes],
+                             remote_names: set[bytes]) -> bool:  # fmt: skip
+        """Apply a filtered listing: no await from the checks to the commit's enqueue."""
+        self._prune_tombstones()
+        if directory.children is None or (directory.parent == 0 and directory.ino != ROOT_INO):
+            return False  # removed while it was listed
+        undo = _Undo()
+        ops: list[Op] = []
+        recent = {key for key, when in self._tombstones.items() if when >= started - 1.0}
+        for raw, size, mtime_ns, key in wanted_files:
+            if raw in directory.children or key in recent:
+                continue  # made, renamed or deleted here meanwhile: local state wins
+            ops += self._add_listed(directory, raw, "file", size, mtime_ns, key, undo)
+        for raw in wanted_dirs:
+            if raw in directory.children or prefix + os.fsdecode(raw) in recent:
                 continue
-            ops += self._add_listed(directory, raw, "dir", 0, time.time_ns(), None)
-        for raw, ino in list(directory.children.items()):  # type: ignore[union-attr]
+            ops += self._add_listed(directory, raw, "dir", 0, time.time_ns(), None, undo)
+        forgotten = []
+        for raw, ino in list(directory.children.items()):
             gone = self.inodes[ino]
-            if gone.listed and os.fsdecode(raw) not in remote_names and not gone.handles:
-                ops += self._unlink_ops(directory, gone)
+            if gone.listed and raw not in remote_names and not gone.handles and not gone.pending:
+                ops += self._forget_listed_ops(directory, gone, undo)
+                forgotten.append(gone)
         if ops:
-            await self.committer.commit(ops)
+            for gone in forgotten:
+                gone.pending += 1
+            try:
+                await self.committer.commit(ops, undo=undo)
+            finally:
+                for gone in forgotten:
+                    gone.pending -= 1
+            for gone in forgotten:
+                self._maybe_destroy(gone)
         return True
+
+    def _listed_name(self, dir_key: str, name: str, at_root: bool) -> bytes | None:
+        """The file name a listed key stands for; None for the remote's own ``.burstfs``.
+        Raises ValueError for a name no file here can have."""
+        if not isinstance(name, str):
+            raise TypeError(f"not a name: {name!r}")
+        raw = os.fsencode(name)
+        if not raw or raw in (b".", b"..") or b"/" in raw or b"\0" in raw:
+            raise ValueError("not a valid file name")
+        if len(raw) > NAME_MAX:
+            raise ValueError(f"longer than {NAME_MAX} bytes")
+        if at_root and raw == RESERVED_ROOT_NAME:
+            return None
+        return raw
+
+    def _skip_listed(self, dir_key: str, entry: object, exc: Exception) -> None:
+        """A listed key that cannot be shown: skipped, logged once per mount."""
+        what = f"{dir_key}:{entry!r}"
+        if what in self._skipped_logged:
+            return
+        if len(self._skipped_logged) < 10000:
+            self._skipped_logged.add(what)
+        log.warning("event=listing_entry_skipped dir=%s key=%r reason=%s", dir_key or "/", entry, exc)
+
+    def _prune_tombstones(self) -> None:
+        horizon = time.monotonic() - TOMBSTONE_SECONDS
+        if self._tombstones and next(iter(self._tombstones.values())) < horizon:
+            self._tombstones = {k: t for k, t in self._tombstones.items() if t >= horizon}
+
+    def _forget_listed_ops(self, directory: Inode, inode: Inode, undo: _Undo) -> list[Op]:
+        """A listed file that vanished from the remote: drop it here, delete nothing there."""
+        now = self._detach(directory, inode, undo)
+        return [
+            update_inode_op(inode.ino, parent=0, remote_key=None, ctime_ns=now),
+            self.journal.log_event(inode.ino, "forgotten", os.fsdecode(inode.name)),
+        ]
 
     def _keys_owned_under(self, dir_key: str) -> set[str]:
         """Keys this node owns or is deleting: a listing must not resurrect them."""
@@ -395,13 +518,13 @@ class BurstCore:
         return {row[0] for row in rows}
 
     def _add_listed(self, directory: Inode, name: bytes, kind: str, size: int, mtime_ns: int,
-                    key: str | None) -> list[Op]:  # fmt: skip
+                    key: str | None, undo: _Undo) -> list[Op]:  # fmt: skip
         mode = stat.S_IFDIR | 0o755 if kind == "dir" else stat.S_IFREG | 0o644
         inode = self._new_inode(directory, name, kind, mode, directory.uid, directory.gid)
         inode.size, inode.mtime_ns, inode.ctime_ns = size, mtime_ns, mtime_ns
         if kind == "file":
             inode.local, inode.listed = False, True
-        self._link(directory, inode)
+        self._link(directory, inode, undo)
         row = self._row(inode, REMOTE if kind == "file" else META)
         row.remote_key = key
         return [insert_inode_op(row)]
@@ -425,9 +548,11 @@ class BurstCore:
     # -- creating and removing names -----------------------------------------------
 
     def _new_inode(self, parent: Inode, name: bytes, kind: str, mode: int, uid: int, gid: int) -> Inode:
-        _check_name(name)
+        _check_new_name(parent, name)
         if name in parent.children:  # type: ignore[operator]
             raise FsError(errno.EEXIST)
+        if parent.parent == 0 and parent.ino != ROOT_INO:
+            raise FsError(errno.ENOENT)  # removed meanwhile
         if parent.mode & stat.S_ISGID:  # BSD group semantics under a setgid directory
             gid = parent.gid
             if kind == "dir":
@@ -445,23 +570,41 @@ class BurstCore:
                         inode.target, state, inode.generation, 0, None, None, None, None, None,
                         None, 0, time.time(), 0)  # fmt: skip
 
-    def _link(self, parent: Inode, inode: Inode) -> None:
+    def _link(self, parent: Inode, inode: Inode, undo: _Undo) -> None:
+        """Give ``inode`` its name in ``parent``; ``undo`` takes it back."""
+        times = (parent.mtime_ns, parent.ctime_ns)
         self.inodes[inode.ino] = inode
         parent.children[inode.name] = inode.ino  # type: ignore[index]
         if inode.kind == "dir":
             parent.subdirs += 1
         parent.mtime_ns = parent.ctime_ns = _now_ns()
 
+        def unlink() -> None:
+            if parent.children.get(inode.name) == inode.ino:  # type: ignore[union-attr]
+                del parent.children[inode.name]  # type: ignore[union-attr]
+                if inode.kind == "dir":
+                    parent.subdirs -= 1
+            self.inodes.pop(inode.ino, None)
+            parent.mtime_ns, parent.ctime_ns = times
+
+        undo.add(unlink)
+
     def _touch_parent_op(self, parent: Inode) -> Op:
         return update_inode_op(parent.ino, mtime_ns=parent.mtime_ns, ctime_ns=parent.ctime_ns)
+
+    async def _commit_new(self, parent: Inode, inode: Inode, state: str, undo: _Undo) -> None:
+        """Journal a name just made; on failure it is gone again (no ghost in memory)."""
+        await self.committer.commit([insert_inode_op(self._row(inode, state)), self._touch_parent_op(parent)],
+                                    undo=undo)  # fmt: skip
 
     async def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
         parent = self._dir(parent_ino)
         inode = self._new_inode(parent, name, "dir", stat.S_IFDIR | stat.S_IMODE(mode), uid, gid)
         inode.listed_at = time.monotonic()  # just created here: nothing remote to merge yet
-        self._link(parent, inode)
+        undo = _Undo()
+        self._link(parent, inode, undo)
+        await self._commit_new(parent, inode, META, undo)
         inode.lookups += 1
-        await self.committer.commit([insert_inode_op(self._row(inode, META)), self._touch_parent_op(parent)])
         return inode
 
     async def symlink(self, parent_ino: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
@@ -469,9 +612,10 @@ class BurstCore:
         inode = self._new_inode(parent, name, "symlink", stat.S_IFLNK | 0o777, uid, gid)
         inode.target = target
         inode.size = len(target)
-        self._link(parent, inode)
+        undo = _Undo()
+        self._link(parent, inode, undo)
+        await self._commit_new(parent, inode, META, undo)
         inode.lookups += 1
-        await self.committer.commit([insert_inode_op(self._row(inode, META)), self._touch_parent_op(parent)])
         return inode
 
     def readlink(self, ino: int) -> bytes:
@@ -491,9 +635,11 @@ class BurstCore:
         inode.new = True
         inode.digests = StreamingDigests(self.digest_chunk_size)
         self.tier.create(inode.ino)
-        self._link(parent, inode)
+        undo = _Undo()
+        undo.add(lambda: self.tier.remove(inode.ino))
+        self._link(parent, inode, undo)
+        await self._commit_new(parent, inode, WRITING, undo)
         inode.lookups += 1
-        await self.committer.commit([insert_inode_op(self._row(inode, WRITING)), self._touch_parent_op(parent)])
         fh = self._open_handle(inode, writable=True)
         await self._choose_io_path(inode, self.handles[fh])
         return fh, inode
@@ -503,8 +649,7 @@ class BurstCore:
         inode = self.child(parent_ino, name)
         if inode.kind == "dir":
             raise FsError(errno.EISDIR)
-        await self.committer.commit(self._unlink_ops(parent, inode) + [self._touch_parent_op(parent)])
-        self._maybe_destroy(inode)
+        await self._remove(parent, inode)
         self._namespace_changed()
 
     async def rmdir(self, parent_ino: int, name: bytes) -> None:
@@ -514,17 +659,54 @@ class BurstCore:
             raise FsError(errno.ENOTDIR)
         if inode.children:
             raise FsError(errno.ENOTEMPTY)
-        await self.committer.commit(self._unlink_ops(parent, inode) + [self._touch_parent_op(parent)])
+        await self._remove(parent, inode)
+
+    async def _remove(self, parent: Inode, inode: Inode) -> None:
+        undo = _Undo()
+        ops = self._unlink_ops(parent, inode, undo) + [self._touch_parent_op(parent)]
+        inode.pending += 1
+        try:
+            await self.committer.commit(ops, undo=undo)
+        finally:
+            inode.pending -= 1
         self._maybe_destroy(inode)
 
-    def _unlink_ops(self, parent: Inode, inode: Inode) -> list[Op]:
-        """Detach ``inode`` from its name; the journal queues its remote object for deletion."""
-        del parent.children[inode.name]  # type: ignore[union-attr]
+    def _detach(self, parent: Inode, inode: Inode, undo: _Undo) -> int:
+        """Take ``inode``'s name away in memory; ``undo`` gives it back.  Returns the time."""
+        times = (parent.mtime_ns, parent.ctime_ns, inode.ctime_ns)
+        name = inode.name
+        del parent.children[name]  # type: ignore[union-attr]
         if inode.kind == "dir":
             parent.subdirs -= 1
         inode.parent = 0
         now = _now_ns()
         parent.mtime_ns = parent.ctime_ns = inode.ctime_ns = now
+
+        def relink() -> None:
+            parent.children[name] = inode.ino  # type: ignore[index]
+            if inode.kind == "dir":
+                parent.subdirs += 1
+            inode.parent, inode.name = parent.ino, name
+            parent.mtime_ns, parent.ctime_ns, inode.ctime_ns = times
+
+        undo.add(relink)
+        return now
+
+    def _tombstone(self, parent: Inode, name: bytes, undo: _Undo) -> None:
+        """Remember that this mount removed the object at ``parent/name`` (if any), so a
+        listing taken before the remote delete completes does not bring it back."""
+        dir_key = self.path_of(parent)
+        if dir_key is None:
+            return
+        key = f"{dir_key}/{os.fsdecode(name)}" if dir_key else os.fsdecode(name)
+        before = self._tombstones.get(key)
+        self._tombstones[key] = time.monotonic()
+        undo.add(lambda: self._tombstones.pop(key, None) if before is None else self._tombstones.__setitem__(key, before))
+
+    def _unlink_ops(self, parent: Inode, inode: Inode, undo: _Undo) -> list[Op]:
+        """Detach ``inode`` from its name; the journal queues its remote object for deletion."""
+        self._tombstone(parent, inode.name, undo)
+        now = self._detach(parent, inode, undo)
         return [
             ("INSERT INTO remote_deletes (key, reason) SELECT remote_key, 'unlink' FROM inodes "
              "WHERE ino=? AND remote_key IS NOT NULL", (inode.ino,)),
@@ -534,7 +716,9 @@ class BurstCore:
 
     def _maybe_destroy(self, inode: Inode) -> None:
         """Drop an unlinked inode once nothing references it any more."""
-        if inode.parent or inode.lookups or inode.handles or inode.ino == ROOT_INO:
+        if inode.parent or inode.lookups or inode.handles or inode.pending or inode.ino == ROOT_INO:
+            return
+        if self.inodes.get(inode.ino) is not inode:  # already dropped (or a failed create)
             return
         self.inodes.pop(inode.ino, None)
         if inode.kind == "file":
@@ -556,9 +740,9 @@ class BurstCore:
 
         if flags & RENAME_EXCHANGE:
             raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
-        _check_name(new_name)
         old_parent = self._dir(old_parent_ino)
         new_parent = self._dir(new_parent_ino)
+        _check_new_name(new_parent, new_name)
         inode = self.child(old_parent_ino, old_name)
         ops: list[Op] = []
         target_ino = new_parent.children.get(new_name)  # type: ignore[union-attr]
@@ -580,24 +764,40 @@ class BurstCore:
                 if ancestor is inode:
                     raise FsError(errno.EINVAL)
                 ancestor = self.inodes[ancestor.parent]
+        undo = _Undo()
         if target is not None:
-            ops += self._unlink_ops(new_parent, target)
-        del old_parent.children[old_name]  # type: ignore[union-attr]
+            ops += self._unlink_ops(new_parent, target, undo)
+            target.pending += 1
+        self._tombstone(old_parent, old_name, undo)
+        self._detach(old_parent, inode, undo)  # restores the old name and times on failure
+        new_times = (new_parent.mtime_ns, new_parent.ctime_ns)
         new_parent.children[new_name] = inode.ino  # type: ignore[index]
         if inode.kind == "dir":
-            old_parent.subdirs -= 1
             new_parent.subdirs += 1
         inode.parent, inode.name = new_parent.ino, new_name
         now = _now_ns()
         inode.ctime_ns = old_parent.mtime_ns = old_parent.ctime_ns = now
         new_parent.mtime_ns = new_parent.ctime_ns = now
+
+        def unmove() -> None:
+            if new_parent.children.get(new_name) == inode.ino:  # type: ignore[union-attr]
+                del new_parent.children[new_name]  # type: ignore[union-attr]
+                if inode.kind == "dir":
+                    new_parent.subdirs -= 1
+            new_parent.mtime_ns, new_parent.ctime_ns = new_times
+
+        undo.add(unmove)
         ops += [
             update_inode_op(inode.ino, parent=new_parent.ino, name=new_name, ctime_ns=now),
             self._touch_parent_op(old_parent),
             self._touch_parent_op(new_parent),
             self.journal.log_event(inode.ino, "rename", f"{os.fsdecode(old_name)} -> {os.fsdecode(new_name)}"),
         ]
-        await self.committer.commit(ops)
+        try:
+            await self.committer.commit(ops, undo=undo)
+        finally:
+            if target is not None:
+                target.pending -= 1
         if target is not None:
             self._maybe_destroy(target)
         self._namespace_changed()
@@ -650,25 +850,21 @@ class BurstCore:
     ) -> Inode:
         inode = self.inode(ino)
         self._adopt_direct_writes(inode)  # before new times, so they are not overwritten later
-        now = _now_ns()
-        fields: dict[str, int] = {}
         if size is not None:
             if inode.kind != "file":
                 raise FsError(errno.EISDIR if inode.kind == "dir" else errno.EINVAL)
-            await self._ensure_local(inode)
-            await self._mark_writing(inode)
-            await trio.to_thread.run_sync(self.tier.truncate, ino, size)
-            inode.reopened_clean = False
-            if size < inode.accounted:
-                self._release_space(inode.accounted - size)
-            else:  # sparse growth: counted, but never waits for room
-                self.local_bytes += size - inode.accounted
-            inode.size = inode.accounted = size
-            if size == 0:  # emptied: what is written next is all of it
-                inode.incomplete = ""
-                inode.digests = None if inode.direct_writers else StreamingDigests(self.digest_chunk_size)
-            elif inode.digests is not None and size != inode.digests.size:
-                inode.digests = None  # the drain hashes the staged bytes instead
+            await self._truncate_data(inode, size)
+        # Attributes change in memory with the commit: a failed commit restores them.
+        now = _now_ns()
+        before = (inode.mode, inode.uid, inode.gid, inode.atime_ns, inode.mtime_ns, inode.ctime_ns)
+        undo = _Undo()
+
+        def restore() -> None:
+            inode.mode, inode.uid, inode.gid, inode.atime_ns, inode.mtime_ns, inode.ctime_ns = before
+
+        undo.add(restore)
+        fields: dict[str, int] = {}
+        if size is not None:
             inode.mtime_ns = now
             fields.update(size=size, mtime_ns=now)
         if mode is not None:
@@ -685,12 +881,45 @@ class BurstCore:
             inode.mtime_ns = fields["mtime_ns"] = mtime_ns
         inode.ctime_ns = fields["ctime_ns"] = now
         ops = [update_inode_op(ino, **fields)]
-        if size is not None and not self._has_writer(inode) and fh is None:
-            ops += self._close_ops(inode)  # truncate(2) on a path: a complete change
-        await self.committer.commit(ops)
-        if size is not None and not inode.dirty:
+        closing = size is not None and not self._has_writer(inode) and fh is None
+        if closing:
+            ops += self._close_ops(inode, undo)  # truncate(2) on a path: a complete change
+        await self.committer.commit(ops, undo=undo)
+        if closing:
             self._file_closed()
         return inode
+
+    async def _truncate_data(self, inode: Inode, size: int) -> None:
+        """Set the data file's length, after journaling the file as being written.
+
+        The bytes change on the tier here, so the in-memory size follows them
+        whatever the later commit does (the row says ``writing`` until a close).
+        Emptying a file that is only on the remote fetches nothing: an empty
+        local file replaces it (so a corrupt object can still be overwritten).
+        """
+        emptying_remote = size == 0 and not inode.local
+        if not emptying_remote:
+            await self._ensure_local(inode)
+        await self._mark_writing(inode)
+        if emptying_remote and not inode.local:
+            if self.fetcher is not None:
+                self.fetcher.forget(inode.ino)
+            await trio.to_thread.run_sync(self.tier.create, inode.ino)
+            inode.local, inode.listed, inode.local_prefix = True, False, 0
+            log.info("event=emptied_remote_file ino=%d note=not fetched", inode.ino)
+        else:
+            await trio.to_thread.run_sync(self.tier.truncate, inode.ino, size)
+        inode.reopened_clean = False
+        if size < inode.accounted:
+            self._release_space(inode.accounted - size)
+        else:  # sparse growth: counted, but never waits for room
+            self.local_bytes += size - inode.accounted
+        inode.size = inode.accounted = size
+        if size == 0:  # emptied: what is written next is all of it
+            inode.incomplete = ""
+            inode.digests = None if inode.direct_writers else StreamingDigests(self.digest_chunk_size)
+        elif inode.digests is not None and size != inode.digests.size:
+            inode.digests = None  # the drain hashes the staged bytes instead
 
     def _has_writer(self, inode: Inode) -> bool:
         return any(h.writable and h.inode is inode for h in self.handles.values())
@@ -711,15 +940,27 @@ class BurstCore:
         if inode.kind != "file":
             raise FsError(errno.ELOOP)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
-        if writable or flags & os.O_TRUNC:
-            await self._ensure_local(inode)
+        truncating = bool(flags & os.O_TRUNC) and bool(inode.size or inode.incomplete or not inode.local)
+        if writable and not truncating:
+            await self._ensure_local(inode)  # emptied instead of fetched when truncating
         fh = self._open_handle(inode, writable)
-        if flags & os.O_TRUNC and (inode.size or inode.incomplete):
-            # Through a read-only handle (Linux truncates on O_RDONLY | O_TRUNC) no close
-            # will publish the change: journal it at once, as truncate(2) does.
-            await self.setattr(ino, size=0, fh=fh if writable else None)
-        await self._choose_io_path(inode, self.handles[fh])
+        try:
+            if truncating:
+                # Through a read-only handle (Linux truncates on O_RDONLY | O_TRUNC) no close
+                # will publish the change: journal it at once, as truncate(2) does.
+                await self.setattr(ino, size=0, fh=fh if writable else None)
+            await self._choose_io_path(inode, self.handles[fh])
+        except BaseException:
+            self._drop_handle(fh)  # the open fails: no release will come for it
+            raise
         return fh
+
+    def _drop_handle(self, fh: int) -> None:
+        handle = self.handles.pop(fh)
+        self._close_io_path(handle.inode, handle)
+        handle.inode.handles -= 1
+        self.tier.release(handle.inode.ino)
+        self._maybe_destroy(handle.inode)
 
     async def _choose_io_path(self, inode: Inode, handle: Handle) -> None:
         """Let the kernel do a handle's reads and writes on the tier itself when it can.
@@ -749,7 +990,11 @@ class BurstCore:
             inode.digests = None  # these bytes never reach the daemon: the drain hashes the file
             if not self._unpublished(inode):
                 inode.reopened_clean = True  # undone at close if nothing changes
-            await self._mark_writing(inode)  # before any byte lands: a crash flags it incomplete
+            try:
+                await self._mark_writing(inode)  # before any byte lands: a crash flags it incomplete
+            except BaseException:
+                inode.reopened_clean = False  # the open fails; a later close publishes normally
+                raise
 
     def backing_id(self, fh: int) -> int:
         """The passthrough backing id of a handle; 0 when its I/O comes to the daemon."""
@@ -786,12 +1031,28 @@ class BurstCore:
             await self._ensure_local(inode)
 
     async def _mark_writing(self, inode: Inode) -> None:
-        """The first change after a close is journaled, so a crash flags the file incomplete."""
+        """The first change after a close is journaled, so a crash flags the file incomplete.
+
+        Concurrent first writers wait for that one record: none writes a byte
+        before it is committed, and if it fails, none has (the next one retries).
+        """
+        while inode.marking is not None:
+            await inode.marking.wait()
         if inode.dirty:
             return
         inode.dirty = True
-        if not inode.new:  # a new file's row says `writing` since create
-            await self.committer.commit([update_inode_op(inode.ino, state=WRITING, updated=time.time())])
+        if inode.new:  # a new file's row says `writing` since create
+            return
+        marking = inode.marking = trio.Event()
+
+        def undo() -> None:
+            inode.dirty = False
+
+        try:
+            await self.committer.commit([update_inode_op(inode.ino, state=WRITING, updated=time.time())], undo=undo)
+        finally:
+            inode.marking = None
+            marking.set()
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self.handles[fh]
@@ -808,7 +1069,7 @@ class BurstCore:
         inode = handle.inode
         if not handle.writable:
             raise FsError(errno.EBADF)
-        if not inode.dirty:
+        if not inode.dirty or inode.marking is not None:
             await self._mark_writing(inode)
         end = offset + len(data)
         try:
@@ -833,19 +1094,29 @@ class BurstCore:
         inode.mtime_ns = inode.ctime_ns = _now_ns()
         return written
 
-    def _close_ops(self, inode: Inode) -> list[Op]:
+    def _close_ops(self, inode: Inode, undo: _Undo) -> list[Op]:
         """Journal a changed file as closed: a new generation, queued to drain.
 
         A file that may lack bytes (a lost write, a crash) is journaled
         ``incomplete`` instead: it stays local and never drains until it is
-        emptied and written again.
+        emptied and written again.  Once no writer is left the streaming digests
+        are dropped (kilobytes per file: a million closed files must not keep
+        them); a later append leaves the hashing to the drain.
         """
+        before = (inode.dirty, inode.new, inode.generation, inode.digests)
+
+        def reopen() -> None:
+            inode.dirty, inode.new, inode.generation, inode.digests = before
+
+        undo.add(reopen)
         inode.dirty = inode.new = False
         inode.generation += 1
         seq = next(self._next_close_seq)
         state = INCOMPLETE if inode.incomplete else STAGED
         error = inode.incomplete or None
         digests = inode.digests.result(inode.size) if inode.digests is not None else None
+        if not self._has_writer(inode):
+            inode.digests = None
         return [
             update_inode_op(
                 inode.ino, state=state, generation=inode.generation, close_seq=seq,
@@ -859,11 +1130,17 @@ class BurstCore:
                                    f"generation={inode.generation} size={inode.size} {error or ''}".rstrip()),
         ]
 
-    def _publish_ops(self, inode: Inode) -> list[Op]:
+    def _publish_ops(self, inode: Inode, undo: _Undo) -> list[Op]:
         """What a close journals: a new generation, or, for a file opened for
         writing through passthrough and left unchanged, its state from before."""
         if not inode.reopened_clean:
-            return self._close_ops(inode)
+            return self._close_ops(inode, undo)
+        before = (inode.dirty, inode.reopened_clean)
+
+        def reopen() -> None:
+            inode.dirty, inode.reopened_clean = before
+
+        undo.add(reopen)
         inode.dirty = inode.reopened_clean = False
         return [(
             "UPDATE inodes SET state=CASE WHEN durable_generation=generation THEN ? ELSE ? END "
@@ -899,7 +1176,8 @@ class BurstCore:
         if inode.parent == 0:  # unlinked while open: nothing to publish
             inode.dirty = inode.new = False
             return
-        await self.committer.commit(self._publish_ops(inode))
+        undo = _Undo()
+        await self.committer.commit(self._publish_ops(inode, undo), undo=undo)
         self._file_closed()
 
     async def release(self, fh: int) -> None:
@@ -907,14 +1185,19 @@ class BurstCore:
         if handle is None:
             return
         inode = handle.inode
-        self._adopt_direct_writes(inode)
-        self._close_io_path(inode, handle)
-        if handle.writable and self._unpublished(inode) and inode.parent and not self._has_writer(inode):
-            await self.committer.commit(self._publish_ops(inode))
-            self._file_closed()
-        inode.handles -= 1
-        self.tier.release(inode.ino)
-        self._maybe_destroy(inode)
+        try:
+            self._adopt_direct_writes(inode)
+            self._close_io_path(inode, handle)
+            if handle.writable and not self._has_writer(inode):
+                if self._unpublished(inode) and inode.parent:
+                    undo = _Undo()
+                    await self.committer.commit(self._publish_ops(inode, undo), undo=undo)
+                    self._file_closed()
+                inode.digests = None  # the last writer is gone (kept if the commit failed)
+        finally:
+            inode.handles -= 1
+            self.tier.release(inode.ino)
+            self._maybe_destroy(inode)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         handle = self.handles[fh]
@@ -924,8 +1207,9 @@ class BurstCore:
         await trio.to_thread.run_sync(os.fdatasync if datasync else os.fsync, fd)
         self._adopt_direct_writes(inode)
         publish = inode.dirty or (handle.writable and self._unpublished(inode))
-        ops = self._publish_ops(inode) if publish and inode.parent else []
-        await self.committer.commit(ops, sync=True)
+        undo = _Undo()
+        ops = self._publish_ops(inode, undo) if publish and inode.parent else []
+        await self.committer.commit(ops, sync=True, undo=undo)
         if ops:
             self._file_closed()
         if self.fsync_remote and self.drain is not None and inode.parent:
@@ -1090,9 +1374,19 @@ class BurstCore:
             raise FsError(errno.ENOTSUP, "only user.* extended attributes are supported")
         if name.startswith(XATTR_RESERVED):
             raise FsError(errno.EPERM, "user.burstfs.* attributes are read-only")
+        before = (inode.xattrs.get(name), inode.ctime_ns)
+
+        def restore() -> None:
+            if before[0] is None:
+                inode.xattrs.pop(name, None)
+            else:
+                inode.xattrs[name] = before[0]
+            inode.ctime_ns = before[1]
+
         inode.xattrs[name] = value
         inode.ctime_ns = _now_ns()
-        await self.committer.commit([("INSERT OR REPLACE INTO xattrs VALUES (?, ?, ?)", (ino, name, value))])
+        await self.committer.commit([("INSERT OR REPLACE INTO xattrs VALUES (?, ?, ?)", (ino, name, value))],
+                                    undo=restore)  # fmt: skip
 
     async def removexattr(self, ino: int, name: bytes) -> None:
         inode = self.inode(ino)
@@ -1100,8 +1394,9 @@ class BurstCore:
             raise FsError(errno.EPERM, "user.burstfs.* attributes are read-only")
         if name not in inode.xattrs:
             raise FsError(errno.ENODATA)
-        del inode.xattrs[name]
-        await self.committer.commit([("DELETE FROM xattrs WHERE ino=? AND name=?", (ino, name))])
+        value = inode.xattrs.pop(name)
+        await self.committer.commit([("DELETE FROM xattrs WHERE ino=? AND name=?", (ino, name))],
+                                    undo=lambda: inode.xattrs.__setitem__(name, value))  # fmt: skip
 
     # -- file system ----------------------------------------------------------------
 

@@ -8,6 +8,7 @@ caller always sees a meaningful errno and the mount never dies of an exception.
 from __future__ import annotations
 
 import errno
+import sqlite3
 
 
 class BurstfsError(Exception):
@@ -79,4 +80,6 @@ def to_errno(exc: BaseException) -> int:
         return exc.errno
     if isinstance(exc, (TimeoutError,)):
         return errno.ETIMEDOUT
+    if isinstance(exc, sqlite3.Error):  # the journal: a full cache file system is ENOSPC
+        return errno.ENOSPC if "full" in str(exc) else errno.EIO
     return errno.EIO

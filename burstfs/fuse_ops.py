@@ -11,6 +11,7 @@ import errno
 import functools
 import logging
 import os
+import sqlite3
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -38,7 +39,7 @@ def _errors_to_fuse(handler: F) -> F:
             return await handler(*args, **kwargs)
         except pyfuse3.FUSEError:
             raise
-        except (BurstfsError, OSError) as exc:
+        except (BurstfsError, OSError, sqlite3.Error) as exc:  # sqlite3: the journal (ENOSPC when full)
             code = to_errno(exc)
             if code in (errno.EIO, errno.ENOSPC):
                 log.error("event=request_failed op=%s errno=%s error=%s", handler.__name__,

@@ -60,3 +60,452 @@ def test_streaming_digests_overwrite_among_pending_writes_is_not_an_error() -> N
     stream.update(10, b"X" * 4)  # ahead: waits
     stream.update(8, b"b" * 6)  # releases both; the one at 10 overwrites what this wrote
     assert stream.result(16) is None
+
+
+# -- #3: a failed journal commit leaves no ghost ---------------------------------------------
+
+import threading  # noqa: E402
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable  # noqa: E402
+from contextlib import asynccontextmanager  # noqa: E402
+from typing import Any  # noqa: E402
+
+import trio  # noqa: E402
+
+from burstfs.core import BurstCore, Inode  # noqa: E402
+from burstfs.errors import BurstfsError  # noqa: E402
+from burstfs.journal import ROOT_INO, Journal, Op  # noqa: E402
+
+UID, GID = os.getuid(), os.getgid()
+DISK_FULL = "database or disk is full"
+
+
+class FlakyJournal(Journal):
+    """A journal whose next transactions fail as SQLite does on a full file system.
+
+    ``gate``, when set, is waited for (in the committer's worker thread) before a
+    failing transaction raises, so a test can act while that commit is in flight.
+    """
+
+    def __init__(self, cache_dir: Path) -> None:
+        super().__init__(cache_dir)
+        self.fail_next = 0
+        self.failed = 0
+        self.gate: threading.Event | None = None
+        self.entered = threading.Event()
+
+    def apply(self, ops: Iterable[Op]) -> None:
+        ops = list(ops)
+        if self.fail_next and ops:
+            self.fail_next -= 1
+            self.failed += 1
+            self.entered.set()
+            if self.gate is not None:
+                self.gate.wait(10)
+            raise sqlite3.OperationalError(DISK_FULL)
+        super().apply(ops)
+
+
+@asynccontextmanager
+async def flaky_core(cache: Path) -> AsyncIterator[BurstCore]:
+    journal = FlakyJournal(cache)
+    core = BurstCore(cache, journal)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(core.committer.run)
+            yield core
+            nursery.cancel_scope.cancel()
+    finally:
+        core.close()
+        journal.close()
+
+
+def run_flaky(cache: Path, body: Callable[[BurstCore], Awaitable[Any]]) -> Any:
+    async def main() -> Any:
+        async with flaky_core(cache) as core:
+            return await body(core)
+
+    return trio.run(main)
+
+
+def namespace(core: BurstCore) -> dict[str, tuple[Any, ...]]:
+    """Everything a restart must reproduce: path -> attributes, data and generation."""
+    out: dict[str, tuple[Any, ...]] = {}
+
+    def walk(inode: Inode, path: str) -> None:
+        data = core.tier.path(inode.ino).read_bytes()[: inode.size] if inode.kind == "file" else None
+        out[path] = (inode.kind, inode.mode, inode.uid, inode.gid, inode.size, inode.target,
+                     sorted(inode.xattrs.items()), inode.generation, data)  # fmt: skip
+        for name, ino in sorted((inode.children or {}).items()):
+            walk(core.inodes[ino], f"{path}/{os.fsdecode(name)}")
+
+    walk(core.inodes[ROOT_INO], "")
+    assert core.inodes[ROOT_INO].subdirs == sum(
+        1 for ino in core.inodes[ROOT_INO].children.values() if core.inodes[ino].kind == "dir"  # type: ignore[union-attr]
+    )
+    return out
+
+
+def restarted_namespace(cache: Path) -> dict[str, tuple[Any, ...]]:
+    async def body(core: BurstCore) -> dict[str, tuple[Any, ...]]:
+        return namespace(core)
+
+    return run_flaky(cache, body)
+
+
+async def write_file(core: BurstCore, parent: int, name: bytes, data: bytes) -> int:
+    fh, inode = await core.create(parent, name, 0o644, os.O_WRONLY, UID, GID)
+    if data:
+        await core.write(fh, 0, data)
+    await core.flush(fh)
+    await core.release(fh)
+    core.forget(inode.ino, inode.lookups)
+    return inode.ino
+
+
+class fails_with:
+    """``async with fails_with(core, errno.ENOSPC): ...``: the next commit fails; so must the call."""
+
+    def __init__(self, core: BurstCore, code: int = errno.ENOSPC) -> None:
+        self.core, self.code = core, code
+
+    def __enter__(self) -> None:
+        self.core.journal.fail_next = 1  # type: ignore[attr-defined]
+
+    def __exit__(self, typ: Any, exc: BaseException | None, tb: Any) -> bool:
+        assert exc is not None, "the call succeeded although its commit failed"
+        assert isinstance(exc, BurstfsError), f"expected an errno, got {exc!r}"
+        assert exc.errno == self.code, exc
+        assert self.core.journal.fail_next == 0  # type: ignore[attr-defined]
+        return True
+
+
+def test_failed_commits_leave_memory_equal_to_the_journal(tmp_path: Path) -> None:
+    """create, mkdir, symlink, unlink, rmdir, rename, setattr, xattrs, close: each
+    with its commit failing, then the namespace equals what a restart shows."""
+
+    async def body(core: BurstCore) -> dict[str, tuple[Any, ...]]:
+        ckpt = await core.mkdir(ROOT_INO, b"ckpt", 0o755, UID, GID)
+        keep = await write_file(core, ckpt.ino, b"keep", b"kept bytes")
+        old = await write_file(core, ckpt.ino, b"old", b"old bytes")
+        await core.setxattr(keep, b"user.step", b"1")
+        await core.mkdir(ckpt.ino, b"empty", 0o755, UID, GID)
+        before = namespace(core)
+
+        with fails_with(core):
+            await core.create(ckpt.ino, b"ghost", 0o644, os.O_WRONLY, UID, GID)
+        with fails_with(core):
+            await core.mkdir(ckpt.ino, b"ghostdir", 0o755, UID, GID)
+        with fails_with(core):
+            await core.symlink(ckpt.ino, b"ghostlink", b"keep", UID, GID)
+        with fails_with(core):
+            await core.unlink(ckpt.ino, b"keep")
+        with fails_with(core):
+            await core.rmdir(ckpt.ino, b"empty")
+        with fails_with(core):
+            await core.rename(ckpt.ino, b"keep", ckpt.ino, b"old", 0)  # replaces a file
+        with fails_with(core):
+            await core.rename(ckpt.ino, b"empty", ROOT_INO, b"moved", 0)
+        with fails_with(core):
+            await core.setattr(keep, mode=0o600, uid=UID, mtime_ns=12345)
+        with fails_with(core):
+            await core.setattr(old, size=3)  # truncate(2): a close
+        with fails_with(core):
+            await core.setxattr(keep, b"user.step", b"2")
+        with fails_with(core):
+            await core.setxattr(keep, b"user.new", b"x")
+        with fails_with(core):
+            await core.removexattr(keep, b"user.step")
+        after = namespace(core)
+        # The failed truncate(2) did change the bytes (it must, before journaling the close):
+        # they are journaled as being written; everything else is exactly as before.
+        assert after.pop("/ckpt/old")[:4] == before.pop("/ckpt/old")[:4]
+        assert after == before
+        for name in (b"ghost", b"ghostdir", b"ghostlink"):
+            try:
+                core.child(ckpt.ino, name)
+                raise AssertionError(f"{name!r} is a ghost")
+            except BurstfsError as exc:
+                assert exc.errno == errno.ENOENT
+        # Space is back: the names can be made for real, and nothing of the ghosts remains.
+        await write_file(core, ckpt.ino, b"ghost", b"real")
+        return namespace(core)
+
+    final = run_flaky(tmp_path, body)
+    restarted = restarted_namespace(tmp_path)
+    final.pop("/ckpt/old"), restarted.pop("/ckpt/old")  # truncated, not closed: incomplete after restart
+    assert restarted == final
+
+
+def test_failed_close_keeps_the_file_unpublished_and_a_later_close_publishes_it(tmp_path: Path) -> None:
+    async def body(core: BurstCore) -> None:
+        fh, inode = await core.create(ROOT_INO, b"model.pt", 0o644, os.O_WRONLY, UID, GID)
+        await core.write(fh, 0, b"weights")
+        with fails_with(core):
+            await core.flush(fh)  # close(2) gets ENOSPC
+        assert (inode.generation, inode.dirty or inode.new) == (0, True)  # no generation bump
+        with fails_with(core):
+            await core.fsync(fh, False)
+        assert inode.generation == 0
+        await core.flush(fh)  # space is back: the next close publishes it
+        await core.release(fh)
+        assert inode.generation == 1 and inode.digests is None
+
+    run_flaky(tmp_path, body)
+    restarted = restarted_namespace(tmp_path)
+    assert restarted["/model.pt"][-2:] == (1, b"weights")
+
+
+def test_a_failed_commit_also_undoes_what_was_built_on_it(tmp_path: Path) -> None:
+    """A file created in a directory whose mkdir is still committing (and then fails)
+    must not survive in memory or in the journal."""
+
+    async def body(core: BurstCore) -> None:
+        journal: FlakyJournal = core.journal  # type: ignore[assignment]
+        journal.gate = threading.Event()
+        journal.fail_next = 1
+        results: dict[str, BaseException | None] = {}
+
+        async def attempt(what: str, call: Callable[[], Awaitable[Any]]) -> None:
+            try:
+                await call()
+                results[what] = None
+            except BurstfsError as exc:
+                results[what] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(attempt, "mkdir", lambda: core.mkdir(ROOT_INO, b"d", 0o755, UID, GID))
+            await trio.to_thread.run_sync(journal.entered.wait, 10)  # mkdir's commit is in flight
+            d = core.child(ROOT_INO, b"d")  # seen by a lookup meanwhile
+            nursery.start_soon(attempt, "create", lambda: write_file(core, d.ino, b"f", b"x"))
+            await trio.sleep(0.05)
+            journal.gate.set()
+        assert isinstance(results["mkdir"], BurstfsError) and results["mkdir"].errno == errno.ENOSPC
+        assert isinstance(results["create"], BurstfsError) and results["create"].errno == errno.ENOSPC
+        assert set(namespace(core)) == {""}
+        assert len(core.inodes) == 1
+
+    run_flaky(tmp_path, body)
+    assert set(restarted_namespace(tmp_path)) == {""}
+    assert not list((tmp_path / "data").iterdir())  # no data file of a ghost
+
+
+def test_sqlite_errors_map_to_errnos() -> None:
+    from burstfs.errors import to_errno
+
+    assert to_errno(sqlite3.OperationalError(DISK_FULL)) == errno.ENOSPC
+    assert to_errno(sqlite3.OperationalError("disk I/O error")) == errno.EIO
+
+
+# -- remote listings: #4, #7, #11, #19 ---------------------------------------------------------
+
+Listing = tuple[list[tuple[str, int, float]], list[str]]
+
+
+class FakeRemote:
+    """Lists what ``listing`` says; ``during_list`` runs while the remote is being listed
+    (another node, or this node's mover, acting meanwhile); counts fetches."""
+
+    def __init__(self, listing: dict[str, Listing]) -> None:
+        self.listing = listing
+        self.during_list: Callable[[], Awaitable[None]] | None = None
+        self.fetches = 0
+
+    async def ensure_local(self, ino: int, offset: int, size: int) -> int:
+        self.fetches += 1
+        raise AssertionError("nothing may be fetched here")
+
+    async def list_dir(self, dir_key: str) -> Listing:
+        result = self.listing.get(dir_key, ([], []))
+        if self.during_list is not None:
+            await self.during_list()
+        return result
+
+    def forget(self, ino: int) -> None:
+        pass
+
+
+def rows(cache: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    db = sqlite3.connect(cache / "journal.db")
+    try:
+        return db.execute(sql, params).fetchall()
+    finally:
+        db.close()
+
+
+def listed(core: BurstCore, remote: FakeRemote) -> None:
+    core.fetcher = remote
+    core.list_ttl = 0
+
+
+def test_burstfs_is_reserved_at_the_root(tmp_path: Path) -> None:
+    """#4: .burstfs at the root is the remote's own (manifests, layout.json): EPERM."""
+
+    async def body(core: BurstCore) -> None:
+        await write_file(core, ROOT_INO, b"f", b"x")
+        for make in (
+            lambda: core.create(ROOT_INO, b".burstfs", 0o644, os.O_WRONLY, UID, GID),
+            lambda: core.mkdir(ROOT_INO, b".burstfs", 0o755, UID, GID),
+            lambda: core.symlink(ROOT_INO, b".burstfs", b"f", UID, GID),
+            lambda: core.rename(ROOT_INO, b"f", ROOT_INO, b".burstfs", 0),
+        ):
+            try:
+                await make()
+                raise AssertionError(".burstfs was made at the root")
+            except BurstfsError as exc:
+                assert exc.errno == errno.EPERM
+        sub = await core.mkdir(ROOT_INO, b"sub", 0o755, UID, GID)
+        await core.mkdir(sub.ino, b".burstfs", 0o755, UID, GID)  # elsewhere it is an ordinary name
+        # A remote .burstfs (file or directory) at the root is never shown.
+        listed(core, FakeRemote({"": ([(".burstfs", 3, 1.0), ("other", 2, 1.0)], [".burstfs"])}))
+        assert await core.refresh_listing(core.inode(ROOT_INO))
+        assert sorted(core.inode(ROOT_INO).children) == [b"f", b"other", b"sub"]  # type: ignore[arg-type]
+
+    run_flaky(tmp_path, body)
+
+
+def test_vanished_listed_files_are_forgotten_not_deleted(tmp_path: Path) -> None:
+    """#7: another node deleted and rewrote `latest`; this node must not delete it."""
+
+    async def body(core: BurstCore) -> None:
+        remote = FakeRemote({"run": ([("latest", 5, 1.0), ("step1", 5, 1.0)], [])})
+        run_dir = await core.mkdir(ROOT_INO, b"run", 0o755, UID, GID)
+        listed(core, remote)
+        assert await core.refresh_listing(run_dir)
+        latest = core.child(run_dir.ino, b"latest")
+        latest.lookups += 1  # the kernel holds it
+        remote.listing["run"] = ([("step1", 5, 1.0)], [])  # B deleted it, its new one not yet listed
+        assert await core.refresh_listing(run_dir)
+        assert sorted(run_dir.children) == [b"step1"]  # type: ignore[arg-type]
+        assert rows(tmp_path, "SELECT key FROM remote_deletes") == []
+        core.forget(latest.ino, 1)
+        assert latest.ino not in core.inodes
+        remote.listing["run"] = ([("latest", 6, 2.0), ("step1", 5, 1.0)], [])  # B's new one
+        assert await core.refresh_listing(run_dir)
+        assert core.child(run_dir.ino, b"latest").size == 6
+        assert rows(tmp_path, "SELECT key FROM remote_deletes") == []
+
+    run_flaky(tmp_path, body)
+    assert rows(tmp_path, "SELECT name, state, remote_key FROM inodes WHERE parent!=0 AND kind='file' ORDER BY name") == [
+        (b"latest", "remote", "run/latest"), (b"step1", "remote", "run/step1")]  # fmt: skip
+
+
+def test_odd_keys_are_skipped_and_the_rest_is_listed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """#11: a key like run/ckpt//notes.txt (empty name), names with '/' or NUL, '.',
+    '..', or over NAME_MAX must not make the directory unlistable."""
+    bad_files = ["", "a/b", "x\0y", ".", "..", "n" * 256, "é" * 128]
+    bad_dirs = ["", "..", "d/e", "m" * 300]
+
+    async def body(core: BurstCore) -> None:
+        remote = FakeRemote({"run/ckpt": ([(n, 1, 1.0) for n in bad_files] + [("good", 4, 1.0), ("clash", 1, 1.0),
+                                                                           ("inf", 1, float("inf"))],  # fmt: skip
+                                          [*bad_dirs, "sub", "clash"])})
+        run_dir = await core.mkdir(ROOT_INO, b"run", 0o755, UID, GID)
+        ckpt = await core.mkdir(run_dir.ino, b"ckpt", 0o755, UID, GID)
+        listed(core, remote)
+        for _ in range(2):
+            assert await core.refresh_listing(ckpt)
+            assert sorted(ckpt.children) == [b"clash", b"good", b"sub"]  # type: ignore[arg-type]
+        fh = await core.open(core.child(ckpt.ino, b"good").ino, os.O_RDONLY)  # linked and usable
+        await core.release(fh)
+
+    with caplog.at_level("WARNING", logger="burstfs.core"):
+        run_flaky(tmp_path, body)
+    skipped = [r.getMessage() for r in caplog.records if "event=listing_entry_skipped" in r.getMessage()]
+    assert len(skipped) == len(bad_files) + len(bad_dirs) + 1  # each logged once, over two refreshes
+    assert rows(tmp_path, "SELECT COUNT(*) FROM inodes WHERE parent!=0 AND ino!=1") == [(5,)]
+
+
+def test_a_delete_completing_during_a_listing_does_not_resurrect_the_file(tmp_path: Path) -> None:
+    """#19: the mover deletes this node's object while the remote is being listed."""
+
+    async def body(core: BurstCore) -> None:
+        ino = await write_file(core, ROOT_INO, b"f", b"old bytes")
+        core.journal.execute("UPDATE inodes SET remote_key='f' WHERE ino=?", (ino,))  # drained
+        await core.unlink(ROOT_INO, b"f")
+        assert rows(tmp_path, "SELECT key FROM remote_deletes") == [("f",)]
+        remote = FakeRemote({"": ([("f", 9, 1.0)], [])})  # listed before the delete landed
+
+        async def mover_finishes_the_delete() -> None:
+            core.journal.execute("DELETE FROM remote_deletes")
+
+        remote.during_list = mover_finishes_the_delete
+        listed(core, remote)
+        try:
+            await core.lookup(ROOT_INO, b"f")
+            raise AssertionError("the deleted file came back")
+        except BurstfsError as exc:
+            assert exc.errno == errno.ENOENT
+
+    run_flaky(tmp_path, body)
+
+
+def test_a_file_unlinked_during_a_listing_does_not_come_back(tmp_path: Path) -> None:
+    """#19: an upload landed (object listed) but was not journaled yet when the listing
+    started; the file is unlinked meanwhile: its tombstone keeps it away."""
+
+    async def body(core: BurstCore) -> None:
+        await write_file(core, ROOT_INO, b"g", b"old bytes")
+        remote = FakeRemote({"": ([("g", 9, 1.0)], [])})
+
+        async def unlinked_meanwhile() -> None:
+            await core.unlink(ROOT_INO, b"g")
+
+        remote.during_list = unlinked_meanwhile
+        listed(core, remote)
+        assert await core.refresh_listing(core.inode(ROOT_INO))
+        assert b"g" not in core.inode(ROOT_INO).children  # type: ignore[operator]
+
+    run_flaky(tmp_path, body)
+
+
+# -- #13, #18b ----------------------------------------------------------------------------------
+
+
+def test_closed_files_keep_no_streaming_digest_state(tmp_path: Path) -> None:
+    """#13: ~6.9 KB per closed file; the digests are journaled, the state is dropped."""
+
+    async def body(core: BurstCore) -> None:
+        fh, inode = await core.create(ROOT_INO, b"a", 0o644, os.O_WRONLY, UID, GID)
+        await core.write(fh, 0, b"abc")
+        await core.flush(fh)
+        assert inode.digests is not None  # still open for writing: more may come
+        await core.release(fh)
+        assert inode.digests is None
+        ino = await write_file(core, ROOT_INO, b"b", b"x" * 100)
+        await core.setattr(ino, size=0)  # truncate(2) on a path: a close
+        assert core.inode(ino).digests is None
+        fh = await core.open(ino, os.O_WRONLY | os.O_APPEND)  # an append after close: the drain hashes
+        await core.write(fh, 0, b"more")
+        await core.release(fh)
+        assert core.inode(ino).digests is None
+
+    run_flaky(tmp_path, body)
+    assert [r[0] is not None for r in rows(tmp_path, "SELECT digest FROM inodes WHERE name IN (?, ?) ORDER BY name",
+                                           (b"a", b"b"))] == [True, False]  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["open", "truncate"])
+def test_emptying_a_remote_only_file_fetches_nothing(tmp_path: Path, how: str) -> None:
+    """#18b: open(O_TRUNC) or truncate(0) of a remote-only file must not download it
+    (a corrupt object could otherwise never be overwritten)."""
+
+    async def body(core: BurstCore) -> None:
+        remote = FakeRemote({"": ([("corrupt.pt", 1000, 1.0)], [])})
+        listed(core, remote)
+        inode = await core.lookup(ROOT_INO, b"corrupt.pt")
+        assert not inode.local
+        if how == "open":
+            fh = await core.open(inode.ino, os.O_WRONLY | os.O_TRUNC)
+            await core.write(fh, 0, b"fresh")
+            await core.flush(fh)
+            await core.release(fh)
+        else:
+            await core.setattr(inode.ino, size=0)
+        assert remote.fetches == 0 and inode.local and not inode.listed
+        fh = await core.open(inode.ino, os.O_RDONLY)
+        assert await core.read(fh, 0, 100) == (b"fresh" if how == "open" else b"")
+        await core.release(fh)
+
+    run_flaky(tmp_path, body)
+    assert rows(tmp_path, "SELECT state, size, generation FROM inodes WHERE name=?", (b"corrupt.pt",)) == [
+        ("staged", 5 if how == "open" else 0, 1)]  # fmt: skip
