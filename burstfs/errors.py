@@ -34,6 +34,41 @@ class RemoteError(BurstfsError):
         self.kind = kind
 
 
+#: RemoteError kinds that belong to one object (its key or its size): that file fails,
+#: the drain goes on.  Everything else permanent (no bucket, access denied, full)
+#: halts the drain until the remote answers again.
+OBJECT_ERROR_KINDS = frozenset(
+    {"bad_key", "key_too_long", "key_conflict", "refused", "invalid_argument", "too_large", "invalid_upload",
+     "checksum"}
+)
+#: OSError numbers (the cause of a file remote's error) that only concern one path.
+_OBJECT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.EISDIR, errno.ENOTDIR, errno.EFBIG})
+
+#: What to do about an error: retry the file later, fail that object, or halt the drain.
+RETRY, OBJECT, HALT = "retry", "object", "halt"
+
+
+def error_scope(exc: BaseException) -> str:
+    """Decide, in one place, whether ``exc`` concerns one object or the whole remote.
+
+    RETRY: temporary (unavailable after retries) or the upload vanished (aborted
+    elsewhere): the file is requeued with backoff.  OBJECT: the key or the object
+    itself is unacceptable (name too long, invalid argument, a file/directory
+    clash): only that file fails.  HALT: the remote as a whole refuses (missing
+    bucket, access denied, full): the drain stops until a probe succeeds.
+    """
+    if not isinstance(exc, RemoteError):
+        return OBJECT
+    if exc.kind in ("unavailable", "not_found"):
+        return RETRY
+    if exc.kind in OBJECT_ERROR_KINDS:
+        return OBJECT
+    cause = exc.__cause__
+    if isinstance(cause, OSError) and cause.errno in _OBJECT_ERRNOS:
+        return OBJECT
+    return HALT
+
+
 class RemoteNotFound(RemoteError):
     """The object (or upload) does not exist on the remote."""
 
@@ -47,6 +82,10 @@ class CorruptDataError(BurstfsError):
     """Bytes did not match the checksum recorded when they were staged."""
 
     errno = errno.EIO
+
+
+class ManifestError(CorruptDataError):
+    """A manifest on the remote is unreadable, too large or inconsistent: that file is corrupt."""
 
 
 class UploadCancelled(BurstfsError):

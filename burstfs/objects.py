@@ -32,7 +32,7 @@ from typing import Any
 import lz4.frame
 import xxhash
 
-from .errors import CorruptDataError, RemoteNotFound, UploadCancelled
+from .errors import CorruptDataError, ManifestError, RemoteNotFound, UploadCancelled
 from .remote import INTERNAL_DIR, Remote, RetryPolicy, UploadedPart, fail_fast_group, run_workers
 from .fileio import pread_full
 
@@ -40,6 +40,16 @@ log = logging.getLogger("burstfs.objects")
 
 MANIFEST_VERSION = 1
 CODECS = ("raw", "lz4")
+# Bounds on what a manifest read from the (shared, possibly hostile) remote may
+# ask for: a chunk is at most one S3 part (5 GiB) and a file at most 2**20 chunks
+# (S3's 5 TiB object limit at the smallest part size, 5 MiB).  2**20 chunk
+# entries take ~66 MB of JSON; three commas per entry bound the element count
+# before json.loads builds anything.
+MAX_MANIFEST_CHUNK_SIZE = 5 << 30
+MAX_MANIFEST_CHUNKS = 1 << 20
+MAX_MANIFEST_BYTES = 80 << 20
+_MAX_MANIFEST_COMMAS = 3 * MAX_MANIFEST_CHUNKS + 8192
+_INT64 = 1 << 63
 #: A chunk is stored compressed only if lz4 saves at least this fraction: below
 #: that, decompressing on every read costs more than the bytes it saves.
 MIN_COMPRESSION_SAVING = 0.10
@@ -258,36 +268,45 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
-        """Parse and validate; CorruptDataError if it is not a manifest this version can use."""
+        """Parse and validate untrusted bytes from the remote.
+
+        Raises only :class:`~burstfs.errors.ManifestError` (a CorruptDataError:
+        that one file is corrupt), naming the offending key, for anything this
+        version cannot use: too large, not JSON, nested too deep, non-finite or
+        non-integer numbers, wrong types, another version, sizes that do not add up.
+        """
+        if isinstance(data, str):
+            data = data.encode()
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"manifest of {len(data)} bytes exceeds the limit of {MAX_MANIFEST_BYTES}")
+        if bytes(data).count(b",") > _MAX_MANIFEST_COMMAS:
+            raise ManifestError("manifest has more elements than any valid manifest")
         try:
-            doc = json.loads(data)
-            manifest = cls(
-                key=str(doc["key"]),
-                size=int(doc["size"]),
-                chunk_size=int(doc["chunk_size"]),
-                digest=str(doc["digest"]),
-                generation=int(doc["generation"]),
-                mtime_ns=int(doc["mtime_ns"]),
-                mode=int(doc["mode"]),
-                chunks=tuple(ChunkInfo(str(c["xxh3"]), str(c["codec"]), int(c["stored_size"])) for c in doc["chunks"]),
-                version=int(doc["version"]),
-            )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CorruptDataError(f"unreadable manifest: {exc}") from exc
-        problem = manifest._problem()
-        if problem:
-            raise CorruptDataError(f"invalid manifest for {manifest.key}: {problem}")
-        return manifest
+            doc = json.loads(data, parse_constant=_reject_constant)
+        except (ValueError, RecursionError, TypeError) as exc:  # UnicodeDecodeError is a ValueError
+            raise ManifestError(f"unreadable manifest: {type(exc).__name__}: {str(exc)[:200]}") from None
+        return _manifest_from_doc(cls, doc)
 
     def _problem(self) -> str | None:
+        """Why this manifest cannot be right (sizes, counts, codecs), or None."""
         if self.version != MANIFEST_VERSION:
-            return f"version {self.version} (this burstfs reads {MANIFEST_VERSION})"
-        if self.chunk_size <= 0 or self.size < 0:
-            return f"size {self.size}, chunk size {self.chunk_size}"
+            return f"'version' is {self.version} (this burstfs reads {MANIFEST_VERSION})"
+        if not 0 < self.chunk_size <= MAX_MANIFEST_CHUNK_SIZE:
+            return f"'chunk_size' {self.chunk_size} is outside 1..{MAX_MANIFEST_CHUNK_SIZE}"
+        if not 0 <= self.size <= MAX_MANIFEST_CHUNKS * self.chunk_size:
+            return f"'size' {self.size} is outside 0..{MAX_MANIFEST_CHUNKS} chunks of {self.chunk_size}"
         if len(self.chunks) != _chunk_count(self.size, self.chunk_size):
-            return f"{len(self.chunks)} chunks for {self.size} bytes in chunks of {self.chunk_size}"
-        if any(c.codec not in CODECS or c.stored_size < 0 for c in self.chunks):
-            return "unknown codec or negative stored size"
+            return f"'chunks' has {len(self.chunks)} entries for {self.size} bytes in chunks of {self.chunk_size}"
+        for index, chunk in enumerate(self.chunks):
+            start, end = self.chunk_range(index)
+            length = end - start
+            if chunk.codec not in CODECS:
+                return f"'chunks[{index}].codec' is {chunk.codec!r}, not one of {CODECS}"
+            if chunk.codec == "raw" and chunk.stored_size != length:
+                return f"'chunks[{index}].stored_size' is {chunk.stored_size} for a raw chunk of {length} bytes"
+            # lz4 is kept only when it saves space; allow the frame's worst-case overhead anyway.
+            if chunk.codec == "lz4" and not 0 < chunk.stored_size <= length + length // 255 + 64:
+                return f"'chunks[{index}].stored_size' is {chunk.stored_size} for an lz4 chunk of {length} bytes"
         return None
 
     @functools.cached_property
@@ -481,13 +500,18 @@ class ObjectStore:
 
     async def fetch_manifest(self, key: str) -> Manifest | None:
         """The manifest of ``key``, or None for an object burstfs did not write."""
-        try:
-            data = await self._call(self.remote.get_object, manifest_key(key), what=f"get manifest {key}")
+        try:  # a ranged GET: a huge object at the manifest's key is never read whole
+            data = await self._call(self.remote.get_range, manifest_key(key), 0, MAX_MANIFEST_BYTES + 1,
+                                    what=f"get manifest {key}")  # fmt: skip
         except RemoteNotFound:
             return None
-        manifest = Manifest.from_json(data)
+        try:
+            manifest = Manifest.from_json(data)
+        except ManifestError as exc:
+            log.error("event=corrupt_manifest key=%s error=%r", key, str(exc))
+            raise ManifestError(f"{key}: {exc}") from None
         if manifest.key != key:
-            raise CorruptDataError(f"manifest at {manifest_key(key)} describes {manifest.key!r}")
+            raise ManifestError(f"manifest at {manifest_key(key)} describes {manifest.key!r}")
         return manifest
 
     async def read_chunk(self, key: str, manifest: Manifest, index: int) -> bytes:
@@ -632,6 +656,73 @@ class _ChunkReader:
             if len(packed) <= len(data) * (1 - MIN_COMPRESSION_SAVING):
                 return ChunkInfo(digest, "lz4", len(packed)), packed
         return ChunkInfo(digest, "raw", len(data)), data
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name}")
+
+
+def _field(doc: dict[str, Any], name: str, kind: type, where: str = "") -> Any:
+    """``doc[name]``, which must be exactly of type ``kind`` (no bool for int, no float)."""
+    label = f"{where}{name}"
+    if name not in doc:
+        raise ManifestError(f"invalid manifest: key '{label}' is missing")
+    value = doc[name]
+    if type(value) is not kind:
+        raise ManifestError(f"invalid manifest: key '{label}' is {type(value).__name__}, expected {kind.__name__}")
+    if kind is int and not -_INT64 <= value < _INT64:
+        raise ManifestError(f"invalid manifest: key '{label}' is out of range")
+    return value
+
+
+def _hex_field(doc: dict[str, Any], name: str, length: int, where: str = "") -> str:
+    value: str = _field(doc, name, str, where)
+    if len(value) != length or any(c not in "0123456789abcdef" for c in value):
+        raise ManifestError(f"invalid manifest: key '{where}{name}' is not {length} hex digits")
+    return value
+
+
+def _manifest_from_doc(cls: type[Manifest], doc: Any) -> Manifest:
+    """Build a Manifest from parsed JSON, checking every type and bound (ManifestError)."""
+    if type(doc) is not dict:
+        raise ManifestError(f"invalid manifest: the document is a {type(doc).__name__}, expected an object")
+    version = _field(doc, "version", int)
+    if version != MANIFEST_VERSION:
+        raise ManifestError(f"invalid manifest: key 'version' is {version} (this burstfs reads {MANIFEST_VERSION})")
+    key = _field(doc, "key", str)
+    if not key:
+        raise ManifestError("invalid manifest: key 'key' is empty")
+    raw_chunks = _field(doc, "chunks", list)
+    if len(raw_chunks) > MAX_MANIFEST_CHUNKS:
+        raise ManifestError(f"invalid manifest for {key}: key 'chunks' has more than {MAX_MANIFEST_CHUNKS} entries")
+    chunks = []
+    for index, raw in enumerate(raw_chunks):
+        where = f"chunks[{index}]."
+        if type(raw) is not dict:
+            raise ManifestError(f"invalid manifest for {key}: key 'chunks[{index}]' is {type(raw).__name__}, expected object")
+        chunks.append(ChunkInfo(_hex_field(raw, "xxh3", 16, where), _field(raw, "codec", str, where),
+                                _field(raw, "stored_size", int, where)))  # fmt: skip
+    mode = _field(doc, "mode", int)
+    if not 0 <= mode < 1 << 32:
+        raise ManifestError(f"invalid manifest for {key}: key 'mode' is out of range")
+    generation = _field(doc, "generation", int)
+    if generation < 0:
+        raise ManifestError(f"invalid manifest for {key}: key 'generation' is negative")
+    manifest = cls(
+        key=key,
+        size=_field(doc, "size", int),
+        chunk_size=_field(doc, "chunk_size", int),
+        digest=_hex_field(doc, "digest", 32),
+        generation=generation,
+        mtime_ns=_field(doc, "mtime_ns", int),
+        mode=mode,
+        chunks=tuple(chunks),
+        version=version,
+    )
+    problem = manifest._problem()
+    if problem:
+        raise ManifestError(f"invalid manifest for {key}: {problem}")
+    return manifest
 
 
 def _decode_chunk(key: str, manifest: Manifest, index: int, stored: bytes) -> bytes:

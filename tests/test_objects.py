@@ -12,11 +12,13 @@ from typing import Any, TypeVar
 
 import pytest
 import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from faultproxy import FaultProxy
 from s3server import fresh_bucket
 
 from burstfs.config import S3Options, parse_remote_url
-from burstfs.errors import CorruptDataError, RemoteError, UploadCancelled
+from burstfs.errors import CorruptDataError, ManifestError, RemoteError, UploadCancelled
 from burstfs.objects import FileDigests, Manifest, ObjectStore, compute_digests, manifest_key
 from burstfs.remote import FileRemote, Remote, RetryPolicy
 from burstfs.remote.s3 import S3Remote
@@ -88,8 +90,8 @@ def test_manifest_json_and_ranges() -> None:
     from burstfs.objects import ChunkInfo, StoredChunk
 
     manifest = Manifest(
-        key="a/b", size=250, chunk_size=100, digest="d", generation=3, mtime_ns=9, mode=0o644,
-        chunks=(ChunkInfo("x1", "lz4", 40), ChunkInfo("x2", "raw", 100), ChunkInfo("x3", "lz4", 20)),
+        key="a/b", size=250, chunk_size=100, digest="d" * 32, generation=3, mtime_ns=9, mode=0o644,
+        chunks=(ChunkInfo("1" * 16, "lz4", 40), ChunkInfo("2" * 16, "raw", 100), ChunkInfo("3" * 16, "lz4", 20)),
     )  # fmt: skip
     assert Manifest.from_json(manifest.to_json()) == manifest
     assert manifest.stored_chunks(0, 10) == [StoredChunk(0, 0, 40)]
@@ -100,6 +102,174 @@ def test_manifest_json_and_ranges() -> None:
     for bad in (b"{", b'{"version": 2}', manifest.to_json().replace(b'"size":250', b'"size":350')):
         with pytest.raises(CorruptDataError):
             Manifest.from_json(bad)
+
+
+def manifest_doc(**changes: Any) -> dict[str, Any]:
+    """A valid manifest document (250 bytes in chunks of 100), with ``changes`` applied."""
+    doc: dict[str, Any] = {
+        "version": 1, "key": "a/b", "size": 250, "chunk_size": 100, "digest": "d" * 32, "generation": 3,
+        "mtime_ns": 9, "mode": 0o100600,
+        "chunks": [{"xxh3": "1" * 16, "codec": "lz4", "stored_size": 40},
+                   {"xxh3": "2" * 16, "codec": "raw", "stored_size": 100},
+                   {"xxh3": "3" * 16, "codec": "raw", "stored_size": 50}],
+    }  # fmt: skip
+    doc.update(changes)
+    return doc
+
+
+def doc_bytes(doc: Any) -> bytes:
+    import json
+
+    return json.dumps(doc).encode()
+
+
+HUGE = 5 << 30
+
+
+@pytest.mark.parametrize(
+    ("data", "names"),
+    [
+        (b"{", "unreadable"),
+        (b"\xff\xfe\x00garbage", "unreadable"),
+        (b"[" * 100_000 + b"]" * 100_000, "RecursionError"),  # nesting deeper than the parser's stack
+        (b'{"version": 1, "size": ' + b"[" * 50_000, "unreadable"),
+        (doc_bytes(manifest_doc()).replace(b'"size": 250', b'"size": Infinity'), "non-finite"),
+        (doc_bytes(manifest_doc()).replace(b'"size": 250', b'"size": NaN'), "non-finite"),
+        (doc_bytes(manifest_doc()).replace(b'"size": 250', b'"size": 1e999'), "'size' is float"),
+        (doc_bytes(manifest_doc()).replace(b'"size": 250', b'"size": ' + b"9" * 5000), "unreadable"),
+        (doc_bytes([manifest_doc()]), "document is a list"),
+        (doc_bytes(manifest_doc(version=2)), "'version' is 2"),
+        (doc_bytes(manifest_doc(version="1")), "'version' is str"),
+        (doc_bytes(manifest_doc(size="250")), "'size' is str"),
+        (doc_bytes(manifest_doc(size=True)), "'size' is bool"),
+        (doc_bytes(manifest_doc(size=250.0)), "'size' is float"),
+        (doc_bytes(manifest_doc(size=350)), "'chunks' has 3 entries"),
+        (doc_bytes(manifest_doc(size=-1)), "'size'"),
+        (doc_bytes(manifest_doc(size=10**30)), "'size' is out of range"),
+        (doc_bytes(manifest_doc(mode=-1)), "'mode'"),
+        (doc_bytes(manifest_doc(generation=-1)), "'generation'"),
+        (doc_bytes(manifest_doc(digest=None)), "'digest' is NoneType"),
+        (doc_bytes(manifest_doc(digest="zz")), "'digest' is not 32 hex"),
+        (doc_bytes(manifest_doc(key="")), "'key' is empty"),
+        (doc_bytes({k: v for k, v in manifest_doc().items() if k != "mtime_ns"}), "'mtime_ns' is missing"),
+        (doc_bytes(manifest_doc(chunks={"0": 1})), "'chunks' is dict"),
+        (doc_bytes(manifest_doc(chunks=[1, 2, 3])), "'chunks[0]' is int"),
+        (doc_bytes(manifest_doc(chunk_size=0)), "'chunk_size'"),
+        # A hostile manifest must not make 16 fetches of a 5 GiB chunk possible.
+        (doc_bytes(manifest_doc(size=HUGE + 1, chunk_size=HUGE + 1, chunks=[
+            {"xxh3": "1" * 16, "codec": "raw", "stored_size": HUGE + 1}])), "'chunk_size' 5368709121 is outside"),
+        (doc_bytes(manifest_doc(chunks=[
+            {"xxh3": "1" * 16, "codec": "lz4", "stored_size": HUGE},
+            {"xxh3": "2" * 16, "codec": "raw", "stored_size": 100},
+            {"xxh3": "3" * 16, "codec": "raw", "stored_size": 50}])), "'chunks[0].stored_size' is 5368709120"),
+        (doc_bytes(manifest_doc(chunks=[
+            {"xxh3": "1" * 16, "codec": "raw", "stored_size": 100},
+            {"xxh3": "2" * 16, "codec": "raw", "stored_size": 99},
+            {"xxh3": "3" * 16, "codec": "raw", "stored_size": 50}])), "'chunks[1].stored_size' is 99"),
+        (doc_bytes(manifest_doc(chunks=[
+            {"xxh3": "1" * 16, "codec": "zstd", "stored_size": 100},
+            {"xxh3": "2" * 16, "codec": "raw", "stored_size": 100},
+            {"xxh3": "3" * 16, "codec": "raw", "stored_size": 50}])), "'chunks[0].codec'"),
+        (doc_bytes(manifest_doc(chunks=[
+            {"xxh3": 1, "codec": "raw", "stored_size": 100},
+            {"xxh3": "2" * 16, "codec": "raw", "stored_size": 100},
+            {"xxh3": "3" * 16, "codec": "raw", "stored_size": 50}])), "'chunks[0].xxh3' is int"),
+        (b" " * (80 << 20) + b"{}", "exceeds the limit"),
+        (b"[" + b"0," * 4_000_000 + b"0]", "more elements"),
+    ],
+)
+def test_manifest_parsing_is_bounded_and_raises_one_error_type(data: bytes, names: str) -> None:
+    """Whatever a (corrupt or hostile) remote holds, parsing fails with ManifestError naming the problem."""
+    assert Manifest.from_json(doc_bytes(manifest_doc())).size == 250  # the unmodified document is fine
+    with pytest.raises(ManifestError) as info:
+        Manifest.from_json(data)
+    assert names in str(info.value)
+    assert isinstance(info.value, CorruptDataError)  # callers treat it as one corrupt file
+
+
+def test_manifest_chunk_count_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from burstfs import objects
+
+    monkeypatch.setattr(objects, "MAX_MANIFEST_CHUNKS", 2)
+    with pytest.raises(ManifestError) as info:
+        Manifest.from_json(doc_bytes(manifest_doc()))
+    assert "'chunks' has more than 2 entries" in str(info.value)
+
+
+def test_oversized_manifest_object_is_not_read_whole(store: ObjectStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    from burstfs import objects
+
+    monkeypatch.setattr(objects, "MAX_MANIFEST_BYTES", 1000)
+
+    async def body() -> None:
+        await store.remote.put_object(manifest_key("k"), doc_bytes(manifest_doc(key="k")) + b" " * 5000)
+        with pytest.raises(ManifestError) as info:
+            await store.fetch_manifest("k")
+        assert "k" in str(info.value) and "exceeds the limit" in str(info.value)
+
+    run(store, body)
+
+
+JSON_JUNK = (b"Infinity", b"-Infinity", b"NaN", b"1e999", b"1.5", b"[" * 50_000, b"{" * 50_000, b'"x"', b"true",
+             b"null", b"{}", b"[]", b"-1", b"9" * 5000, b"99999999999999999999999", b"\xff")
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20)
+    | st.sampled_from([float("inf"), float("-inf"), float("nan"), 10**30, -(10**30)]),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
+    max_leaves=30,
+)
+SPECIAL_VALUES = (float("inf"), float("-inf"), float("nan"), 1.5, 10**30, -1, 0, True, "1", None, [], {},
+                  {"stored_size": float("inf")}, {"stored_size": 10**12}, {"codec": "lz4"}, {"xxh3": 1}, [[[]]])
+MANIFEST_FIELDS = ("version", "key", "size", "chunk_size", "digest", "generation", "mtime_ns", "mode", "chunks")
+
+
+def parses_or_raises_manifest_error(data: bytes) -> None:
+    try:
+        manifest = Manifest.from_json(data)
+    except ManifestError:
+        return
+    assert manifest._problem() is None
+    assert Manifest.from_json(manifest.to_json()) == manifest
+
+
+@st.composite
+def spliced_manifests(draw: st.DrawFn) -> bytes:
+    """A valid manifest's JSON with a few bytes (or a hostile token) written over a random place."""
+    base = doc_bytes(manifest_doc())
+    for _ in range(draw(st.integers(min_value=1, max_value=3))):
+        pos = draw(st.integers(min_value=0, max_value=len(base)))
+        junk = draw(st.sampled_from(JSON_JUNK) | st.binary(min_size=1, max_size=8))
+        cut = draw(st.integers(min_value=0, max_value=12))
+        base = base[:pos] + junk + base[pos + cut :]
+    return base
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=300) | spliced_manifests())
+def test_fuzz_manifest_arbitrary_bytes(data: bytes) -> None:
+    parses_or_raises_manifest_error(data)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(json_values)
+def test_fuzz_manifest_arbitrary_json(doc: Any) -> None:
+    import json
+
+    parses_or_raises_manifest_error(json.dumps(doc, allow_nan=True).encode())
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(MANIFEST_FIELDS), st.sampled_from(SPECIAL_VALUES) | json_values, st.integers(min_value=0, max_value=2))
+def test_fuzz_manifest_one_field_replaced(field: str, value: Any, chunk: int) -> None:
+    """Valid manifests with one field (or one chunk's field) replaced by arbitrary JSON."""
+    import json
+
+    doc = manifest_doc()
+    if field == "chunks" and isinstance(value, dict):
+        doc["chunks"][chunk].update(value)
+    else:
+        doc[field] = value
+    parses_or_raises_manifest_error(json.dumps(doc, allow_nan=True).encode())
 
 
 # -- upload and read back ------------------------------------------------------------------------
