@@ -10,9 +10,11 @@ parking a thread per request.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import errno
 import logging
 import threading
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -28,33 +30,65 @@ T = TypeVar("T")
 
 # fsync(2) in --fsync remote mode polls the journal this often while it waits.
 DURABLE_POLL_S = 0.05
+# A mover that died is restarted after this many seconds, doubling per crash up to the cap;
+# a mover that ran this long before it died starts the backoff over.
+RESTART_BACKOFF_S = 1.0
+RESTART_BACKOFF_MAX_S = 60.0
+RESTART_STABLE_S = 300.0
 
 
 class DrainService:
-    """The mover's thread, plus the ``DrainHooks`` the core calls."""
+    """The mover's thread, plus the ``DrainHooks`` the core calls.
+
+    A mover that dies is restarted (bounded backoff); meanwhile reads and writes
+    of local files go on, fetches fail with EIO, and status says why.
+    """
 
     def __init__(self, mover: Mover, journal: Journal, *, fsync_timeout: float = 600.0) -> None:
         self.mover = mover
         self._journal = journal
         self._fsync_timeout = fsync_timeout
         self._thread = threading.Thread(target=self._run, name="burstfs-mover", daemon=True)
-        self.crashed: BaseException | None = None
+        self._stop = threading.Event()
+        self.last_crash: BaseException | None = None
+        self.restarts = 0
+
+    @property
+    def crashed(self) -> BaseException | None:
+        """The error that killed the mover, while it is down (None once it runs again)."""
+        return None if self.mover.running else self.last_crash
 
     def start(self) -> None:
         self._thread.start()
 
     def _run(self) -> None:
-        try:
-            asyncio.run(self.mover.run())
-        except BaseException as exc:  # reported in status; staged data stays journaled
-            self.crashed = exc
-            log.exception("event=mover_crashed")
+        failures = 0
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                asyncio.run(self.mover.run())
+                return  # stopped
+            except BaseException as exc:  # reported in status; staged data stays journaled
+                self.last_crash = exc
+                if self._stop.is_set():
+                    log.error("event=mover_crashed while=stopping error=%r", exc)
+                    return
+                if time.monotonic() - started > RESTART_STABLE_S:
+                    failures = 0
+                delay = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2**failures)
+                failures += 1
+                log.exception("event=mover_crashed restart_in=%.1f restarts=%d", delay, self.restarts)
+            if self._stop.wait(delay):
+                return
+            self.restarts += 1
+            log.info("event=mover_restart restarts=%d", self.restarts)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         if not self.mover.wait_ready(timeout):
             raise RuntimeError("the mover did not start")
 
     def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
         self.mover.stop()
         self._thread.join(timeout)
 
@@ -103,7 +137,10 @@ class DrainService:
     def forget(self, ino: int) -> None:
         loop, restore = self.mover.loop, self.mover.restore
         if loop is not None and restore is not None:
-            loop.call_soon_threadsafe(restore.forget, ino)
+            try:
+                loop.call_soon_threadsafe(restore.forget, ino)
+            except RuntimeError:  # the mover's loop is gone: nothing to forget there
+                pass
 
     @property
     def fetched_bytes(self) -> int:
@@ -116,11 +153,18 @@ class DrainService:
             raise FsError(errno.EIO, "the mover is not running")
         token = trio.lowlevel.current_trio_token()
         done = trio.Event()
-        future = asyncio.run_coroutine_threadsafe(coro, loop)
+        try:
+            future = asyncio.run_coroutine_threadsafe(coro, loop)
+        except RuntimeError:  # the loop closed after we looked: the mover is down
+            coro.close()
+            raise FsError(errno.EIO, "the mover is not running") from None
         future.add_done_callback(lambda _: token.run_sync_soon(done.set))
         try:
             await done.wait()
         except trio.Cancelled:
             future.cancel()
             raise
-        return future.result()
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:  # the mover stopped or died during the request
+            raise FsError(errno.EIO, "the mover stopped") from None

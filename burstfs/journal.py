@@ -27,7 +27,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+from .errors import ConfigError
+
+#: 2: inodes.upload_key, the uploads table, indexes on remote_key/upload_key and remote_deletes(key).
+SCHEMA_VERSION = 2
 ROOT_INO = 1
 
 # File states, in the order a checkpoint file normally walks through them.
@@ -79,6 +82,9 @@ CREATE TABLE IF NOT EXISTS xattrs (
 CREATE TABLE IF NOT EXISTS remote_deletes (    -- objects to remove (unlinked or replaced files)
     id INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL, reason TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS uploads (           -- multipart uploads this cache started, not yet finished
+    upload_id TEXT PRIMARY KEY, key TEXT NOT NULL, started REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS events (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     time REAL NOT NULL,
@@ -86,6 +92,18 @@ CREATE TABLE IF NOT EXISTS events (
     event TEXT NOT NULL,
     detail TEXT NOT NULL DEFAULT ''
 );
+"""
+
+# Added after version 1 (ALTER TABLE at open: existing journals keep working).
+_ADDED_COLUMNS = (
+    # The key an upload of this file is writing to (set while `draining`): no other
+    # inode may upload to, relocate onto or delete that key meanwhile.
+    ("inodes", "upload_key", "TEXT"),
+)
+_INDEXES = """
+CREATE INDEX IF NOT EXISTS inodes_by_remote_key ON inodes(remote_key) WHERE remote_key IS NOT NULL;
+CREATE INDEX IF NOT EXISTS inodes_by_upload_key ON inodes(upload_key) WHERE upload_key IS NOT NULL;
+CREATE INDEX IF NOT EXISTS remote_deletes_by_key ON remote_deletes(key);
 """
 
 INODE_COLUMNS = (
@@ -146,10 +164,33 @@ class Journal:
         self._db.execute("PRAGMA busy_timeout=30000")
         self._lock = threading.Lock()
         if not readonly:
+            self._migrate()
+
+    def _migrate(self) -> None:
+        """Create or upgrade the schema; refuse a journal written by a newer burstfs."""
+        with self._lock:
             self._db.executescript(_SCHEMA)
-            self._db.execute(
-                "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
-            )
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+                found = int(row[0]) if row else SCHEMA_VERSION
+                if found > SCHEMA_VERSION:
+                    raise ConfigError(
+                        f"{self.path} has journal schema {found}; this burstfs reads up to {SCHEMA_VERSION}"
+                    )
+                for table, column, decl in _ADDED_COLUMNS:
+                    present = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+                    if column not in present:
+                        self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+                for statement in filter(None, (s.strip() for s in _INDEXES.split(";"))):
+                    self._db.execute(statement)
+                self._db.execute(
+                    "INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+                )
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def close(self) -> None:
         with self._lock:
@@ -249,6 +290,237 @@ class Journal:
             "SELECT time, ino, event, detail FROM events WHERE time >= ? ORDER BY seq DESC LIMIT ?",
             (since, limit),
         )[::-1]
+
+    # -- the mover's ownership protocol ------------------------------------------------
+    #
+    # A key belongs to at most one inode: the live inode whose ``remote_key`` it is,
+    # or the inode whose upload is writing to it (``upload_key``).  No upload,
+    # relocation or delete touches a key another inode holds.  Each method below
+    # is one transaction, so a racing close, rename or unlink is seen whole.
+
+    def _path_locked(self, ino: int) -> str | None:
+        parts: list[str] = []
+        while ino != ROOT_INO:
+            row = self._db.execute("SELECT parent, name FROM inodes WHERE ino=?", (ino,)).fetchone()
+            if row is None or row[0] == 0:
+                return None
+            parts.append(os.fsdecode(row[1]))
+            ino = row[0]
+        return "/".join(reversed(parts))
+
+    def _holder_locked(self, key: str, other_than: int) -> int | None:
+        row = self._db.execute(
+            "SELECT ino FROM inodes WHERE remote_key=? AND parent!=0 AND ino!=? "
+            "UNION ALL SELECT ino FROM inodes WHERE upload_key=? AND ino!=? LIMIT 1",
+            (key, other_than, key, other_than),
+        ).fetchone()
+        return int(row[0]) if row else None
+
+    def key_holder(self, key: str, other_than: int = 0) -> int | None:
+        """The inode (not ``other_than``) that owns ``key`` (live ``remote_key``) or is uploading to it."""
+        with self._lock:
+            return self._holder_locked(key, other_than)
+
+    def _transaction(self) -> Any:
+        """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error) under the connection lock."""
+        journal = self
+
+        class _Tx:
+            def __enter__(self) -> sqlite3.Connection:
+                journal._lock.acquire()
+                try:
+                    journal._db.execute("BEGIN IMMEDIATE")
+                except BaseException:
+                    journal._lock.release()
+                    raise
+                return journal._db
+
+            def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+                try:
+                    journal._db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
+                finally:
+                    journal._lock.release()
+
+        return _Tx()
+
+    def claim_for_drain(self, ino: int, generation: int) -> tuple[str, int] | int | None:
+        """Mark ``generation`` of ``ino`` draining to its current path and record the intent.
+
+        Returns ``(key, intent_id)``; an ``int``, the inode that holds the key (the
+        upload must wait); or None if the file changed, went away or is not staged.
+        The intent row makes the delete pass remove the object if the upload is
+        cut short (crash) or the file is unlinked before the upload is recorded.
+        """
+        with self._transaction() as db:
+            key = self._path_locked(ino)
+            if key is None:
+                return None
+            holder = self._holder_locked(key, ino)
+            if holder is not None:
+                return holder
+            changed = db.execute(
+                "UPDATE inodes SET state=?, upload_key=?, updated=? WHERE ino=? AND generation=? AND state=? "
+                "AND parent!=0",
+                (DRAINING, key, time.time(), ino, generation, STAGED),
+            ).rowcount
+            if not changed:
+                return None
+            intent = db.execute("INSERT INTO remote_deletes (key, reason) VALUES (?, 'upload')", (key,)).lastrowid
+            return key, int(intent or 0)
+
+    def finish_upload(self, ino: int, generation: int, key: str, intent: int, detail: str) -> bool:
+        """Record ``generation`` of ``ino`` as durable at ``key``; False if it changed or was unlinked.
+
+        Recorded: the file's previous object (another key) is queued for deletion
+        and the intent row dropped.  Changed meanwhile but still linked: the file
+        keeps ``key`` as its object until its next generation replaces it.
+        Unlinked (or gone): nothing marks the key owned, so the intent row stays
+        and the delete pass removes the object.
+        """
+        with self._transaction() as db:
+            row = db.execute("SELECT parent, remote_key FROM inodes WHERE ino=?", (ino,)).fetchone()
+            db.execute("UPDATE inodes SET upload_key=NULL WHERE ino=?", (ino,))
+            if row is None or row[0] == 0:
+                return False
+            old_key = row[1]
+            recorded = db.execute(
+                "UPDATE inodes SET state=?, remote_key=?, durable_generation=?, error=NULL, attempts=0, updated=? "
+                "WHERE ino=? AND generation=? AND state=? AND parent!=0",
+                (DURABLE, key, generation, time.time(), ino, generation, DRAINING),
+            ).rowcount
+            if not recorded:
+                db.execute("UPDATE inodes SET remote_key=? WHERE ino=?", (key, ino))
+            if old_key and old_key != key:
+                db.execute("INSERT INTO remote_deletes (key, reason) VALUES (?, 'replaced')", (old_key,))
+            db.execute("DELETE FROM remote_deletes WHERE id=?", (intent,))
+            if recorded:
+                db.execute(*self.log_event(ino, "durable", detail))
+            return bool(recorded)
+
+    def requeue(self, ino: int, generation: int, error: str | None, attempts: int) -> None:
+        """Back to ``staged`` (if still this draining generation); the upload no longer holds its key."""
+        with self._transaction() as db:
+            db.execute(
+                "UPDATE inodes SET state=?, attempts=?, error=? WHERE ino=? AND generation=? AND state=?",
+                (STAGED, attempts, error, ino, generation, DRAINING),
+            )
+            db.execute("UPDATE inodes SET upload_key=NULL WHERE ino=?", (ino,))
+
+    def fail(self, ino: int, generation: int, error: str) -> bool:
+        """Mark this draining generation ``failed`` with ``error``; False if the file changed meanwhile."""
+        with self._transaction() as db:
+            failed = db.execute(
+                "UPDATE inodes SET state=?, error=? WHERE ino=? AND generation=? AND state=?",
+                (FAILED, error, ino, generation, DRAINING),
+            ).rowcount
+            db.execute("UPDATE inodes SET upload_key=NULL WHERE ino=?", (ino,))
+            if failed:
+                db.execute(*self.log_event(ino, "failed", error))
+            return bool(failed)
+
+    def recover_drains(self) -> int:
+        """After a restart nothing is in flight: draining files are staged again."""
+        with self._transaction() as db:
+            db.execute("UPDATE inodes SET upload_key=NULL WHERE upload_key IS NOT NULL")
+            return int(db.execute("UPDATE inodes SET state=? WHERE state=?", (STAGED, DRAINING)).rowcount)
+
+    def superseded(self, ino: int, generation: int) -> bool:
+        """True if ``generation`` of ``ino`` is no longer the one to drain: a newer close,
+        a writer at work (``writing``), or an unlink."""
+        rows = self.query("SELECT generation, parent, state FROM inodes WHERE ino=?", (ino,))
+        return not rows or rows[0][0] != generation or rows[0][1] == 0 or rows[0][2] != DRAINING
+
+    def pending_deletes(self, limit: int) -> list[tuple[int, str, str]]:
+        """``(id, key, reason)`` of queued remote deletes, oldest first."""
+        return [(int(i), str(k), str(r)) for i, k, r in self.query(
+            "SELECT id, key, reason FROM remote_deletes ORDER BY id LIMIT ?", (limit,))]  # fmt: skip
+
+    def drop_delete(self, request_id: int) -> None:
+        self.execute("DELETE FROM remote_deletes WHERE id=?", (request_id,))
+
+    def relocation_candidates(self, roots: Iterable[int] | None = None) -> list[tuple[int, str, str]]:
+        """``(ino, path, remote_key)`` of durable files whose object is not at their path.
+
+        ``roots``: only files at or below these inodes (the subtrees a rename
+        touched), instead of walking the whole namespace.
+        """
+        with self._lock:
+            if roots is None:
+                seeds = [(int(ino), os.fsdecode(name)) for ino, name in self._db.execute(
+                    "SELECT ino, name FROM inodes WHERE parent=? AND ino!=?", (ROOT_INO, ROOT_INO))]  # fmt: skip
+            else:
+                seeds = [(ino, path) for ino in set(roots) if (path := self._path_locked(ino))]
+            found: list[tuple[int, str, str]] = []
+            for ino, path in seeds:
+                rows = self._db.execute(
+                    """WITH RECURSIVE paths(ino, path) AS (
+                           SELECT ?, ?
+                           UNION ALL SELECT i.ino, paths.path || '/' || CAST(i.name AS TEXT)
+                           FROM inodes i JOIN paths ON i.parent=paths.ino)
+                       SELECT i.ino, paths.path, i.remote_key FROM inodes i JOIN paths USING (ino)
+                       WHERE i.kind='file' AND i.remote_key IS NOT NULL AND i.remote_key != paths.path
+                           AND i.state IN (?, ?)""",
+                    (ino, path, DURABLE, EVICTED),
+                ).fetchall()
+                found.extend((int(i), str(p), str(k)) for i, p, k in rows)
+            return found
+
+    def relocation_target(self, ino: int) -> tuple[str, str] | None:
+        """``(path, remote_key)`` if ``ino`` is durable and its object still has to move."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT remote_key FROM inodes WHERE ino=? AND parent!=0 AND kind='file' AND state IN (?, ?)",
+                (ino, DURABLE, EVICTED),
+            ).fetchone()
+            path = self._path_locked(ino)
+        if row is None or row[0] is None or path is None or row[0] == path:
+            return None
+        return path, str(row[0])
+
+    def finish_relocation(self, ino: int, old_key: str, new_key: str) -> bool:
+        """After copying ``old_key`` to ``new_key``: the file owns ``new_key``; the old object goes.
+
+        If the file was unlinked (or its object changed) during the copy, the copy
+        at ``new_key`` is nobody's: its delete is queued instead (the delete pass
+        spares it if a live file owns that key by then).
+        """
+        with self._transaction() as db:
+            moved = db.execute(
+                "UPDATE inodes SET remote_key=? WHERE ino=? AND remote_key=? AND parent!=0", (new_key, ino, old_key)
+            ).rowcount
+            gone = old_key if moved else new_key
+            db.execute("INSERT INTO remote_deletes (key, reason) VALUES (?, 'moved')", (gone,))
+            if moved:
+                db.execute(*self.log_event(ino, "moved", f"{old_key} -> {new_key}"))
+            return bool(moved)
+
+    def set_error(self, ino: int, error: str | None) -> None:
+        """A note on a file for status (e.g. why its object could not be moved)."""
+        self.execute("UPDATE inodes SET error=? WHERE ino=?", (error, ino))
+
+    def restage_durable(self, ino: int, remote_key: str) -> bool:
+        """A durable local file whose object cannot be moved uploads again to its path."""
+        return bool(self.execute(
+            "UPDATE inodes SET state=?, attempts=0 WHERE ino=? AND state=? AND remote_key=? AND parent!=0",
+            (STAGED, ino, DURABLE, remote_key)))  # fmt: skip
+
+    def renamed_since(self, seq: int) -> tuple[list[int], int]:
+        """Inodes renamed after event ``seq``, and the newest event seq seen."""
+        latest = int(self.query("SELECT COALESCE(MAX(seq), 0) FROM events")[0][0])
+        rows = self.query("SELECT ino FROM events WHERE seq > ? AND seq <= ? AND event='rename'", (seq, latest))
+        return [int(ino) for (ino,) in rows if ino is not None], max(seq, latest)
+
+    # -- multipart uploads this cache started ---------------------------------------------
+
+    def upload_started(self, key: str, upload_id: str) -> None:
+        self.execute("INSERT OR REPLACE INTO uploads VALUES (?, ?, ?)", (upload_id, key, time.time()))
+
+    def upload_ended(self, upload_id: str) -> None:
+        self.execute("DELETE FROM uploads WHERE upload_id=?", (upload_id,))
+
+    def own_uploads(self) -> list[tuple[str, str]]:
+        """``(key, upload_id)`` of multipart uploads this cache started and did not finish."""
+        return [(str(k), str(u)) for u, k in self.query("SELECT upload_id, key FROM uploads ORDER BY started")]
 
 
 def insert_inode_op(row: InodeRow) -> Op:

@@ -13,10 +13,19 @@ Contract (see docs/SEMANTICS.md):
 - a commit marker (DCP ``.metadata``, ``latest``...) starts only when every file
   closed before it under its directory is durable;
 - temporary remote failures retry with backoff (in the object layer) and then
-  requeue the file; a permanent one halts the drain with the error in the
-  status until the remote answers again; data always stays staged;
+  requeue the file; an error that belongs to one object (a name too long, an
+  invalid key) fails that file only; any other permanent one halts the drain
+  with the error in the status until the remote answers again (one place
+  decides: :func:`burstfs.errors.error_scope`); data always stays staged;
 - unlinked files' objects are deleted, renamed durable files are moved with a
-  server-side copy, and no delete ever removes a key a live file now owns.
+  server-side copy, and a key another inode owns or is uploading to is never
+  written, moved onto or deleted (the journal's ownership protocol: an upload
+  holds its key in ``upload_key`` from its claim until it is recorded);
+- a per-file problem (a corrupt manifest, a bug hit by one file) fails or skips
+  that file, never the loop.
+
+Serialization: claims, deletes and relocations are decided one at a time on
+the main loop; only uploads run concurrently, each holding its key.
 """
 
 from __future__ import annotations
@@ -34,11 +43,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .config import DrainOptions, RemoteURL, S3Options, is_commit_marker
-from .errors import CorruptDataError, RemoteError, UploadCancelled
-from .journal import DRAINING, DURABLE, EVICTED, FAILED, INCOMPLETE, ROOT_INO, STAGED, WRITING, InodeRow, Journal
+from .errors import HALT, OBJECT, RETRY, CorruptDataError, RemoteError, UploadCancelled, error_scope
+from .journal import DRAINING, FAILED, INCOMPLETE, ROOT_INO, STAGED, WRITING, InodeRow, Journal
 from .localtier import LocalTier
 from .objects import FileDigests, ObjectStore
-from .remote import Remote, open_remote
+from .remote import INTERNAL_DIR, Remote, open_remote
 from .restore import LAYOUT_KEY, RestoreService
 
 log = logging.getLogger("burstfs.mover")
@@ -57,6 +66,22 @@ HALT_PROBE_S = 15.0
 # Requeued files wait this long per failed attempt (capped), so a flapping remote is not hammered.
 REQUEUE_BACKOFF_S = 2.0
 REQUEUE_BACKOFF_MAX_S = 60.0
+# A file waiting for a key another inode holds (uploading, or not yet moved away) looks again after this.
+KEY_BUSY_RETRY_S = 0.5
+# A relocation that failed for one file is retried after this (doubling, capped).
+RELOCATE_BACKOFF_S = 5.0
+RELOCATE_BACKOFF_MAX_S = 600.0
+# Besides the subtrees renames touched, every durable file's key is checked this often.
+RELOCATE_FULL_SCAN_S = 600.0
+# A checksum mismatch with no journaled change is retried this many times (a writer
+# still holding the file open) before the file is declared corrupt.
+MISMATCH_RETRIES = 3
+# An unexpected error in a pass of the loop: wait this long, then go on.
+PASS_ERROR_BACKOFF_S = 2.0
+# Parked objects of a rename cycle (a→b, b→a) wait here until their target frees up.
+PARK_PREFIX = f"{INTERNAL_DIR}/moving/"
+# _relocate_one's answer when the remote (not one file) failed: end the pass.
+_STOP = -1
 
 # A commit marker waits for every earlier-closed file in these states (an
 # incomplete file never becomes durable, so it holds the marker back for good).
@@ -105,27 +130,45 @@ class Mover:
         self.s3 = s3
         self.options = options
         self.journal = Journal(self.cache_dir)
+        self._journal_open = True
         self.tier_paths = LocalTier(self.cache_dir)
         self.stats = MoverStats()
         self.remote: Remote | None = remote
+        self._own_remote = remote is None
         self.store: ObjectStore | None = None
         self.restore: RestoreService | None = None
         self._ready = threading.Event()  # set once the loop, remote and restore exist
         self._wakeup: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
-        self._relocate_needed = True
-        self._in_flight: dict[int, str] = {}  # ino -> key being uploaded
+        self._in_flight: dict[int, str] = {}  # ino -> key its upload holds
         self._not_before: dict[int, float] = {}  # ino -> earliest retry time
+        self._mismatches: dict[tuple[int, int], int] = {}  # (ino, generation) -> checksum mismatches seen
         self._skip_delay = False
         self._next_prune = 0.0
+        # Relocation bookkeeping: a full scan at start (and now and then), otherwise
+        # only the subtrees of renames journaled since `_rename_seq`.
+        self._relocate_needed = True
+        self._relocate_full = True
+        self._next_full_scan = 0.0
+        self._rename_seq = 0
+        self._relocate_roots: set[int] = set()
+        self._relocate_retry: dict[int, float] = {}  # ino -> earliest retry of its relocation
+        self._relocate_failures: dict[int, int] = {}
+        self._delete_retry: dict[str, float] = {}  # key -> earliest retry of its delete
         self.on_durable: Callable[[int, float], None] | None = None  # (bytes, seconds): metrics hook
 
     # -- thread-safe controls (called from the FUSE thread or the control socket) ----
 
     def wake(self) -> None:
-        if self._loop is not None and self._wakeup is not None:
-            self._loop.call_soon_threadsafe(self._wakeup.set)
+        """Wake the loop; a no-op (never an error) if the mover stopped or died."""
+        loop, wakeup = self._loop, self._wakeup
+        if loop is None or wakeup is None:
+            return
+        try:
+            loop.call_soon_threadsafe(wakeup.set)
+        except RuntimeError:  # the loop is closed: a close or rename must not fail for it
+            pass
 
     def namespace_changed(self) -> None:
         self._relocate_needed = True
@@ -135,6 +178,7 @@ class Mover:
         """Skip any configured delay and retry backoff."""
         self._skip_delay = True
         self._not_before.clear()
+        self._relocate_retry = dict.fromkeys(self._relocate_retry, 0.0)
         self.wake()
 
     def retry_failed(self) -> int:
@@ -150,6 +194,10 @@ class Mover:
         return self._ready.wait(timeout)
 
     @property
+    def running(self) -> bool:
+        return self._ready.is_set()
+
+    @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
         return self._loop
 
@@ -160,17 +208,29 @@ class Mover:
     # -- main loop ---------------------------------------------------------------
 
     async def run(self, *, until_idle: bool = False) -> None:
-        """Drain until stopped (or, with ``until_idle``, until nothing is left to drain)."""
+        """Drain until stopped (or, with ``until_idle``, until nothing is left to drain).
+
+        May be called again after it returned or raised (the daemon restarts a dead mover).
+        """
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
+        if not self._journal_open:
+            self.journal = Journal(self.cache_dir)
+            self._journal_open = True
         if self.remote is None:
             self.remote = open_remote(
                 self.remote_url, self.s3, max_connections=self.options.max_files * self.options.concurrency + 4
             )
-        self.store = ObjectStore(self.remote)
+        self._hook_uploads(self.remote)
+        self.store = ObjectStore(
+            self.remote, on_upload_started=self.journal.upload_started, on_upload_ended=self.journal.upload_ended
+        )
         self.restore = RestoreService(self.store, self.journal, self.tier_paths)
-        self._ready.set()
+        self._in_flight.clear()
+        self._relocate_needed = self._relocate_full = True
         tasks: set[asyncio.Task[None]] = set()
+        failures = 0
+        self._ready.set()
         try:
             self._recover()
             await self._abort_stale_uploads()
@@ -182,27 +242,49 @@ class Mover:
                     if not await self._probe_remote():
                         await self._sleep(HALT_PROBE_S)
                         continue
-                await self._process_deletes()
-                self._prune_events()
-                if self._relocate_needed:
-                    self._relocate_needed = False
+                try:
+                    await self._process_deletes()
+                    self._prune_events()
                     await self._relocate_renamed()
-                for row in self._eligible(self.options.max_files - len(tasks)):
-                    self._in_flight[row.ino] = ""
-                    task = asyncio.create_task(self._drain_file(row))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                if until_idle and not tasks and not self._has_pending_work():
-                    break
+                    for row in self._eligible(self.options.max_files - len(tasks)):
+                        claimed = self._claim(row)
+                        if claimed is None:
+                            continue
+                        task = asyncio.create_task(self._drain_file(row, *claimed))
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
+                    if until_idle and not tasks and not self._has_pending_work():
+                        break
+                    failures = 0
+                except Exception as exc:  # never the end of the drain: log, back off, go on
+                    failures += 1
+                    log.exception("event=mover_pass_failed failures=%d", failures)
+                    self.stats.error("internal", f"mover pass failed: {exc!r}")
+                    if until_idle and failures >= 10:
+                        raise
+                    await self._sleep(PASS_ERROR_BACKOFF_S)
+                    continue
                 if until_idle and not tasks and self.stats.halted is not None:
                     raise RemoteError(self.stats.halted, kind="halted")
                 await self._sleep(IDLE_RESCAN_S)
         finally:
+            self._ready.clear()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self.remote.close()
+            with contextlib.suppress(Exception):
+                await self.remote.close()
+            if self._own_remote:
+                self.remote = None
             self.journal.close()
+            self._journal_open = False
+            self._loop = None
+
+    def _hook_uploads(self, remote: Remote) -> None:
+        """Remotes that start multipart uploads of their own (S3 copies) record them too."""
+        if hasattr(remote, "on_upload_started") and hasattr(remote, "on_upload_ended"):
+            setattr(remote, "on_upload_started", self.journal.upload_started)  # noqa: B010 (not in Remote)
+            setattr(remote, "on_upload_ended", self.journal.upload_ended)  # noqa: B010
 
     async def _sleep(self, seconds: float) -> None:
         assert self._wakeup is not None
@@ -211,16 +293,23 @@ class Mover:
 
     def _recover(self) -> None:
         """Uploads cut short by a crash start again from their staged bytes."""
-        requeued = self.journal.execute("UPDATE inodes SET state=? WHERE state=?", (STAGED, DRAINING))
+        requeued = self.journal.recover_drains()
         if requeued:
             log.info("event=drain_recover requeued=%d", requeued)
 
     async def _abort_stale_uploads(self) -> None:
+        """Abort the multipart uploads this cache started and never finished (never another node's)."""
         assert self.store is not None
         try:
-            await self.store.abort_stale_uploads()
+            aborted = await self.store.abort_stale_uploads(self.journal.own_uploads())
         except RemoteError as exc:
-            self._halt(exc)
+            if error_scope(exc) == HALT:
+                self._halt(exc)
+            else:
+                self.stats.error(exc.kind, str(exc))
+            return
+        if aborted:
+            log.info("event=stale_uploads_aborted count=%d", aborted)
 
     def _prune_events(self) -> None:
         """Keep the event log bounded on long runs (status and `journal` read the recent end)."""
@@ -303,37 +392,40 @@ class Mover:
         )
         return bool(rows[0][0])
 
+    def _claim(self, row: InodeRow) -> tuple[str, int, float] | None:
+        """Take ``row``'s key for its upload, or leave it staged while another inode holds the key.
+
+        Runs on the main loop, between deletes and relocations, so no delete or
+        move of the key can be under way; the upload then holds the key
+        (``upload_key`` and ``_in_flight``) until it is recorded or given up.
+        """
+        started = time.time()
+        claimed = self.journal.claim_for_drain(row.ino, row.generation)
+        if claimed is None:
+            return None
+        if isinstance(claimed, int):
+            # Another file's object still sits at this key (a rename not yet moved on the
+            # remote), or another file is uploading to it: that goes first.
+            log.info("event=drain_wait_key ino=%d holder=%d", row.ino, claimed)
+            self._relocate_roots.add(claimed)
+            self._relocate_needed = True
+            self._not_before[row.ino] = started + KEY_BUSY_RETRY_S
+            return None
+        key, intent = claimed
+        self._in_flight[row.ino] = key
+        return key, intent, started
+
     # -- draining one file ------------------------------------------------------------
 
-    async def _drain_file(self, row: InodeRow) -> None:
+    async def _drain_file(self, row: InodeRow, key: str, intent: int, started: float) -> None:
         ino, generation = row.ino, row.generation
-        started = time.time()
         try:
-            changed = self.journal.execute(
-                "UPDATE inodes SET state=?, updated=? WHERE ino=? AND generation=? AND state=?",
-                (DRAINING, started, ino, generation, STAGED),
-            )
-            key = self.journal.path_of(ino)
-            if not changed or key is None:
-                return
-            if self.journal.query("SELECT 1 FROM inodes WHERE remote_key=? AND ino!=? AND parent!=0", (key, ino)):
-                # Another file's object still sits at this key (a rename not yet
-                # moved on the remote): move it first, then upload.
-                self._relocate_needed = True
-                self._requeue(ino, generation, None)
-                self._not_before[ino] = time.time() + 1.0
-                return
-            self._in_flight[ino] = key
-            # Recorded before a byte goes up: if the daemon dies before _finish, the
-            # next delete pass removes the orphan (unless a live file owns the key)
-            # and no listing resurrects it.
-            intent = self.journal.insert("INSERT INTO remote_deletes (key, reason) VALUES (?, 'upload')", (key,))
             digests = self._journaled_digests(row)
             assert self.store is not None
             manifest = await self.store.upload_file(
                 key, self.tier_paths.path(ino), digests, chunk_size=self.options.part_size, generation=generation,
                 mtime_ns=row.mtime_ns, mode=row.mode, concurrency=self.options.concurrency,
-                compress=self.options.compress, cancel_check=lambda: self._superseded(ino, generation),
+                compress=self.options.compress, cancel_check=lambda: self.journal.superseded(ino, generation),
             )  # fmt: skip
             if digests is None:  # taken during the upload: journal them for verify and the xattr
                 self.journal.execute(
@@ -347,22 +439,32 @@ class Mover:
             if isinstance(exc, asyncio.CancelledError):
                 raise
         except CorruptDataError as exc:
-            if self._superseded(ino, generation):
-                self._requeue(ino, generation, None)  # changed under us: drains again
+            if self._changed_under_upload(row):
+                log.info("event=drain_superseded ino=%d generation=%d reason=%r", ino, generation, str(exc))
+                self._requeue(ino, generation, None)  # rewritten under us: drains again, not corrupt
             else:
                 self._fail(ino, generation, exc)
         except RemoteError as exc:
-            self._requeue(ino, generation, exc)
-            if exc.kind != "unavailable":
-                self._halt(exc)
+            scope = error_scope(exc)
+            if scope == OBJECT and self.journal.superseded(ino, generation):
+                self._requeue(ino, generation, None)  # renamed or changed meanwhile: try the new key/bytes
+            elif scope == OBJECT:  # this object only: the file fails, the drain goes on
+                self._fail(ino, generation, exc)
+            else:
+                self._requeue(ino, generation, exc)
+                if scope == HALT:
+                    self._halt(exc)
         except FileNotFoundError as exc:
-            if self._superseded(ino, generation):
+            if self.journal.superseded(ino, generation):
                 self._requeue(ino, generation, None)  # unlinked under us: nothing to drain
             else:
                 self._fail(ino, generation, exc)
         except Exception as exc:
             log.exception("event=drain_bug ino=%d", ino)
-            self._fail(ino, generation, exc)
+            if self._changed_under_upload(row):
+                self._requeue(ino, generation, None)
+            else:
+                self._fail(ino, generation, exc)
         finally:
             self._in_flight.pop(ino, None)
             self.wake()
@@ -373,31 +475,38 @@ class Mover:
             return FileDigests(row.size, row.chunk_size, row.chunk_digests(), row.digest)
         return None
 
-    def _superseded(self, ino: int, generation: int) -> bool:
-        rows = self.journal.query("SELECT generation, parent FROM inodes WHERE ino=?", (ino,))
-        return not rows or rows[0][0] != generation or rows[0][1] == 0
+    def _changed_under_upload(self, row: InodeRow) -> bool:
+        """True if the file was (or may be being) rewritten since ``row`` was closed: superseded, not corrupt.
+
+        A newer close, an unlink or a writer (``writing``) is in the journal; a
+        staged file whose size or mtime moved has a writer the journal has not
+        seen yet (a handle still open).  Bit rot moves neither; a mismatch that
+        keeps coming back without any change is corruption after a few tries.
+        """
+        if self.journal.superseded(row.ino, row.generation):
+            return True
+        try:
+            st = os.stat(self.tier_paths.path(row.ino))
+        except FileNotFoundError:
+            return False
+        if st.st_size == row.size and st.st_mtime_ns <= row.mtime_ns:
+            return False
+        seen = self._mismatches.get((row.ino, row.generation), 0) + 1
+        self._mismatches[(row.ino, row.generation)] = seen
+        if seen > MISMATCH_RETRIES:
+            return False
+        self._not_before[row.ino] = time.time() + REQUEUE_BACKOFF_S * seen
+        return True
 
     def _finish(self, row: InodeRow, key: str, size: int, started: float, intent: int) -> None:
         """Record the upload; the ``intent`` row stays as a delete request if the file went away."""
-        old_key = row.remote_key
-        if old_key and old_key != key:  # renamed before this upload: the old object goes
-            self.journal.execute("INSERT INTO remote_deletes (key, reason) VALUES (?, 'replaced')", (old_key,))
-        recorded = self.journal.execute(
-            "UPDATE inodes SET state=?, remote_key=?, durable_generation=?, error=NULL, attempts=0, updated=? "
-            "WHERE ino=? AND generation=? AND state=?",
-            (DURABLE, key, row.generation, time.time(), row.ino, row.generation, DRAINING),
-        )
-        if not recorded:
-            # Changed during the upload: the object is this file's until the next
-            # generation replaces it (its intent row is dropped as owned).  Unlinked:
-            # the intent row makes the delete pass remove the object.
-            self.journal.execute("UPDATE inodes SET remote_key=? WHERE ino=? AND parent!=0", (key, row.ino))
+        detail = f"key={key} generation={row.generation} size={size}"
+        if not self.journal.finish_upload(row.ino, row.generation, key, intent, detail):
+            log.info("event=upload_superseded ino=%d key=%s generation=%d", row.ino, key, row.generation)
             return
-        self.journal.apply([
-            ("DELETE FROM remote_deletes WHERE id=?", (intent,)),
-            self.journal.log_event(row.ino, "durable", f"key={key} generation={row.generation} size={size}"),
-        ])  # fmt: skip
+        self._mismatches.pop((row.ino, row.generation), None)
         if self.journal.path_of(row.ino) != key:  # renamed during the upload: move the object
+            self._relocate_roots.add(row.ino)
             self._relocate_needed = True
         latency = time.time() - started
         self.stats.files_drained += 1
@@ -418,62 +527,192 @@ class Mover:
             delay = min(REQUEUE_BACKOFF_MAX_S, REQUEUE_BACKOFF_S * 2 ** (attempts - 1))
             self._not_before[ino] = time.time() + delay
             log.warning("event=drain_retry ino=%d attempts=%d delay=%.1f error=%s", ino, attempts, delay, exc)
-        self.journal.execute(
-            "UPDATE inodes SET state=?, attempts=?, error=? WHERE ino=? AND generation=? AND state=?",
-            (STAGED, attempts, str(exc) if exc else None, ino, generation, DRAINING),
-        )
+        self.journal.requeue(ino, generation, str(exc) if exc else None, attempts)
 
     def _fail(self, ino: int, generation: int, exc: BaseException) -> None:
-        self.stats.error("corrupt" if isinstance(exc, CorruptDataError) else "internal", str(exc))
-        log.error("event=drain_failed ino=%d generation=%d error=%s", ino, generation, exc)
-        self.journal.apply([
-            ("UPDATE inodes SET state=?, error=? WHERE ino=? AND generation=?", (FAILED, str(exc), ino, generation)),
-            self.journal.log_event(ino, "failed", str(exc)),
-        ])  # fmt: skip
+        if isinstance(exc, CorruptDataError):
+            kind = "corrupt"
+        elif isinstance(exc, RemoteError):
+            kind = exc.kind
+        else:
+            kind = "internal"
+        message = str(exc) or repr(exc)
+        self.stats.error(kind, message)
+        self._mismatches.pop((ino, generation), None)
+        if self.journal.fail(ino, generation, message):
+            log.error("event=drain_failed ino=%d generation=%d kind=%s error=%s", ino, generation, kind, message)
+        else:
+            self.journal.requeue(ino, generation, None, 0)
 
     # -- namespace changes -------------------------------------------------------------
 
     async def _process_deletes(self) -> None:
-        """Delete objects of unlinked or replaced files (never a key a live file owns)."""
+        """Delete objects of unlinked or replaced files (never a key another inode owns or uploads to)."""
         assert self.store is not None
-        in_flight_keys = set(self._in_flight.values())
-        for row_id, key in self.journal.query("SELECT id, key FROM remote_deletes ORDER BY id LIMIT 500"):
-            if key in in_flight_keys:
+        now = time.time()
+        for row_id, key, reason in self.journal.pending_deletes(500):
+            if key in self._in_flight.values() or self._delete_retry.get(key, 0.0) > now:
                 continue
-            owned = self.journal.query("SELECT 1 FROM inodes WHERE remote_key=? AND parent!=0 LIMIT 1", (key,))
+            holder = self.journal.key_holder(key)
+            if holder is not None:
+                if holder not in self._in_flight:  # a live file owns the key now: nothing to delete
+                    self.journal.drop_delete(row_id)
+                continue
             try:
-                if not owned:
-                    await self.store.delete(key)
-                    log.info("event=remote_delete key=%s", key)
-            except RemoteError as exc:
-                self._halt(exc) if exc.kind != "unavailable" else self.stats.error(exc.kind, str(exc))
+                await self.store.delete(key)
+            except Exception as exc:
+                scope = error_scope(exc)
+                if scope == OBJECT:  # no object can exist under such a key: the request is void
+                    log.warning("event=remote_delete_skipped key=%s reason=%s error=%s", key, reason, exc)
+                    self.stats.error(getattr(exc, "kind", "internal"), f"delete {key}: {exc}")
+                    self.journal.drop_delete(row_id)
+                    continue
+                if not isinstance(exc, RemoteError):
+                    log.exception("event=remote_delete_bug key=%s", key)
+                    self.stats.error("internal", f"delete {key}: {exc!r}")
+                    self._delete_retry[key] = now + RELOCATE_BACKOFF_S
+                    continue
+                if scope == HALT:
+                    self._halt(exc)
+                else:
+                    self.stats.error(exc.kind, str(exc))
                 return
-            self.journal.execute("DELETE FROM remote_deletes WHERE id=?", (row_id,))
+            self._delete_retry.pop(key, None)
+            self.journal.drop_delete(row_id)
+            log.info("event=remote_delete key=%s reason=%s", key, reason)
 
     async def _relocate_renamed(self) -> None:
-        """Durable files whose path changed move with a server-side copy, then a delete."""
-        assert self.store is not None
-        rows = self.journal.query(
-            """WITH RECURSIVE paths(ino, path) AS (
-                   SELECT ino, CAST(name AS TEXT) FROM inodes WHERE parent=? AND ino!=?
-                   UNION ALL SELECT i.ino, paths.path || '/' || CAST(i.name AS TEXT)
-                   FROM inodes i JOIN paths ON i.parent=paths.ino)
-               SELECT i.ino, paths.path, i.remote_key FROM inodes i JOIN paths USING (ino)
-               WHERE i.kind='file' AND i.remote_key IS NOT NULL AND i.remote_key != paths.path
-                   AND i.state IN (?, ?)""",
-            (ROOT_INO, ROOT_INO, DURABLE, EVICTED),
-        )
-        for ino, path, old_key in rows:
-            try:
-                await self.store.rename(old_key, path)
-            except RemoteError as exc:
-                self._relocate_needed = True
-                self.stats.error(exc.kind, str(exc))
-                if exc.kind != "unavailable":
-                    self._halt(exc)
+        """Durable files whose path changed move with a server-side copy; their old key is queued for deletion.
+
+        Only the subtrees renamed since the last pass are walked (plus files whose
+        move is due for a retry); the whole namespace at start and every
+        RELOCATE_FULL_SCAN_S.
+        """
+        now = time.time()
+        due = [ino for ino, at in self._relocate_retry.items() if at <= now]
+        if now >= self._next_full_scan:
+            self._relocate_full = True
+        if not (self._relocate_needed or self._relocate_full or due):
+            return
+        roots: set[int] | None
+        if self._relocate_full:
+            _, self._rename_seq = self.journal.renamed_since(self._rename_seq)
+            roots = None
+            self._relocate_full = False
+            self._next_full_scan = now + RELOCATE_FULL_SCAN_S
+        else:
+            renamed, self._rename_seq = self.journal.renamed_since(self._rename_seq)
+            roots = {*renamed, *due, *self._relocate_roots}
+        self._relocate_needed = False
+        self._relocate_roots.clear()
+        for ino in due:
+            self._relocate_retry.pop(ino, None)
+        pending = [ino for ino, _, _ in self.journal.relocation_candidates(roots)]
+        for _ in range(len(pending) + 2):  # each round moves or parks at least one file, or ends the pass
+            pending = [ino for ino in pending if ino not in self._relocate_retry]
+            blocked: dict[int, int] = {}
+            progressed = False
+            for ino in pending:
+                result = await self._relocate_one(ino)
+                if result == _STOP:
+                    return  # the remote is down or halted: try again on a later pass
+                if result is None:
+                    progressed = True
+                else:
+                    blocked[ino] = result
+            if not blocked:
                 return
-            self.journal.apply([
-                ("UPDATE inodes SET remote_key=? WHERE ino=? AND remote_key=?", (path, ino, old_key)),
-                self.journal.log_event(ino, "moved", f"{old_key} -> {path}"),
-            ])  # fmt: skip
-            log.info("event=remote_rename from=%s to=%s", old_key, path)
+            if not progressed:
+                cycle = self._rename_cycle(blocked)
+                if cycle is None:
+                    for ino in blocked:  # waiting for an upload or another file's move
+                        self._relocate_retry[ino] = time.time() + KEY_BUSY_RETRY_S
+                    return
+                if await self._park(cycle) == _STOP:
+                    return
+            pending = list(blocked)
+        for ino in pending:
+            self._relocate_retry.setdefault(ino, time.time() + KEY_BUSY_RETRY_S)
+
+    async def _relocate_one(self, ino: int) -> int | None:
+        """Move one file's object to its path: None if moved (or nothing to do, or failed for
+        this file only), the inode holding the target key if it must wait, _STOP if the
+        remote failed (end the pass)."""
+        assert self.store is not None
+        target = self.journal.relocation_target(ino)
+        if target is None or ino in self._in_flight:
+            return None
+        path, old_key = target
+        holder = self.journal.key_holder(path, other_than=ino)
+        if holder is not None:
+            return holder
+        try:
+            await self.store.rename(old_key, path, delete_source=False)
+        except Exception as exc:
+            return self._relocation_failed(ino, old_key, path, exc)
+        moved = self.journal.finish_relocation(ino, old_key, path)
+        self._relocate_failures.pop(ino, None)
+        log.info("event=remote_rename from=%s to=%s recorded=%s", old_key, path, moved)
+        return None
+
+    def _relocation_failed(self, ino: int, old_key: str, path: str, exc: BaseException) -> int | None:
+        """A failed move is that file's problem (retried later, or re-uploaded), unless the remote is down."""
+        scope = error_scope(exc)
+        if isinstance(exc, RemoteError) and scope != OBJECT:
+            self.stats.error(exc.kind, str(exc))
+            self._relocate_roots.add(ino)
+            self._relocate_needed = True
+            if scope == HALT:
+                self._halt(exc)
+            return _STOP
+        if not isinstance(exc, (RemoteError, CorruptDataError)):
+            log.exception("event=relocate_bug ino=%d from=%s to=%s", ino, old_key, path)
+        message = f"cannot move {old_key} to {path}: {exc!r}"
+        self.stats.error("relocate", message)
+        self.journal.set_error(ino, message)
+        if self.journal.restage_durable(ino, old_key):  # still local: upload it again at its path
+            log.error("event=relocate_failed ino=%d from=%s to=%s action=reupload error=%r", ino, old_key, path, exc)
+            self.wake()
+            return None
+        failures = self._relocate_failures.get(ino, 0) + 1
+        self._relocate_failures[ino] = failures
+        delay = min(RELOCATE_BACKOFF_MAX_S, RELOCATE_BACKOFF_S * 2 ** (failures - 1))
+        self._relocate_retry[ino] = time.time() + delay
+        log.error("event=relocate_failed ino=%d from=%s to=%s retry_in=%.0f error=%r", ino, old_key, path, delay, exc)
+        return None
+
+    def _rename_cycle(self, blocked: dict[int, int]) -> int | None:
+        """A file in a cycle of moves (a→b while b→a), if any: it is parked to break the cycle.
+
+        Follows "waits for the holder of its target" from each blocked file; a
+        cycle also closes through a staged file whose upload waits for the key
+        this file still holds.
+        """
+        for start in blocked:
+            chain, ino = [start], blocked[start]
+            while ino in blocked and ino not in chain:
+                chain.append(ino)
+                ino = blocked[ino]
+            if ino in chain:
+                return ino
+            target = self.journal.path_of(ino)
+            held = {self.journal.relocation_target(member) for member in chain}
+            if target is not None and any(t is not None and t[1] == target for t in held):
+                return next(m for m in chain if (t := self.journal.relocation_target(m)) and t[1] == target)
+        return None
+
+    async def _park(self, ino: int) -> int | None:
+        """Move ``ino``'s object to a private key so that the key it holds frees up."""
+        assert self.store is not None
+        target = self.journal.relocation_target(ino)
+        if target is None:
+            return None
+        _, old_key = target
+        parked = f"{PARK_PREFIX}{ino}"
+        try:
+            await self.store.rename(old_key, parked, delete_source=False)
+        except Exception as exc:
+            return self._relocation_failed(ino, old_key, parked, exc)
+        self.journal.finish_relocation(ino, old_key, parked)
+        log.info("event=remote_rename_parked from=%s to=%s", old_key, parked)
+        return None

@@ -336,9 +336,18 @@ class Manifest:
 class ObjectStore:
     """Files as verified objects on ``remote``; every remote call is retried by ``retry``."""
 
-    def __init__(self, remote: Remote, retry: RetryPolicy | None = None) -> None:
+    def __init__(
+        self, remote: Remote, retry: RetryPolicy | None = None, *,
+        on_upload_started: Callable[[str, str], None] | None = None,
+        on_upload_ended: Callable[[str], None] | None = None,
+    ) -> None:
+        """``on_upload_started(key, upload_id)`` runs before the first part of a multipart upload
+        goes up and ``on_upload_ended(upload_id)`` once it is completed or aborted, so that a
+        restart aborts exactly the uploads this cache left (never another node's)."""
         self.remote = remote
         self.retry = retry or RetryPolicy()
+        self.on_upload_started = on_upload_started
+        self.on_upload_ended = on_upload_ended
 
     async def _call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
         return await self.retry.call(self.remote, fn, *args, what=what)
@@ -448,6 +457,12 @@ class ObjectStore:
         chunks: list[ChunkInfo] = []
         parts: list[UploadedPart] = []
         upload_id: str = await self._call(self.remote.create_multipart, key, what=f"create upload {key}")
+        try:
+            if self.on_upload_started is not None:
+                self.on_upload_started(key, upload_id)
+        except BaseException:
+            await self._abort(key, upload_id)
+            raise
 
         async def read_ahead(group: asyncio.TaskGroup) -> None:
             for index in range(count):
@@ -488,13 +503,23 @@ class ObjectStore:
         except BaseException:
             await self._abort(key, upload_id)
             raise
+        self._upload_ended(upload_id)
         return chunks
+
+    def _upload_ended(self, upload_id: str) -> None:
+        if self.on_upload_ended is not None:
+            try:
+                self.on_upload_ended(upload_id)
+            except Exception as exc:  # the record stays: the next start aborts an upload already gone
+                log.warning("event=upload_record_failed upload_id=%s error=%r", upload_id, str(exc))
 
     async def _abort(self, key: str, upload_id: str) -> None:
         try:
             await self._call(self.remote.abort_multipart, key, upload_id, what=f"abort upload {key}")
         except Exception as exc:  # abort_stale_uploads() removes it later
             log.warning("event=abort_failed key=%s upload_id=%s error=%r", key, upload_id, str(exc))
+        else:
+            self._upload_ended(upload_id)
 
     # -- read -------------------------------------------------------------------------
 
@@ -553,11 +578,13 @@ class ObjectStore:
 
     # -- namespace ------------------------------------------------------------------------
 
-    async def rename(self, src: str, dst: str) -> None:
+    async def rename(self, src: str, dst: str, *, delete_source: bool = True) -> None:
         """Move object and manifest with a server-side copy, then delete the old keys.
 
         Safe to repeat after a crash part way: if ``src`` is already gone and
         ``dst`` holds the same file (same whole-file digest), the move is complete.
+        ``delete_source=False``: copy only; the caller deletes ``src`` once it has
+        checked that no other file owns that key meanwhile.
         """
         manifest = await self.fetch_manifest(src)
         try:
@@ -573,18 +600,21 @@ class ObjectStore:
                 await self._call(self.remote.put_object, manifest_key(dst), moved_json, what=f"put manifest {dst}")
             else:  # a stale manifest at dst would make the new bytes look corrupt
                 await self._call(self.remote.delete, manifest_key(dst), what=f"delete manifest {dst}")
-        await self.delete(src)
+        if delete_source:
+            await self.delete(src)
 
     async def delete(self, key: str) -> None:
         """Remove the object and its manifest (missing ones are fine)."""
         await self._call(self.remote.delete, key, what=f"delete {key}")
         await self._call(self.remote.delete, manifest_key(key), what=f"delete manifest {key}")
 
-    async def abort_stale_uploads(self) -> int:
-        """Abort every unfinished multipart upload (call only when none is in flight); returns how many."""
-        uploads = await self._call(self.remote.list_multipart_uploads, what="list uploads")
+    async def abort_stale_uploads(self, uploads: list[tuple[str, str]]) -> int:
+        """Abort ``uploads`` ((key, upload_id) this cache started and left unfinished: call only
+        when none of them is in flight); returns how many.  Never lists and aborts the whole
+        prefix: other nodes' uploads in flight there are theirs."""
         for key, upload_id in uploads:
             await self._call(self.remote.abort_multipart, key, upload_id, what=f"abort upload {key}")
+            self._upload_ended(upload_id)
             log.info("event=stale_upload_aborted key=%s upload_id=%s", key, upload_id)
         return len(uploads)
 

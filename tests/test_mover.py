@@ -1,15 +1,217 @@
-"""The mover's bookkeeping, in-process (no FUSE, no remote traffic)."""
+"""The mover in-process: the journal as the front writes it, a real file remote, no FUSE.
+
+``Front`` writes the journal records core.py writes (create+close, rename, unlink)
+so that a test can interleave them with the mover at exact points: ``HookedRemote``
+parks chosen remote calls until the test lets them go.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import json
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
+from burstfs import drainservice as drainservice_module
 from burstfs import mover as mover_module
 from burstfs.config import DrainOptions, S3Options, parse_remote_url
-from burstfs.journal import Journal
+from burstfs.errors import RemoteError
+from burstfs.journal import DURABLE, FAILED, META, ROOT_INO, STAGED, InodeRow, Journal, Op, insert_inode_op
+from burstfs.localtier import LocalTier
 from burstfs.mover import Mover
+from burstfs.objects import compute_digests
+from burstfs.remote import FileRemote
+from burstfs.remote.base import UploadedPart
+
+PART = 5 << 20
+
+Hook = Callable[[str, str], Awaitable[None]]
+
+
+class HookedRemote(FileRemote):
+    """A file remote whose calls can be held (``hold``) or observed (``calls``)."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(parse_remote_url(f"file://{directory}"))
+        self.calls: list[tuple[str, str]] = []
+        self._holds: dict[tuple[str, str], tuple[asyncio.Event, asyncio.Event]] = {}
+
+    def hold(self, op: str, key: str) -> tuple[asyncio.Event, asyncio.Event]:
+        """The next ``op`` on ``key`` waits: returns (entered, release) events."""
+        events = (asyncio.Event(), asyncio.Event())
+        self._holds[(op, key)] = events
+        return events
+
+    async def _gate(self, op: str, key: str) -> None:
+        self.calls.append((op, key))
+        events = self._holds.pop((op, key), None)
+        if events is not None:
+            events[0].set()
+            await events[1].wait()
+
+    async def put_object(self, key: str, data: bytes) -> None:
+        await self._gate("put", key)
+        await super().put_object(key, data)
+
+    async def complete_multipart(self, key: str, upload_id: str, parts: list[UploadedPart]) -> None:
+        await self._gate("complete", key)
+        await super().complete_multipart(key, upload_id, parts)
+
+    async def upload_part(self, key: str, upload_id: str, part_number: int, offset: int, data: bytes) -> UploadedPart:
+        await self._gate("part", key)
+        return await super().upload_part(key, upload_id, part_number, offset, data)
+
+    async def copy(self, src: str, dst: str) -> None:
+        await self._gate("copy", src)
+        await super().copy(src, dst)
+
+
+class Front:
+    """The journal records of the FUSE front (core.py), without a mount."""
+
+    def __init__(self, cache: Path) -> None:
+        self.journal = Journal(cache)
+        self.tier = LocalTier(cache)
+        self.seq = 0
+        now = time.time_ns()
+        self.journal.apply([insert_inode_op(InodeRow(
+            ROOT_INO, 0, b"", "dir", stat.S_IFDIR | 0o755, 0, 0, 0, now, now, now, None, META, 0, 0,
+            None, None, None, None, None, None, 0, time.time(), 0))])  # fmt: skip
+        self.next_ino = 2
+
+    def _new(self, parent: int, name: str, kind: str, state: str) -> int:
+        ino, self.next_ino = self.next_ino, self.next_ino + 1
+        now = time.time_ns()
+        mode = (stat.S_IFDIR | 0o755) if kind == "dir" else (stat.S_IFREG | 0o644)
+        self.journal.apply([insert_inode_op(InodeRow(
+            ino, parent, name.encode(), kind, mode, 0, 0, 0, now, now, now, None, state, 0, 0,
+            None, None, None, None, None, None, 0, time.time(), 0))])  # fmt: skip
+        return ino
+
+    def mkdir(self, name: str, parent: int = ROOT_INO) -> int:
+        return self._new(parent, name, "dir", META)
+
+    def write(self, name: str, data: bytes, parent: int = ROOT_INO) -> int:
+        ino = self._new(parent, name, "file", "writing")
+        self.rewrite(ino, data)
+        return ino
+
+    def rewrite(self, ino: int, data: bytes, *, digests: bool = True) -> None:
+        """Write ``data`` and close: a new generation, staged (with close-time digests)."""
+        self.tier.path(ino).write_bytes(data)
+        self.close(ino, digests=digests)
+
+    def close(self, ino: int, *, digests: bool = True) -> None:
+        path = self.tier.path(ino)
+        size = path.stat().st_size
+        d = compute_digests(path, PART) if digests else None
+        self.seq += 1
+        self.journal.execute(
+            "UPDATE inodes SET state=?, generation=generation+1, close_seq=?, size=?, mtime_ns=?, digest=?, "
+            "chunks=?, chunk_size=?, local_bytes=?, updated=? WHERE ino=?",
+            (STAGED, self.seq, size, path.stat().st_mtime_ns, d.digest if d else None,
+             json.dumps(list(d.chunks)) if d else None, PART if d else None, size, time.time(), ino),
+        )  # fmt: skip
+
+    def _unlink_ops(self, ino: int) -> list[Op]:
+        return [
+            ("INSERT INTO remote_deletes (key, reason) SELECT remote_key, 'unlink' FROM inodes "
+             "WHERE ino=? AND remote_key IS NOT NULL", (ino,)),
+            ("UPDATE inodes SET parent=0, remote_key=NULL WHERE ino=?", (ino,)),
+        ]  # fmt: skip
+
+    def unlink(self, ino: int) -> None:
+        """unlink(2) of a file still open (the row stays, parent 0, until its last release)."""
+        self.journal.apply(self._unlink_ops(ino))
+
+    def rename(self, ino: int, new_name: str, new_parent: int = ROOT_INO) -> None:
+        ops: list[Op] = []
+        target = self.journal.query("SELECT ino FROM inodes WHERE parent=? AND name=?",
+                                    (new_parent, new_name.encode()))  # fmt: skip
+        if target:
+            ops += self._unlink_ops(target[0][0])
+        ops += [
+            ("UPDATE inodes SET parent=?, name=? WHERE ino=?", (new_parent, new_name.encode(), ino)),
+            self.journal.log_event(ino, "rename", new_name),
+        ]
+        self.journal.apply(ops)
+
+    def row(self, ino: int) -> InodeRow:
+        row = self.journal.inode(ino)
+        assert row is not None
+        return row
+
+
+def make_mover(tmp_path: Path, remote: FileRemote | None = None) -> tuple[Mover, Front, HookedRemote]:
+    cache, directory = tmp_path / "cache", tmp_path / "remote"
+    cache.mkdir(exist_ok=True)
+    directory.mkdir(exist_ok=True)
+    front = Front(cache)
+    hooked = remote if isinstance(remote, HookedRemote) else HookedRemote(directory)
+    mover = Mover(cache, parse_remote_url(f"file://{directory}"), S3Options(),
+                  DrainOptions(part_size=PART, concurrency=2), remote=hooked)  # fmt: skip
+    return mover, front, hooked
+
+
+def remote_bytes(tmp_path: Path, key: str) -> bytes | None:
+    path = tmp_path / "remote" / key
+    return path.read_bytes() if path.is_file() else None
+
+
+def user_keys(tmp_path: Path) -> set[str]:
+    """Objects under the remote directory, burstfs' own .burstfs/ left out."""
+    root = tmp_path / "remote"
+    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()} - {
+        p.relative_to(root).as_posix() for p in (root / ".burstfs").rglob("*")
+    }
+
+
+async def until(predicate: Callable[[], object], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def settled(front: Front) -> bool:
+    """Every linked file durable at its own path, and no remote delete pending."""
+    rows = front.journal.query(
+        "SELECT ino, state, remote_key FROM inodes WHERE kind='file' AND parent!=0")
+    for ino, state, key in rows:
+        if state != DURABLE or key != front.journal.path_of(ino):
+            return False
+    return not front.journal.query("SELECT 1 FROM remote_deletes")
+
+
+async def settle(mover: Mover, front: Front) -> None:
+    mover.drain_now()
+    await until(lambda: settled(front) and not mover._in_flight, "the drain to settle")
+
+
+def run_mover(mover: Mover, scenario: Callable[[], Awaitable[None]]) -> None:
+    """Run ``mover`` (until stopped) alongside ``scenario``."""
+
+    async def main() -> None:
+        task = asyncio.create_task(mover.run())
+        try:
+            await asyncio.wait_for(scenario(), 60)
+        finally:
+            mover.stop()
+            await asyncio.wait_for(task, 30)
+
+    asyncio.run(main())
+
+
+# -- bookkeeping --------------------------------------------------------------------------
 
 
 def test_event_log_is_pruned_to_the_most_recent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -23,3 +225,372 @@ def test_event_log_is_pruned_to_the_most_recent(tmp_path: Path, monkeypatch: pyt
     journal.apply([journal.log_event(None, "closed", "n=50")])
     mover._prune_events()  # not due again yet: nothing more is dropped
     assert len(journal.events()) == 11
+
+
+# -- issue 10 #1: a key another inode owns or is uploading to is never overwritten ----------
+
+
+def test_rename_during_upload_keeps_the_new_file_at_the_old_name(tmp_path: Path) -> None:
+    """model.pt uploads; renamed to model_100.pt; a new model.pt is saved: both survive."""
+    mover, front, remote = make_mover(tmp_path)
+    old, new = b"old" * 1000, b"new" * 2000
+
+    async def scenario() -> None:
+        entered, release = remote.hold("put", "model.pt")
+        a = front.write("model.pt", old)
+        mover.wake()
+        await until(entered.is_set, "the first upload in flight")
+        front.rename(a, "model_100.pt")
+        b = front.write("model.pt", new)
+        mover.namespace_changed()
+        # The new file either raced the old upload (the bug) or waits for the key.
+        await until(lambda: ("put", "model.pt") in remote.calls[1:] or b in mover._not_before,
+                    "the new file's drain attempt")  # fmt: skip
+        release.set()
+        await settle(mover, front)
+        assert front.row(b).remote_key == "model.pt" and front.row(a).remote_key == "model_100.pt"
+
+    run_mover(mover, scenario)
+    assert remote_bytes(tmp_path, "model.pt") == new
+    assert remote_bytes(tmp_path, "model_100.pt") == old
+    assert user_keys(tmp_path) == {"model.pt", "model_100.pt"}
+
+
+def test_rename_onto_a_key_being_uploaded_waits_for_the_upload(tmp_path: Path) -> None:
+    """A durable file renamed onto the path another file is uploading to does not move there first."""
+    mover, front, remote = make_mover(tmp_path)
+
+    async def scenario() -> None:
+        c = front.write("c.bin", b"c" * 100)
+        await settle(mover, front)
+        entered, release = remote.hold("put", "x.bin")
+        x = front.write("x.bin", b"x" * 300)
+        mover.wake()
+        await until(entered.is_set, "x.bin uploading")
+        front.rename(x, "y.bin")  # x's upload still goes to x.bin
+        front.rename(c, "x.bin")  # c's object must not move onto x.bin under that upload
+        mover.namespace_changed()
+        await until(lambda: c in getattr(mover, "_relocate_retry", {}) or ("copy", "c.bin") in remote.calls,
+                    "c's move attempted")  # fmt: skip
+        release.set()
+        await settle(mover, front)
+
+    run_mover(mover, scenario)
+    assert remote_bytes(tmp_path, "x.bin") == b"c" * 100
+    assert remote_bytes(tmp_path, "y.bin") == b"x" * 300
+    assert user_keys(tmp_path) == {"x.bin", "y.bin"}
+
+
+def test_swapped_names_swap_objects(tmp_path: Path) -> None:
+    """a→tmp, b→a, tmp→b: the moves form a cycle; neither object overwrites the other."""
+    mover, front, _ = make_mover(tmp_path)
+
+    async def scenario() -> None:
+        a = front.write("a", b"A" * 10)
+        b = front.write("b", b"B" * 20)
+        await settle(mover, front)
+        front.rename(a, "tmp")
+        front.rename(b, "a")
+        front.rename(a, "b")
+        mover.namespace_changed()
+        await settle(mover, front)
+
+    run_mover(mover, scenario)
+    assert remote_bytes(tmp_path, "a") == b"B" * 20
+    assert remote_bytes(tmp_path, "b") == b"A" * 10
+    assert user_keys(tmp_path) == {"a", "b"}
+
+
+# -- #6: unlink during the final PUT/complete ---------------------------------------------
+
+
+@pytest.mark.parametrize("size", [300, PART + 100], ids=["put", "multipart"])
+def test_unlink_during_final_put_deletes_the_object(tmp_path: Path, size: int) -> None:
+    mover, front, remote = make_mover(tmp_path)
+
+    async def scenario() -> None:
+        entered, release = remote.hold("put" if size < PART else "complete", "gone.bin")
+        ino = front.write("gone.bin", os.urandom(size))
+        mover.wake()
+        await until(entered.is_set, "the final request in flight")
+        front.unlink(ino)  # still open: the row stays with parent 0
+        release.set()
+        await until(lambda: not mover._in_flight and not front.journal.query("SELECT 1 FROM remote_deletes"),
+                    "the delete pass")  # fmt: skip
+        assert front.row(ino).state != DURABLE
+
+    run_mover(mover, scenario)
+    assert user_keys(tmp_path) == set()
+    assert not (tmp_path / "remote/.burstfs/manifests/gone.bin.json").exists()
+
+
+# -- #21: unlink while a renamed directory's objects move ---------------------------------
+
+
+def test_unlink_during_relocation_deletes_the_copy(tmp_path: Path) -> None:
+    mover, front, remote = make_mover(tmp_path)
+
+    async def scenario() -> None:
+        d1 = front.mkdir("d1")
+        big = front.write("big", os.urandom(1000), parent=d1)
+        await settle(mover, front)
+        entered, release = remote.hold("copy", "d1/big")
+        front.rename(d1, "d2")
+        mover.namespace_changed()
+        await until(entered.is_set, "the server-side copy in flight")
+        front.unlink(big)
+        release.set()
+        await until(lambda: not front.journal.query("SELECT 1 FROM remote_deletes")
+                    and ("copy", "d1/big") in remote.calls, "the deletes")  # fmt: skip
+
+    run_mover(mover, scenario)
+    assert user_keys(tmp_path) == set()
+
+
+# -- #2: a per-file problem never kills the mover ------------------------------------------
+
+
+@pytest.mark.parametrize("manifest", [b"[" * 100_000, b'{"version": 1, "size": Infinity}', b"\xff"],
+                         ids=["deep", "infinity", "binary"])  # fmt: skip
+def test_corrupt_manifest_during_relocation_fails_that_file_only(tmp_path: Path, manifest: bytes) -> None:
+    mover, front, _ = make_mover(tmp_path)
+    a = front.write("a.bin", b"a" * 500)
+    other = front.write("other.bin", b"o" * 10)
+    asyncio.run(mover.run(until_idle=True))
+    (tmp_path / "remote/.burstfs/manifests/a.bin.json").write_bytes(manifest)
+    front.rename(a, "b.bin")
+    front.rename(other, "other2.bin")
+    mover, _, _ = make_mover(tmp_path)
+    asyncio.run(mover.run(until_idle=True))  # returns: the mover survived
+    assert mover.stats.errors_by_kind["relocate"] == 1
+    assert remote_bytes(tmp_path, "other2.bin") == b"o" * 10
+    # Still local: it was uploaded again at its new path, the old object went.
+    assert remote_bytes(tmp_path, "b.bin") == b"a" * 500
+    assert front.row(a).state == DURABLE and front.row(a).remote_key == "b.bin"
+    assert user_keys(tmp_path) == {"b.bin", "other2.bin"}
+
+
+def test_wake_after_the_mover_stopped_does_not_raise(tmp_path: Path) -> None:
+    mover, front, _ = make_mover(tmp_path)
+    front.write("f", b"f")
+    asyncio.run(mover.run(until_idle=True))
+    mover.wake()  # a close or rename after the loop is gone must not become EIO
+    mover.namespace_changed()
+    mover.drain_now()
+
+
+def test_a_dead_mover_is_restarted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mover, front, _ = make_mover(tmp_path)
+    monkeypatch.setattr(drainservice_module, "RESTART_BACKOFF_S", 0.01)
+    crashes: list[int] = []
+    original = Mover._recover
+
+    def crash_once(self: Mover) -> None:
+        if not crashes:
+            crashes.append(1)
+            raise RuntimeError("injected mover crash")
+        original(self)
+
+    monkeypatch.setattr(Mover, "_recover", crash_once)
+    service = drainservice_module.DrainService(mover, front.journal)
+    service.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not (service.restarts >= 1 and mover.running) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert service.restarts == 1 and mover.running and service.crashed is None
+        front.write("after.bin", b"drained by the restarted mover")
+        service.file_closed()
+        while front.row(2).state != DURABLE and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert remote_bytes(tmp_path, "after.bin") == b"drained by the restarted mover"
+    finally:
+        service.stop()
+    service.file_closed()  # a stopped mover: waking it is harmless
+    assert not service._thread.is_alive()
+
+
+# -- #5: an error that belongs to one object fails that object only ----------------------
+
+
+def test_a_name_too_long_for_the_manifest_fails_only_that_file(tmp_path: Path) -> None:
+    mover, front, _ = make_mover(tmp_path)
+    long_name = "n" * 252  # fits NAME_MAX, its <name>.json manifest does not
+    bad = front.write(long_name, b"long")
+    good = front.write("good.bin", b"good")
+    asyncio.run(mover.run(until_idle=True))  # no halt: the drain went on
+    assert mover.stats.halted is None
+    assert front.row(good).state == DURABLE and remote_bytes(tmp_path, "good.bin") == b"good"
+    row = front.row(bad)
+    assert row.state == FAILED and row.error and "too long" in row.error
+    assert not front.journal.query("SELECT 1 FROM remote_deletes")  # the intent row did not stick
+    assert user_keys(tmp_path) == {"good.bin"}
+
+
+def test_s3_key_too_long_fails_only_that_file(tmp_path: Path, s3_env: str) -> None:
+    from s3server import fresh_bucket
+
+    from burstfs.remote.s3 import S3Remote
+
+    bucket = fresh_bucket(s3_env)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    front = Front(cache)
+    url = parse_remote_url(f"s3://{bucket}/p")
+    options = S3Options(endpoint_url=s3_env, path_style=True)
+    mover = Mover(cache, url, options, DrainOptions(part_size=PART), remote=S3Remote(url, options))
+    parent = ROOT_INO
+    for level in range(5):
+        parent = front.mkdir(f"{level}" + "d" * 240, parent)
+    bad = front.write("deep.bin", b"deep", parent=parent)  # key > 1024 bytes
+    good = front.write("ok.bin", b"ok")
+    asyncio.run(mover.run(until_idle=True))
+    assert mover.stats.halted is None
+    assert front.row(good).state == DURABLE
+    assert front.row(bad).state == FAILED and "1024" in (front.row(bad).error or "")
+
+
+
+# -- #22: a file rewritten during its drain is superseded, not corrupt ---------------------
+
+
+def test_file_changed_under_the_drain_is_requeued_not_failed(tmp_path: Path) -> None:
+    """Bytes written through a handle still open after a close (the journal has not seen
+    them yet) make the staged digests mismatch: the file waits for its next close."""
+    mover, front, _ = make_mover(tmp_path)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("burstfs.mover")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+
+    async def scenario() -> None:
+        ino = front.write("grow.bin", b"")  # closed empty: digests of 0 bytes
+        time.sleep(0.01)
+        front.tier.path(ino).write_bytes(b"x" * 2048)  # the writer's next bytes, not closed yet
+        mover.wake()
+        await until(lambda: any("drain_superseded" in r or "drain_failed" in r for r in records), "an attempt")
+        front.close(ino)  # the writer closes: generation 2, 2048 bytes
+        await settle(mover, front)
+        assert front.row(ino).generation == 2
+
+    try:
+        run_mover(mover, scenario)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert not [r for r in records if "drain_failed" in r]
+    assert mover.stats.errors_by_kind["corrupt"] == 0
+    assert remote_bytes(tmp_path, "grow.bin") == b"x" * 2048
+
+
+def test_bit_rot_is_still_reported_corrupt(tmp_path: Path) -> None:
+    mover, front, _ = make_mover(tmp_path)
+    ino = front.write("rot.bin", b"a" * 4096)
+    path = front.tier.path(ino)
+    st = path.stat()
+    with open(path, "r+b") as f:  # same size, mtime kept: no writer did this
+        f.write(b"b")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    asyncio.run(mover.run(until_idle=True))
+    assert front.row(ino).state == FAILED and mover.stats.errors_by_kind["corrupt"] == 1
+
+
+# -- #8: startup aborts only the uploads this cache started --------------------------------
+
+
+def test_startup_aborts_only_uploads_this_cache_started(tmp_path: Path) -> None:
+    mover, front, remote = make_mover(tmp_path)
+    ours: list[str] = []
+
+    async def scenario() -> None:
+        foreign = await remote.create_multipart("other-node/shard.bin")  # another node, in flight
+        entered, release = remote.hold("part", "big.bin")
+        front.write("big.bin", os.urandom(PART + 10))
+        mover.wake()
+        await until(entered.is_set, "the first part about to go up")
+        # Journaled before the first part goes up: a crash now leaves it for the next start.
+        ours.extend(u for _, u in front.journal.query("SELECT key, upload_id FROM uploads"))
+        assert len(ours) == 1
+        release.set()
+        await settle(mover, front)
+        assert not front.journal.query("SELECT 1 FROM uploads")  # completed: forgotten
+        ours.append(foreign)
+
+    run_mover(mover, scenario)
+    foreign = ours.pop()
+
+    async def restart() -> None:
+        left = await remote.create_multipart("big.bin")  # as if a crash had cut this one short
+        front.journal.upload_started("big.bin", left)
+        mover2, _, _ = make_mover(tmp_path, remote)
+        await mover2.run(until_idle=True)
+        uploads = {u for _, u in await remote.list_multipart_uploads()}
+        assert left not in uploads and foreign in uploads
+        assert not front.journal.query("SELECT 1 FROM uploads")
+
+    asyncio.run(restart())
+
+
+# -- #15: indexed ownership queries, subtree relocation, schema upgrade ---------------------
+
+
+def test_ownership_queries_use_indexes(tmp_path: Path) -> None:
+    journal = Journal(tmp_path)
+    for sql in ("SELECT ino FROM inodes WHERE remote_key=? AND parent!=0",
+                "SELECT ino FROM inodes WHERE upload_key=?",
+                "SELECT id FROM remote_deletes WHERE key=?"):  # fmt: skip
+        plan = " ".join(str(row[-1]) for row in journal.query(f"EXPLAIN QUERY PLAN {sql}", ("k",)))
+        assert "USING INDEX" in plan or "USING COVERING INDEX" in plan, (sql, plan)
+
+
+def test_a_version_1_journal_is_upgraded_in_place(tmp_path: Path) -> None:
+    import sqlite3
+
+    from burstfs import journal as journal_module
+
+    db = sqlite3.connect(tmp_path / "journal.db")
+    db.executescript(journal_module._SCHEMA.replace(
+        "CREATE TABLE IF NOT EXISTS uploads (", "CREATE TABLE IF NOT EXISTS unused_uploads ("))  # fmt: skip
+    db.execute("INSERT INTO meta VALUES ('schema_version', '1')")
+    db.execute("INSERT INTO inodes (ino, parent, name, kind, mode, uid, gid, atime_ns, mtime_ns, ctime_ns, state, "
+               "remote_key) VALUES (5, 1, x'61', 'file', 33188, 0, 0, 0, 0, 0, 'durable', 'a')")  # fmt: skip
+    db.commit()
+    db.close()
+    journal = Journal(tmp_path)
+    assert journal.get_meta("schema_version") == str(journal_module.SCHEMA_VERSION)
+    assert "upload_key" in {r[1] for r in journal.query("PRAGMA table_info(inodes)")}
+    assert journal.key_holder("a") == 5 and journal.own_uploads() == []
+    journal.set_meta("schema_version", "99")
+    journal.close()
+    with pytest.raises(Exception, match="schema 99"):
+        Journal(tmp_path)
+
+
+def test_relocation_walks_only_the_renamed_subtree(tmp_path: Path) -> None:
+    mover, front, _ = make_mover(tmp_path)
+    walked: list[object] = []
+
+    async def scenario() -> None:
+        d = front.mkdir("run")
+        for i in range(3):
+            front.write(f"f{i}", b"%d" % i, parent=d)
+        for i in range(20):
+            front.write(f"other{i}", b"o")
+        await settle(mover, front)
+        original = mover.journal.relocation_candidates
+
+        def spy(roots: object = None) -> list[tuple[int, str, str]]:
+            walked.append(roots)
+            return original(roots)  # type: ignore[arg-type]
+
+        mover.journal.relocation_candidates = spy  # type: ignore[method-assign]
+        front.rename(d, "run2")
+        mover.namespace_changed()
+        await settle(mover, front)
+
+    run_mover(mover, scenario)
+    assert walked and all(roots is not None and len(roots) <= 1 for roots in walked)  # type: ignore[arg-type]
+    assert user_keys(tmp_path) == {f"run2/f{i}" for i in range(3)} | {f"other{i}" for i in range(20)}
