@@ -594,3 +594,73 @@ def test_relocation_walks_only_the_renamed_subtree(tmp_path: Path) -> None:
     run_mover(mover, scenario)
     assert walked and all(roots is not None and len(roots) <= 1 for roots in walked)  # type: ignore[arg-type]
     assert user_keys(tmp_path) == {f"run2/f{i}" for i in range(3)} | {f"other{i}" for i in range(20)}
+
+
+# -- #17: S3 uploads are verified against what the store says it stored ---------------------
+
+
+@pytest.mark.parametrize("tamper", ["wrong_checksum", "no_checksum_wrong_etag"])
+@pytest.mark.parametrize("op", ["put_object", "upload_part"])
+def test_s3_upload_the_store_did_not_keep_intact_is_refused(s3_env: str, tamper: str, op: str) -> None:
+    from s3server import fresh_bucket
+
+    from burstfs.remote.s3 import S3Remote
+
+    bucket = fresh_bucket(s3_env)
+    url = parse_remote_url(f"s3://{bucket}/p")
+    remote = S3Remote(url, S3Options(endpoint_url=s3_env, path_style=True))
+    original = remote._call
+
+    async def lying_store(name: str, what: str, **params: object) -> object:
+        response = await original(name, what, **params)
+        if name == op:  # a store that ignored the checksum header and kept other bytes
+            response = dict(response)
+            if tamper == "wrong_checksum":
+                response["ChecksumCRC32C"] = "AAAAAA=="
+            else:
+                response.pop("ChecksumCRC32C", None)
+                response["ETag"] = '"0123456789abcdef0123456789abcdef"'
+        return response
+
+    remote._call = lying_store  # type: ignore[method-assign]
+
+    async def main() -> None:
+        try:
+            if op == "put_object":
+                await remote.put_object("k", b"payload")
+            else:
+                upload_id = await remote.create_multipart("k")
+                await remote.upload_part("k", upload_id, 1, 0, b"payload")
+        finally:
+            await remote.close()
+
+    with pytest.raises(Exception) as err:
+        asyncio.run(main())
+    assert remote.is_temp_failure(err.value)  # sent again, never recorded as stored
+
+
+def test_s3_upload_verified_by_md5_etag_when_no_checksum_comes_back(s3_env: str) -> None:
+    from s3server import fresh_bucket
+
+    from burstfs.remote.s3 import S3Remote
+
+    bucket = fresh_bucket(s3_env)
+    url = parse_remote_url(f"s3://{bucket}/p")
+    remote = S3Remote(url, S3Options(endpoint_url=s3_env, path_style=True))
+    original = remote._call
+
+    async def no_checksums(name: str, what: str, **params: object) -> object:
+        response = dict(await original(name, what, **params))
+        response.pop("ChecksumCRC32C", None)
+        return response
+
+    remote._call = no_checksums  # type: ignore[method-assign]
+
+    async def main() -> bytes:
+        try:
+            await remote.put_object("k", b"payload")
+            return await remote.get_object("k")
+        finally:
+            await remote.close()
+
+    assert asyncio.run(main()) == b"payload"

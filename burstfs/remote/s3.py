@@ -16,7 +16,8 @@ import contextlib
 import hashlib
 import os
 import uuid
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -31,6 +32,18 @@ from .base import INTERNAL_DIR, ObjectInfo, Remote, UploadedPart
 from .pool import run_workers
 from .retry import RetryPolicy
 
+log = logging.getLogger("burstfs.remote")
+
+#: S3's longest key, in UTF-8 bytes (the prefix included).
+MAX_KEY_BYTES = 1024
+#: Error codes that concern one object (its key, its size, one argument): that file
+#: fails, the drain goes on (see burstfs.errors.error_scope).
+_OBJECT_CODES = {
+    "KeyTooLongError": "key_too_long",
+    "InvalidArgument": "invalid_argument",
+    "InvalidObjectName": "bad_key",
+    "EntityTooLarge": "too_large",
+}
 #: Error codes S3 uses for throttling and transient trouble.  BadDigest means the
 #: bytes changed in flight (we computed the checksum over what we sent), so a
 #: resend is the right answer too.
@@ -80,6 +93,26 @@ async def _checksum(data: bytes) -> str:
     if len(data) < _INLINE_CRC_BYTES:
         return crc32c_b64(data)
     return await asyncio.to_thread(crc32c_b64, data)
+
+
+class ChecksumMismatch(Exception):
+    """The store reported a checksum (or MD5 ETag) other than the one of the bytes we sent:
+    it did not store them intact.  Temporary: the request is sent again."""
+
+
+def _is_md5_etag(etag: str) -> bool:
+    return len(etag) == 32 and all(c in "0123456789abcdefABCDEF" for c in etag)
+
+
+def _composite_crc32c(parts: list[UploadedPart]) -> str | None:
+    """S3's checksum of a multipart object: the CRC32C of the parts' CRC32Cs, then ``-N``."""
+    try:
+        raw = b"".join(base64.b64decode(p.checksum_crc32c or "", validate=True) for p in parts)
+    except ValueError:
+        return None
+    if len(raw) != 4 * len(parts):
+        return None
+    return f"{crc32c_b64(raw)}-{len(parts)}"
 
 
 def _error_code(exc: botocore.exceptions.ClientError) -> tuple[str, int]:
@@ -137,11 +170,21 @@ class S3Remote(Remote):
         self._stack = contextlib.AsyncExitStack()
         self._client: Any = None
         self._client_lock = asyncio.Lock()
+        self._warned_unverified = False
+        # Set by the mover: multipart uploads this remote starts on its own (large
+        # copies) are recorded, so a restart aborts them and nobody else's.
+        self.on_upload_started: Callable[[str, str], None] | None = None
+        self.on_upload_ended: Callable[[str], None] | None = None
 
     # -- helpers -----------------------------------------------------------------
 
     def _full(self, key: str) -> str:
-        return self._prefix + key
+        full = self._prefix + key
+        if len(full.encode()) > MAX_KEY_BYTES:
+            raise RemoteError(
+                f"{self.url}: key {key[:80]!r}... is longer than S3's {MAX_KEY_BYTES} bytes", kind="key_too_long"
+            )
+        return full
 
     def _rel(self, full_key: str) -> str:
         return full_key[len(self._prefix) :]
@@ -176,6 +219,9 @@ class S3Remote(Remote):
             return RemoteNotFound(f"{self.url}: {what}: not found ({code})")
         if code == "InvalidRange":
             return RemoteError(f"{self.url}: {what}: range not satisfiable", kind="invalid_range")
+        if code in _OBJECT_CODES:
+            message = exc.response.get("Error", {}).get("Message", "")
+            return RemoteError(f"{self.url}: {what}: {code}: {message}", kind=_OBJECT_CODES[code])
         if code in _DENIED_CODES or status == 403:
             return RemoteError(f"{self._where()}: {what}: access denied ({code})", kind="access_denied")
         message = exc.response.get("Error", {}).get("Message", "")
@@ -214,14 +260,41 @@ class S3Remote(Remote):
             raise RemoteError(f"cannot reach {self._where()}: {exc}", kind=kind) from exc
 
     async def put_object(self, key: str, data: bytes) -> None:
-        await self._call(
+        checksum = await _checksum(data)
+        response = await self._call(
             "put_object",
             f"put {key}",
             Key=self._full(key),
             Body=data,
             ChecksumAlgorithm="CRC32C",
-            ChecksumCRC32C=await _checksum(data),
+            ChecksumCRC32C=checksum,
         )
+        await self._verify(f"put {key}", response, checksum, data)
+
+    async def _verify(self, what: str, response: dict[str, Any], checksum: str, data: bytes) -> None:
+        """Check what the store says it stored against what we sent (ChecksumMismatch if it differs).
+
+        The CRC32C the store returns is compared; a store that returns none (it
+        ignored the header) is checked by its ETag, the MD5 of a plain PUT or
+        part, computed only then.  An ETag that is no MD5 (SSE-KMS, some
+        gateways) cannot be checked: that is logged once, and the bytes are
+        still covered by the xxh3 chunk digests checked at every read.
+        """
+        returned = response.get("ChecksumCRC32C")
+        if returned:
+            if returned != checksum:
+                raise ChecksumMismatch(f"{what}: the store stored CRC32C {returned}, we sent {checksum}")
+            return
+        etag = str(response.get("ETag", "")).strip('"')
+        if _is_md5_etag(etag):
+            md5 = await asyncio.to_thread(lambda: hashlib.md5(data, usedforsecurity=False).hexdigest())
+            if md5 != etag.lower():
+                raise ChecksumMismatch(f"{what}: the store's ETag {etag} is not the MD5 of the bytes sent ({md5})")
+            return
+        if not self._warned_unverified:
+            self._warned_unverified = True
+            log.warning("event=upload_unverified remote=%s what=%r etag=%r reason=no checksum and no MD5 ETag "
+                        "returned", self.url, what, etag)  # fmt: skip
 
     async def get_object(self, key: str) -> bytes:
         response = await self._call("get_object", f"get {key}", Key=self._full(key))
@@ -306,9 +379,10 @@ class S3Remote(Remote):
 
     async def upload_part(self, key: str, upload_id: str, part_number: int, offset: int, data: bytes) -> UploadedPart:
         checksum = await _checksum(data)
+        what = f"upload {key} part {part_number}"
         response = await self._call(
             "upload_part",
-            f"upload {key} part {part_number}",
+            what,
             Key=self._full(key),
             UploadId=upload_id,
             PartNumber=part_number,
@@ -316,7 +390,8 @@ class S3Remote(Remote):
             ChecksumAlgorithm="CRC32C",
             ChecksumCRC32C=checksum,
         )
-        return UploadedPart(part_number, str(response["ETag"]).strip('"'), response.get("ChecksumCRC32C", checksum))
+        await self._verify(what, response, checksum, data)
+        return UploadedPart(part_number, str(response["ETag"]).strip('"'), response.get("ChecksumCRC32C") or checksum)
 
     async def complete_multipart(self, key: str, upload_id: str, parts: list[UploadedPart]) -> None:
         ordered = sorted(parts, key=lambda p: p.part_number)
@@ -327,13 +402,21 @@ class S3Remote(Remote):
                 entry["ChecksumCRC32C"] = p.checksum_crc32c
             listed.append(entry)
         try:
-            await self._call(
+            response = await self._call(
                 "complete_multipart_upload",
                 f"complete upload {key}",
                 Key=self._full(key),
                 UploadId=upload_id,
                 MultipartUpload={"Parts": listed},
             )
+            returned = str(response.get("ChecksumCRC32C") or "")
+            expected = _composite_crc32c(ordered) if all(p.checksum_crc32c for p in ordered) else None
+            if returned and expected and "-" in returned and returned != expected:
+                raise RemoteError(
+                    f"{self.url}: complete upload {key}: the store assembled CRC32C {returned}, "
+                    f"the parts sent make {expected}",
+                    kind="checksum",
+                )
         except RemoteNotFound:
             # A retry of a completion whose reply was lost finds the upload gone; the
             # object's ETag tells whether it is ours.
@@ -372,6 +455,8 @@ class S3Remote(Remote):
         upload_id = str(
             (await self._call("create_multipart_upload", f"create copy {dst}", Key=self._full(dst)))["UploadId"]
         )
+        if self.on_upload_started is not None:
+            self.on_upload_started(dst, upload_id)
         parts: list[UploadedPart] = []
         pending = iter(ranges)
 
@@ -398,7 +483,11 @@ class S3Remote(Remote):
         except BaseException:
             with contextlib.suppress(Exception):
                 await self.abort_multipart(dst, upload_id)
+                if self.on_upload_ended is not None:
+                    self.on_upload_ended(upload_id)
             raise
+        if self.on_upload_ended is not None:
+            self.on_upload_ended(upload_id)
 
     async def delete(self, key: str) -> None:
         await self._call("delete_object", f"delete {key}", Key=self._full(key))
@@ -407,7 +496,7 @@ class S3Remote(Remote):
         if isinstance(exc, botocore.exceptions.ClientError):
             code, status = _error_code(exc)
             return status in _TEMP_STATUS or code in _TEMP_CODES
-        return isinstance(exc, _TEMP_EXCEPTIONS)
+        return isinstance(exc, (*_TEMP_EXCEPTIONS, ChecksumMismatch))
 
     async def close(self) -> None:
         async with self._client_lock:
