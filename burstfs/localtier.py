@@ -3,12 +3,18 @@
 Each file's data is one plain file ``CACHE/data/<ino as hex>``, so renames in the
 namespace never move data and the mover can read a staged file with ordinary
 ``pread`` calls.  Open descriptors are shared per inode and reference counted.
+Data files are opened with ``O_NOFOLLOW``: a link planted in ``data/`` is never
+written through (the cache dir is 0700, so only root could plant one; still).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
+
+#: Every open of a data file: never through a symlink, never inherited by children.
+_OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class LocalTier:
@@ -18,6 +24,8 @@ class LocalTier:
         self.cache_dir = Path(cache_dir)
         self.data_dir = self.cache_dir / "data"
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if stat.S_IMODE(self.data_dir.stat().st_mode) != 0o700:  # made by an older burstfs, or by hand
+            os.chmod(self.data_dir, 0o700)
         self._fds: dict[int, tuple[int, int]] = {}  # ino -> (fd, refcount)
 
     def path(self, ino: int) -> Path:
@@ -25,14 +33,18 @@ class LocalTier:
 
     def create(self, ino: int) -> None:
         """An empty data file for a new inode (replacing a stale one)."""
-        fd = os.open(self.path(ino), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(self.path(ino), _OPEN_FLAGS | os.O_CREAT | os.O_TRUNC, 0o600)
         os.close(fd)
+
+    def open_data(self, ino: int, *, create: bool = False) -> int:
+        """A new read-write descriptor on the inode's data (the caller closes it)."""
+        return os.open(self.path(ino), _OPEN_FLAGS | (os.O_CREAT if create else 0), 0o600)
 
     def acquire(self, ino: int) -> int:
         """A read-write descriptor on the inode's data, shared by all its handles."""
         fd, refs = self._fds.get(ino, (-1, 0))
         if fd < 0:
-            fd = os.open(self.path(ino), os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(self.path(ino), _OPEN_FLAGS | os.O_CREAT, 0o600)
         self._fds[ino] = (fd, refs + 1)
         return fd
 
@@ -53,7 +65,11 @@ class LocalTier:
         if fd is not None:
             os.ftruncate(fd, size)
         else:
-            os.truncate(self.path(ino), size)
+            fd = os.open(self.path(ino), _OPEN_FLAGS)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
 
     def remove(self, ino: int) -> None:
         try:
@@ -64,7 +80,7 @@ class LocalTier:
     def data_size(self, ino: int) -> int:
         """Length of the inode's data file (0 when it has none)."""
         try:
-            return os.stat(self.path(ino)).st_size
+            return os.stat(self.path(ino), follow_symlinks=False).st_size
         except FileNotFoundError:
             return 0
 

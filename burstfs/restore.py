@@ -8,11 +8,25 @@ bandwidth while a random reader (safetensors, mmap) fetches only what it
 touches.  Every chunk is checked against the digests recorded at drain time
 before a byte of it lands on the local tier; fetched chunks stay there, so the
 next read is local.
+
+What a fetch is verified against, strongest first: the manifest's chunk
+digests (whose whole-file digest must match the journal's, for files this node
+drained); without a manifest, the journal's own chunk digests, or, if it has
+only the whole-file digest, that digest over the whole file before a byte is
+served; only objects nobody recorded digests for (other tools, other nodes
+without a manifest) are served unverified, and the log says so.
+
+Descriptors: a partly fetched file keeps its data file open only while it is
+among the ``max_open_fds`` most recently written ones (an LRU); others are
+closed and reopened when their next chunk arrives, so cold reads of many files
+cannot exhaust the daemon's descriptors.  A descriptor is closed only once no
+``pwrite`` (in a worker thread, which cancellation cannot stop) still uses it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import errno
 import json
@@ -20,8 +34,11 @@ import logging
 import os
 import time
 
+import xxhash
+
 from .errors import CorruptDataError, FsError
-from .journal import DURABLE, EVICTED, REMOTE, Journal
+from .fileio import pread_full, pwrite_full
+from .journal import DURABLE, EVICTED, REMOTE, InodeRow, Journal
 from .localtier import LocalTier
 from .objects import Manifest, ObjectStore
 
@@ -36,6 +53,10 @@ MAX_WINDOW_CHUNKS = 16
 # Ranged GETs in flight for all files together: shared fairly (FIFO) by every
 # file being restored, so 8 ranks reading shards each get their share.
 FETCH_CONCURRENCY = 16
+# Data files of partly fetched files kept open (LRU); the rest are reopened on demand.
+MAX_OPEN_FDS = 64
+# Read size of the whole-file check of a file known only by its journal digest.
+VERIFY_READ_SIZE = 8 << 20
 # Written by a drain that compresses: its presence tells readers that listed
 # object sizes are stored sizes, not file sizes.
 LAYOUT_KEY = ".burstfs/layout.json"
@@ -48,31 +69,53 @@ class _FileFetch:
     size: int
     chunk_size: int
     manifest: Manifest | None
-    fd: int
+    # Without a manifest: the journal's chunk digests, or only its whole-file digest.
+    expected_chunks: tuple[str, ...] | None = None
+    whole_digest: str | None = None
+    verified: bool = False  # whole_digest checked over the complete local file
     present: set[int] = dataclasses.field(default_factory=set)
     in_flight: dict[int, asyncio.Task[None]] = dataclasses.field(default_factory=dict)
     window: int = 1
     next_offset: int = 0
     contiguous: int = 0  # chunks present from the start without a gap
+    fd: int | None = None
+    fd_users: int = 0  # pwrites in flight on fd (in threads)
+    closed: bool = False  # forgotten or finished: the fd goes once its users are done
+    verifying: asyncio.Future[None] | None = None
 
     @property
     def chunks(self) -> int:
         return (self.size + self.chunk_size - 1) // self.chunk_size
+
+    @property
+    def verification(self) -> str:
+        if self.manifest is not None:
+            return "manifest"
+        if self.expected_chunks is not None:
+            return "journal_chunks"
+        return "journal_digest" if self.whole_digest else "none"
 
 
 class RestoreService:
     """Fetches remote-only (evicted or listed) files into the local tier."""
 
     def __init__(self, store: ObjectStore, journal: Journal, tier: LocalTier,
-                 concurrency: int = FETCH_CONCURRENCY) -> None:  # fmt: skip
+                 concurrency: int = FETCH_CONCURRENCY, max_open_fds: int = MAX_OPEN_FDS) -> None:  # fmt: skip
         self.store = store
         self.journal = journal
         self.tier = tier
         self.fetched_bytes = 0
+        self.max_open_fds = max(1, max_open_fds)
         self._slots = asyncio.Semaphore(concurrency)
         self._files: dict[int, _FileFetch] = {}
         self._opening: dict[int, asyncio.Future[_FileFetch]] = {}
+        self._open_fds: collections.OrderedDict[int, _FileFetch] = collections.OrderedDict()  # LRU, oldest first
         self._compressed: bool | None = None
+
+    @property
+    def open_fds(self) -> int:
+        """Data files this service holds open now (bounded by ``max_open_fds`` plus writes in flight)."""
+        return len(self._open_fds)
 
     async def list_dir(self, dir_key: str) -> tuple[list[tuple[str, int, float]], list[str]]:
         """(name, size, mtime) of files and names of subdirectories under ``dir_key``.
@@ -109,7 +152,11 @@ class RestoreService:
         """
         fetch = await self._fetch_state(ino)
         if fetch.size == 0:
-            return self._complete(fetch)
+            return await self._complete(fetch)
+        if fetch.whole_digest is not None:
+            # Only the whole file can be checked: fetch all of it before serving a byte.
+            await asyncio.gather(*[self._chunk(fetch, i) for i in range(fetch.chunks)])
+            return await self._complete(fetch)
         end = min(offset + length, fetch.size)
         first, last = offset // fetch.chunk_size, max(offset, end - 1) // fetch.chunk_size
         # Sequential: where the last read ended, or further on inside the gap-free
@@ -123,9 +170,11 @@ class RestoreService:
         for i in range(last + 1, min(last + 1 + fetch.window, fetch.chunks)):
             self._chunk(fetch, i)  # prefetch: not awaited
         await asyncio.gather(*needed)
-        return self._complete(fetch)
+        return await self._complete(fetch)
 
     def _contiguous(self, fetch: _FileFetch) -> int:
+        if fetch.whole_digest is not None and not fetch.verified:
+            return 0  # nothing is served before the whole file checked out
         while fetch.contiguous < fetch.chunks and fetch.contiguous in fetch.present:
             fetch.contiguous += 1
         return min(fetch.contiguous * fetch.chunk_size, fetch.size)
@@ -155,19 +204,97 @@ class RestoreService:
             raise FsError(errno.EIO, f"inode {ino} has no remote object to fetch")
         manifest = await self.store.fetch_manifest(row.remote_key)
         if manifest is None:
-            log.warning("event=unverified_object key=%s note=no burstfs digests, served unverified", row.remote_key)
-            size, chunk_size = row.size, UNVERIFIED_CHUNK
+            fetch = self._without_manifest(row)
         else:
             if row.digest and manifest.digest != row.digest:
+                log.error("event=corrupt_data key=%s ino=%d problem=%r", row.remote_key, ino,
+                          f"manifest digest {manifest.digest}, journal {row.digest}")  # fmt: skip
                 raise CorruptDataError(
                     f"remote object {row.remote_key} changed since it was drained "
                     f"(digest {manifest.digest}, journal {row.digest})"
                 )
-            size, chunk_size = manifest.size, manifest.chunk_size
-        path = self.tier.path(ino)
-        fd = await asyncio.to_thread(os.open, path, os.O_RDWR | os.O_CREAT, 0o600)
-        await asyncio.to_thread(os.ftruncate, fd, size)
-        return _FileFetch(ino, row.remote_key, size, chunk_size, manifest, fd)
+            fetch = _FileFetch(ino, row.remote_key, manifest.size, manifest.chunk_size, manifest)
+        await asyncio.to_thread(self._create_data_file, ino, fetch.size)
+        return fetch
+
+    def _without_manifest(self, row: InodeRow) -> _FileFetch:
+        """Fetch state for an object without a manifest: verified by the journal's digests if it has them."""
+        assert row.remote_key is not None
+        if not row.digest:
+            log.warning("event=unverified_object key=%s note=no burstfs digests, served unverified", row.remote_key)
+            return _FileFetch(row.ino, row.remote_key, row.size, UNVERIFIED_CHUNK, None)
+        chunks = _journal_chunks(row)
+        if chunks is not None:
+            assert row.chunk_size is not None
+            log.warning("event=manifest_missing key=%s verify=journal_chunks", row.remote_key)
+            return _FileFetch(row.ino, row.remote_key, row.size, row.chunk_size, None, expected_chunks=chunks)
+        log.warning("event=manifest_missing key=%s verify=journal_digest note=whole file fetched before serving",
+                    row.remote_key)  # fmt: skip
+        return _FileFetch(row.ino, row.remote_key, row.size, UNVERIFIED_CHUNK, None, whole_digest=row.digest)
+
+    def _create_data_file(self, ino: int, size: int) -> None:
+        """The sparse data file the chunks land in (blocking: run in a thread)."""
+        fd = self.tier.open_data(ino, create=True)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+
+    # -- descriptors ------------------------------------------------------------------
+
+    def _acquire_fd(self, fetch: _FileFetch) -> int:
+        """The data file's descriptor for one pwrite, opened if the LRU dropped it."""
+        if fetch.closed:
+            raise FsError(errno.ESTALE, f"{fetch.key}: the file went away during its fetch")
+        if fetch.fd is None:
+            fetch.fd = self.tier.open_data(fetch.ino)  # a local open: cheap enough for the loop
+        fetch.fd_users += 1
+        self._open_fds[fetch.ino] = fetch
+        self._open_fds.move_to_end(fetch.ino)
+        self._trim_fds()
+        return fetch.fd
+
+    def _release_fd(self, fetch: _FileFetch) -> None:
+        fetch.fd_users -= 1
+        if fetch.fd_users == 0 and fetch.closed:
+            self._close_fd(fetch)
+        else:
+            self._trim_fds()
+
+    def _trim_fds(self) -> None:
+        """Close the least recently used idle descriptors beyond ``max_open_fds``."""
+        excess = len(self._open_fds) - self.max_open_fds
+        if excess <= 0:
+            return
+        for fetch in [f for f in self._open_fds.values() if f.fd_users == 0][:excess]:
+            self._close_fd(fetch)
+
+    def _close_fd(self, fetch: _FileFetch) -> None:
+        if self._open_fds.get(fetch.ino) is fetch:
+            del self._open_fds[fetch.ino]
+        if fetch.fd is not None:
+            fd, fetch.fd = fetch.fd, None
+            os.close(fd)
+
+    async def _write(self, fetch: _FileFetch, data: bytes, offset: int) -> None:
+        """pwrite ``data`` in a thread; the descriptor stays open until that thread is done,
+        even if this task is cancelled (forget) meanwhile."""
+        fd = self._acquire_fd(fetch)
+        try:
+            write = asyncio.ensure_future(asyncio.to_thread(pwrite_full, fd, data, offset))
+        except BaseException:
+            self._release_fd(fetch)
+            raise
+
+        def done(future: asyncio.Future[None]) -> None:
+            self._release_fd(fetch)
+            if not future.cancelled():
+                future.exception()  # retrieved here if the awaiting task was cancelled
+
+        write.add_done_callback(done)
+        await asyncio.shield(write)
+
+    # -- chunks -----------------------------------------------------------------------
 
     def _chunk(self, fetch: _FileFetch, index: int) -> asyncio.Future[None]:
         if index in fetch.present:
@@ -191,19 +318,84 @@ class RestoreService:
                 else:
                     data = await self.store.read_range(fetch.key, None, start, end)
                 if len(data) != end - start:
+                    log.error("event=corrupt_data key=%s ino=%d range=%d-%d problem=%r", fetch.key, fetch.ino,
+                              start, end, f"remote returned {len(data)} bytes")  # fmt: skip
                     raise CorruptDataError(f"{fetch.key} bytes {start}-{end}: remote returned {len(data)} bytes")
-                await asyncio.to_thread(os.pwrite, fetch.fd, data, start)
+                if fetch.expected_chunks is not None:
+                    await self._check_journal_chunk(fetch, index, data)
+                await self._write(fetch, data, start)
             fetch.present.add(index)
             self.fetched_bytes += len(data)
         finally:
             fetch.in_flight.pop(index, None)
 
-    def _complete(self, fetch: _FileFetch) -> int:
-        """The contiguous local prefix; the file is recorded local once all chunks are."""
+    async def _check_journal_chunk(self, fetch: _FileFetch, index: int, data: bytes) -> None:
+        assert fetch.expected_chunks is not None
+        digest = await asyncio.to_thread(xxhash.xxh3_64_hexdigest, data)
+        expected = fetch.expected_chunks[index]
+        if digest != expected:
+            start = index * fetch.chunk_size
+            end = start + len(data)
+            log.error("event=corrupt_data key=%s ino=%d range=%d-%d chunk=%d problem=%r", fetch.key, fetch.ino,
+                      start, end, index, f"xxh3 {digest}, journal {expected} (no manifest)")  # fmt: skip
+            raise CorruptDataError(
+                f"{fetch.key}: bytes {start}-{end} do not match the checksum journaled when it was drained "
+                f"(xxh3 {digest}, expected {expected}; the remote object has no manifest)"
+            )
+
+    async def _verify_whole(self, fetch: _FileFetch) -> None:
+        """Check the complete local copy against the journal's whole-file digest (once, shared)."""
+        if fetch.verifying is None:
+            fetch.verifying = asyncio.ensure_future(self._hash_whole(fetch))
+        verifying = fetch.verifying
+        try:
+            await asyncio.shield(verifying)
+        finally:
+            if verifying.done() and fetch.verifying is verifying:
+                fetch.verifying = None
+
+    async def _hash_whole(self, fetch: _FileFetch) -> None:
+        digest = await asyncio.to_thread(self._local_digest, fetch.ino, fetch.size)
+        if digest == fetch.whole_digest:
+            fetch.verified = True
+            return
+        fetch.present.clear()  # refetch on the next read: the remote may have been repaired
+        fetch.contiguous = 0
+        log.error("event=corrupt_data key=%s ino=%d range=0-%d problem=%r", fetch.key, fetch.ino, fetch.size,
+                  f"xxh3-128 {digest}, journal {fetch.whole_digest} (no manifest)")  # fmt: skip
+        raise CorruptDataError(
+            f"{fetch.key}: bytes 0-{fetch.size} do not match the checksum journaled when it was drained "
+            f"(digest {digest}, expected {fetch.whole_digest}; the remote object has no manifest)"
+        )
+
+    def _local_digest(self, ino: int, size: int) -> str:
+        """xxh3-128 of the fetched data file (blocking: run in a thread)."""
+        whole = xxhash.xxh3_128()
+        fd = self.tier.open_data(ino)
+        try:
+            offset = 0
+            while offset < size:
+                data = pread_full(fd, min(VERIFY_READ_SIZE, size - offset), offset)
+                if not data:
+                    break
+                whole.update(data)
+                offset += len(data)
+        finally:
+            os.close(fd)
+        return whole.hexdigest()
+
+    async def _complete(self, fetch: _FileFetch) -> int:
+        """The contiguous local prefix; the file is recorded local once all chunks are (and checked out)."""
         if len(fetch.present) < fetch.chunks:
             return self._contiguous(fetch)
-        os.close(fetch.fd)
+        if fetch.whole_digest is not None and not fetch.verified:
+            await self._verify_whole(fetch)
+        if self._files.get(fetch.ino) is not fetch:  # completed by a concurrent reader, or forgotten
+            return self._contiguous(fetch) if not fetch.closed else fetch.size
         del self._files[fetch.ino]
+        fetch.closed = True
+        if fetch.fd_users == 0:
+            self._close_fd(fetch)
         fields: dict[str, object] = {"state": DURABLE, "local_bytes": fetch.size, "updated": time.time()}
         if fetch.manifest is not None:
             fields.update(digest=fetch.manifest.digest, chunk_size=fetch.manifest.chunk_size,
@@ -213,13 +405,42 @@ class RestoreService:
             f"UPDATE inodes SET {assignments}, durable_generation=generation WHERE ino=? AND state IN (?, ?)",
             (*fields.values(), fetch.ino, EVICTED, REMOTE),
         )
-        log.info("event=fetched key=%s bytes=%d verified=%s", fetch.key, fetch.size, fetch.manifest is not None)
+        log.info("event=fetched key=%s bytes=%d verified=%s", fetch.key, fetch.size, fetch.verification)
         return fetch.size
 
     def forget(self, ino: int) -> None:
-        """Drop fetch state of a file that went away (unlinked or evicted again)."""
+        """Drop fetch state of a file that went away (unlinked or evicted again).
+
+        In-flight chunk fetches are cancelled; a pwrite already running in a
+        thread keeps the descriptor until it returns (then it is closed).
+        """
         fetch = self._files.pop(ino, None)
-        if fetch is not None:
-            for task in fetch.in_flight.values():
-                task.cancel()
-            os.close(fetch.fd)
+        if fetch is None:
+            return
+        fetch.closed = True
+        for task in list(fetch.in_flight.values()):
+            task.cancel()
+        if fetch.fd_users == 0:
+            self._close_fd(fetch)
+
+    def close(self) -> None:
+        """Close every descriptor not in use by a write (shutdown)."""
+        for fetch in list(self._open_fds.values()):
+            fetch.closed = True
+            if fetch.fd_users == 0:
+                self._close_fd(fetch)
+
+
+def _journal_chunks(row: InodeRow) -> tuple[str, ...] | None:
+    """The journal's per-chunk digests of ``row``, if they are present and cover its size."""
+    if not row.chunks or not row.chunk_size or row.chunk_size <= 0:
+        return None
+    try:
+        chunks = json.loads(row.chunks)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(chunks, list) or not all(isinstance(c, str) for c in chunks):
+        return None
+    if len(chunks) != -(-row.size // row.chunk_size):
+        return None
+    return tuple(chunks)

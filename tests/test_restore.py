@@ -1,16 +1,38 @@
-"""Restore through a real mount: a second node's view, verified fetches, eviction, backpressure."""
+"""Restore through a real mount: a second node's view, verified fetches, eviction, backpressure.
+
+Plus RestoreService on its own (no FUSE): descriptors, forget, verification without a manifest.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
+import logging
 import multiprocessing
 import os
+import sqlite3
 import subprocess
+import threading
+import types
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
+import xxhash
 from conftest import BIN, MountedFS, RemoteTarget, file_state, wait_for
 
-pytestmark = pytest.mark.fuse
+from burstfs.config import parse_remote_url
+from burstfs.errors import CorruptDataError
+from burstfs.localtier import LocalTier
+from burstfs.objects import ChunkInfo, Manifest, ObjectStore, manifest_key
+from burstfs.remote import FileRemote, RetryPolicy
+from burstfs.restore import MAX_OPEN_FDS, RestoreService
+
+T = TypeVar("T")
+
+fuse = pytest.mark.fuse  # the mount tests; the RestoreService unit tests below need no FUSE
 
 MiB = 1 << 20
 
@@ -38,6 +60,7 @@ def read_shard(path: str, queue: multiprocessing.Queue) -> None:  # type: ignore
         queue.put((path, len(f.read())))
 
 
+@fuse
 def test_second_node_with_fresh_cache_sees_and_reads_everything(
     mounted_factory: type[MountedFS], remote: RemoteTarget
 ) -> None:
@@ -61,6 +84,7 @@ def test_second_node_with_fresh_cache_sees_and_reads_everything(
     assert (reader.path / "run/step10/late.bin").read_bytes() == b"late"
 
 
+@fuse
 def test_random_reads_fetch_only_what_they_touch(mounted_factory: type[MountedFS], remote: RemoteTarget) -> None:
     writer = mounted_factory("w", remote.url, (*remote.extra_args, "--part-size", "5M"))  # type: ignore[call-arg]
     writer.mount()
@@ -77,6 +101,7 @@ def test_random_reads_fetch_only_what_they_touch(mounted_factory: type[MountedFS
     assert (reader.path / "big.safetensors").read_bytes() == content
 
 
+@fuse
 def test_flipped_byte_in_the_remote_gives_eio_never_wrong_data(
     mounted_factory: type[MountedFS], remote: RemoteTarget
 ) -> None:
@@ -98,6 +123,7 @@ def test_flipped_byte_in_the_remote_gives_eio_never_wrong_data(
     assert "ckpt.pt" in reader.log_text()
 
 
+@fuse
 def test_objects_from_other_tools_are_served_unverified(mounted_factory: type[MountedFS], remote: RemoteTarget) -> None:
     remote.write("foreign/weights.bin", b"written by aws s3 cp" * 1000)
     reader = mounted_factory("r", remote.url, remote.extra_args)  # type: ignore[call-arg]
@@ -106,6 +132,7 @@ def test_objects_from_other_tools_are_served_unverified(mounted_factory: type[Mo
     assert "event=unverified_object key=foreign/weights.bin" in reader.log_text()
 
 
+@fuse
 def test_eight_ranks_restore_shards_in_parallel(mounted_factory: type[MountedFS], remote: RemoteTarget) -> None:
     writer = mounted_factory("w", remote.url, remote.extra_args)  # type: ignore[call-arg]
     writer.mount()
@@ -128,6 +155,7 @@ def test_eight_ranks_restore_shards_in_parallel(mounted_factory: type[MountedFS]
         assert (reader.path / f"shards/rank{rank}.bin").read_bytes() == (writer.path / f"shards/rank{rank}.bin").read_bytes()
 
 
+@fuse
 def test_full_tier_evicts_durable_files_lru_and_refetches_them(tmp_path, mounted_factory: type[MountedFS]) -> None:  # type: ignore[no-untyped-def]
     fs = mounted_factory("small", extra_args=("--cache-size", "24M"))  # type: ignore[call-arg]
     fs.mount()
@@ -143,6 +171,7 @@ def test_full_tier_evicts_durable_files_lru_and_refetches_them(tmp_path, mounted
     assert (fs.path / "ckpt0.pt").read_bytes() == contents[0]  # read back from the remote
 
 
+@fuse
 def test_tier_full_of_undrained_data_waits_then_enospc(mounted_factory: type[MountedFS], remote: RemoteTarget) -> None:
     if remote.proxy is None:
         pytest.skip("needs the fault proxy to stall the drain")
@@ -161,6 +190,7 @@ def test_tier_full_of_undrained_data_waits_then_enospc(mounted_factory: type[Mou
     remote.proxy.clear()
 
 
+@fuse
 def test_admin_prefetch_warms_a_checkpoint(mounted_factory: type[MountedFS], remote: RemoteTarget) -> None:
     writer = mounted_factory("w", remote.url, remote.extra_args)  # type: ignore[call-arg]
     writer.mount()
@@ -174,6 +204,7 @@ def test_admin_prefetch_warms_a_checkpoint(mounted_factory: type[MountedFS], rem
     assert file_state(reader.cache, "optim.pt") == "durable"
 
 
+@fuse
 def test_large_prefix_lists_lazily_and_completely(mounted_factory: type[MountedFS], tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A directory of 20,000 objects written by another node (or tool) lists in full."""
     fs = mounted_factory("big")  # type: ignore[call-arg]
@@ -185,3 +216,214 @@ def test_large_prefix_lists_lazily_and_completely(mounted_factory: type[MountedF
     names = os.listdir(fs.path / "many")
     assert len(names) == 20_000 and "f19999" in names
     assert os.stat(fs.path / "many/f12345").st_size == 0
+
+
+@fuse
+def test_evicted_file_without_manifest_is_verified_against_the_journal(mounted_factory: type[MountedFS]) -> None:
+    """An evicted file whose object was swapped and whose manifest was deleted: the journal
+    still has its digests, so the swapped bytes are refused (EIO), never served."""
+    fs = mounted_factory("n")  # type: ignore[call-arg]
+    fs.mount()
+    content = os.urandom(3 * MiB + 5)
+    (fs.path / "ckpt.pt").write_bytes(content)
+    wait_for(lambda: drained(fs, "ckpt.pt"), what="drain")
+    subprocess.run([str(BIN / "burstfs-admin"), "evict", str(fs.path / "ckpt.pt")], check=True,
+                   capture_output=True, timeout=60)  # fmt: skip
+    assert file_state(fs.cache, "ckpt.pt") == "evicted"
+    swapped = bytearray(content)
+    swapped[2 * MiB + 7] ^= 0x01
+    (fs.remote_dir / "ckpt.pt").write_bytes(bytes(swapped))
+    (fs.remote_dir / ".burstfs/manifests/ckpt.pt.json").unlink()
+    fs.expect_log("request_failed")
+    with pytest.raises(OSError) as err:
+        (fs.path / "ckpt.pt").read_bytes()
+    assert err.value.errno == errno.EIO
+    assert "event=corrupt_data key=ckpt.pt" in fs.log_text()
+    assert "range=" in fs.log_text()
+    (fs.remote_dir / "ckpt.pt").write_bytes(content)  # repaired: now it reads, verified
+    assert (fs.path / "ckpt.pt").read_bytes() == content
+    assert file_state(fs.cache, "ckpt.pt") == "durable"
+
+
+# -- RestoreService without a mount --------------------------------------------------------------
+
+CHUNK = 4096
+FAST_RETRY = RetryPolicy(attempts=2, base_delay=0.01, max_delay=0.02)
+
+
+class FakeJournal:
+    """The two journal calls RestoreService makes."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, types.SimpleNamespace] = {}
+        self.updates: list[tuple[str, tuple[Any, ...]]] = []
+
+    def add(self, ino: int, key: str, size: int, digest: str | None = None, chunk_size: int | None = None,
+            chunks: list[str] | None = None) -> None:  # fmt: skip
+        import json
+
+        self.rows[ino] = types.SimpleNamespace(ino=ino, remote_key=key, size=size, digest=digest, chunk_size=chunk_size,
+                                               chunks=json.dumps(chunks) if chunks is not None else None)  # fmt: skip
+
+    def inode(self, ino: int) -> types.SimpleNamespace | None:
+        return self.rows.get(ino)
+
+    def execute(self, sql: str, params: tuple[Any, ...] = ()) -> None:
+        self.updates.append((sql, params))
+
+
+def chunk_digests(data: bytes, chunk: int = CHUNK) -> list[str]:
+    return [xxhash.xxh3_64_hexdigest(data[i : i + chunk]) for i in range(0, len(data), chunk)]
+
+
+async def put_with_manifest(store: ObjectStore, key: str, data: bytes, chunk: int = CHUNK) -> Manifest:
+    manifest = Manifest(key=key, size=len(data), chunk_size=chunk, digest=xxhash.xxh3_128_hexdigest(data),
+                        generation=1, mtime_ns=0, mode=0o100600,
+                        chunks=tuple(ChunkInfo(d, "raw", min(chunk, len(data) - i * chunk))
+                                     for i, d in enumerate(chunk_digests(data, chunk))))  # fmt: skip
+    await store.remote.put_object(key, data)
+    await store.remote.put_object(manifest_key(key), manifest.to_json())
+    return manifest
+
+
+def service(tmp_path: Path, journal: FakeJournal, **kw: Any) -> RestoreService:
+    (tmp_path / "remote").mkdir(exist_ok=True)
+    store = ObjectStore(FileRemote(parse_remote_url(f"file://{tmp_path / 'remote'}")), FAST_RETRY)
+    return RestoreService(store, journal, LocalTier(tmp_path / "cache"), **kw)  # type: ignore[arg-type]
+
+
+def run_async(body: Callable[[], Awaitable[T]]) -> T:
+    return asyncio.run(body())  # type: ignore[arg-type]
+
+
+def open_fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def settle(svc: RestoreService) -> None:
+    """Wait for prefetches to land."""
+    for _ in range(1000):
+        if not any(f.in_flight for f in svc._files.values()):
+            return
+        await asyncio.sleep(0.01)
+
+
+def test_partial_fetches_of_many_files_hold_a_bounded_number_of_fds(tmp_path: Path) -> None:
+    """Reading 4 KiB from each of 300 cold files once took one descriptor per file for good
+    (19 -> 319 fds; EMFILE under a 256 limit).  Now at most MAX_OPEN_FDS stay open."""
+    journal = FakeJournal()
+    svc = service(tmp_path, journal)
+    files = {ino: os.urandom(40 * CHUNK) for ino in range(1, 301)}
+
+    async def body() -> None:
+        for ino, data in files.items():
+            await put_with_manifest(svc.store, f"f{ino}", data)
+            journal.add(ino, f"f{ino}", len(data))
+        before = open_fd_count()
+        for ino in files:
+            assert await svc.ensure_local(ino, 0, 4096) >= 4096
+        await settle(svc)
+        assert len(svc._files) == 300  # all still partly fetched
+        assert svc.open_fds <= MAX_OPEN_FDS
+        assert open_fd_count() - before <= MAX_OPEN_FDS
+        # A file whose descriptor was closed gets it back when it needs it again.
+        for ino in (1, 300):
+            assert await svc.ensure_local(ino, 0, 40 * CHUNK) == 40 * CHUNK
+            assert svc.tier.path(ino).read_bytes() == files[ino]
+        svc.close()
+
+    run_async(body)
+
+
+def test_forget_keeps_the_fd_until_the_pwrite_using_it_returns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """forget() (unlink or eviction) during a chunk's pwrite must not close the descriptor under
+    the writing thread: the number could be reused by another file and get its bytes."""
+    journal = FakeJournal()
+    svc = service(tmp_path, journal)
+    data = os.urandom(4 * CHUNK)
+    journal.add(7, "k", len(data))
+    tier_file = str(svc.tier.path(7))
+    started, release = threading.Event(), threading.Event()
+    seen: dict[str, Any] = {}
+    real_pwrite = os.pwrite
+
+    def slow_pwrite(fd: int, buf: Any, offset: int) -> int:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}") == tier_file and "fd" not in seen:
+                seen["fd"] = fd
+                started.set()
+                release.wait(10)
+                seen["still_ours"] = os.readlink(f"/proc/self/fd/{fd}") == tier_file
+        return real_pwrite(fd, buf, offset)
+
+    monkeypatch.setattr(os, "pwrite", slow_pwrite)
+
+    async def body() -> None:
+        await put_with_manifest(svc.store, "k", data)
+        reader = asyncio.create_task(svc.ensure_local(7, 0, 100))
+        assert await asyncio.to_thread(started.wait, 10)
+        svc.forget(7)
+        await asyncio.sleep(0.05)  # let the cancellations run
+        release.set()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await reader
+        for _ in range(500):
+            if svc.open_fds == 0:
+                break
+            await asyncio.sleep(0.01)
+
+    run_async(body)
+    assert seen.get("still_ours") is True, "the descriptor was closed while a pwrite used it"
+    assert svc.open_fds == 0
+    with contextlib.suppress(OSError):  # closed afterwards (or reused by something else)
+        assert os.readlink(f"/proc/self/fd/{seen['fd']}") != tier_file
+
+
+@pytest.mark.parametrize("journal_has", ["chunk digests", "whole digest only"])
+def test_object_without_manifest_is_verified_against_journal_digests(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, journal_has: str
+) -> None:
+    journal = FakeJournal()
+    svc = service(tmp_path, journal)
+    content = os.urandom(5 * CHUNK + 17)
+    chunks = chunk_digests(content) if journal_has == "chunk digests" else None
+    journal.add(3, "ckpt.pt", len(content), digest=xxhash.xxh3_128_hexdigest(content), chunk_size=CHUNK, chunks=chunks)
+    swapped = bytearray(content)
+    swapped[3 * CHUNK + 9] ^= 0x01
+
+    async def body() -> None:
+        await svc.store.remote.put_object("ckpt.pt", bytes(swapped))  # no manifest
+        with caplog.at_level(logging.WARNING, logger="burstfs"):
+            for offset in (3 * CHUNK, 0):  # the bad chunk, and (whole-digest case) any read at all
+                with pytest.raises(CorruptDataError) as info:
+                    await svc.ensure_local(3, offset, len(content))
+                assert "ckpt.pt" in str(info.value)
+                if chunks is not None:
+                    break
+        lines = [r.getMessage() for r in caplog.records if "event=corrupt_data" in r.getMessage()]
+        assert lines and all("key=ckpt.pt" in line and "range=" in line for line in lines)
+        expected_range = f"range={3 * CHUNK}-{4 * CHUNK}" if chunks is not None else f"range=0-{len(content)}"
+        assert expected_range in lines[0]
+        assert journal.updates == []  # never recorded as local
+        await svc.store.remote.put_object("ckpt.pt", content)  # repaired
+        assert await svc.ensure_local(3, 0, len(content)) == len(content)
+        assert svc.tier.path(3).read_bytes() == content
+        assert journal.updates and journal.updates[0][1][0] == "durable"
+
+    run_async(body)
+
+
+def test_object_nobody_recorded_digests_for_is_served_unverified(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    journal = FakeJournal()
+    svc = service(tmp_path, journal)
+    content = b"written by another tool" * 100
+    journal.add(4, "foreign.bin", len(content))
+
+    async def body() -> None:
+        await svc.store.remote.put_object("foreign.bin", content)
+        with caplog.at_level(logging.WARNING, logger="burstfs"):
+            assert await svc.ensure_local(4, 0, len(content)) == len(content)
+        assert "event=unverified_object key=foreign.bin" in caplog.text
+
+    run_async(body)
+    assert svc.tier.path(4).read_bytes() == content
