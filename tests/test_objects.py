@@ -585,11 +585,13 @@ def test_task_cancellation_aborts_upload(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_abort_stale_uploads(store: ObjectStore) -> None:
+    """Only the uploads named (the ones this cache journaled) are aborted: never another node's."""
     async def body() -> None:
-        await store.remote.create_multipart("a")
-        await store.remote.create_multipart("b/c")
-        assert await store.abort_stale_uploads() == 2
-        assert await store.remote.list_multipart_uploads() == []
+        a = await store.remote.create_multipart("a")
+        c = await store.remote.create_multipart("b/c")
+        other = await store.remote.create_multipart("other-node")
+        assert await store.abort_stale_uploads([("a", a), ("b/c", c)]) == 2
+        assert await store.remote.list_multipart_uploads() == [("other-node", other)]
 
     run(store, body)
 
