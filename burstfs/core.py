@@ -58,6 +58,9 @@ RESERVED_ROOT_NAME = b".burstfs"
 #: How long this mount remembers a key it deleted: a listing that started before
 #: the delete may still show it, and must not bring the file back.
 TOMBSTONE_SECONDS = 600.0
+#: The longest a lookup miss or an opendir waits for a remote listing; a slower
+#: listing goes on in the background and the request is answered from what is local.
+LISTING_WAIT = 1.0
 XATTR_USER = b"user."
 XATTR_RESERVED = b"user.burstfs."  # computed, read-only attributes (drain state)
 # Reads of a file being fetched go straight to the tier while they stay this far
@@ -266,6 +269,8 @@ class BurstCore:
         self.dir_handles: dict[int, list[tuple[bytes, int]]] = {}
         self._tombstones: dict[str, float] = {}  # key -> monotonic time this mount removed it
         self._skipped_logged: set[str] = set()  # listed keys already logged as skipped
+        self.listing_wait = LISTING_WAIT
+        self._listings: dict[int, tuple[trio.Event, list[bool]]] = {}  # directory -> listing in flight
         self._next_fh = itertools.count(1)
         self._recover()
         self._next_ino = itertools.count(max(self.inodes) + 1)
@@ -364,7 +369,7 @@ class BurstCore:
         try:
             inode = self.child(parent, name)
         except FsError as exc:  # maybe another node drained it: look at the remote
-            if exc.errno != errno.ENOENT or not await self.refresh_listing(self._dir(parent)):
+            if exc.errno != errno.ENOENT or not await self._refresh_bounded(self._dir(parent)):
                 raise
             inode = self.child(parent, name)
         inode.lookups += 1
@@ -372,6 +377,41 @@ class BurstCore:
         return inode
 
     # -- remote listings (what other nodes drained) --------------------------------------
+
+    async def _refresh_bounded(self, directory: Inode) -> bool:
+        """refresh_listing for a request: wait at most ``listing_wait`` for it.
+
+        The listing runs in its own task, so a slow or hung remote never holds a
+        lookup or an opendir for long: past the bound, the request is answered
+        from what is local and the merge lands when the listing does.  Requests
+        on a directory whose listing is in flight wait for that one.
+        """
+        if self.fetcher is None:
+            return False
+        pending = self._listings.get(directory.ino)
+        if pending is None:
+            if time.monotonic() - directory.listed_at < self.list_ttl:
+                return False
+            pending = (trio.Event(), [False])
+            self._listings[directory.ino] = pending
+            trio.lowlevel.spawn_system_task(self._list_in_background, directory, pending)
+        done, merged = pending
+        with trio.move_on_after(self.listing_wait):
+            await done.wait()
+            return merged[0]
+        log.info("event=listing_slow dir_ino=%d waited=%.1f note=answered from local entries",
+                 directory.ino, self.listing_wait)  # fmt: skip
+        return False
+
+    async def _list_in_background(self, directory: Inode, pending: tuple[trio.Event, list[bool]]) -> None:
+        done, merged = pending
+        try:
+            merged[0] = await self.refresh_listing(directory)
+        except Exception as exc:  # a failed merge commit: retried after the TTL
+            log.warning("event=listing_merge_failed dir_ino=%d error=%s", directory.ino, exc)
+        finally:
+            self._listings.pop(directory.ino, None)
+            done.set()
 
     async def refresh_listing(self, directory: Inode) -> bool:
         """Merge the remote listing of ``directory`` if it is older than the TTL.
@@ -701,7 +741,14 @@ class BurstCore:
         key = f"{dir_key}/{os.fsdecode(name)}" if dir_key else os.fsdecode(name)
         before = self._tombstones.get(key)
         self._tombstones[key] = time.monotonic()
-        undo.add(lambda: self._tombstones.pop(key, None) if before is None else self._tombstones.__setitem__(key, before))
+
+        def restore() -> None:
+            if before is None:
+                self._tombstones.pop(key, None)
+            else:
+                self._tombstones[key] = before
+
+        undo.add(restore)
 
     def _unlink_ops(self, parent: Inode, inode: Inode, undo: _Undo) -> list[Op]:
         """Detach ``inode`` from its name; the journal queues its remote object for deletion."""
@@ -1320,7 +1367,7 @@ class BurstCore:
 
     async def opendir(self, ino: int) -> int:
         inode = self._dir(ino)
-        await self.refresh_listing(inode)
+        await self._refresh_bounded(inode)
         fh = next(self._next_fh)
         self.dir_handles[fh] = list(inode.children.items())  # type: ignore[union-attr]
         return fh

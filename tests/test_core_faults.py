@@ -509,3 +509,31 @@ def test_emptying_a_remote_only_file_fetches_nothing(tmp_path: Path, how: str) -
     run_flaky(tmp_path, body)
     assert rows(tmp_path, "SELECT state, size, generation FROM inodes WHERE name=?", (b"corrupt.pt",)) == [
         ("staged", 5 if how == "open" else 0, 1)]  # fmt: skip
+
+
+def test_a_slow_listing_does_not_hold_a_lookup(tmp_path: Path) -> None:
+    """Issue 11: a lookup miss waits a bounded time for the remote listing, then
+    answers from what is local; the listing merges when it arrives."""
+
+    async def body(core: BurstCore) -> None:
+        remote = FakeRemote({"": ([("late", 4, 1.0)], [])})
+        release = trio.Event()
+        remote.during_list = release.wait  # a remote that does not answer
+        listed(core, remote)
+        core.list_ttl = 60
+        core.listing_wait = 0.05
+        with trio.fail_after(10):  # without the bound this hangs until the remote answers
+            try:
+                await core.lookup(ROOT_INO, b"late")
+                raise AssertionError("found before the listing arrived")
+            except BurstfsError as exc:
+                assert exc.errno == errno.ENOENT
+            fh = await core.opendir(ROOT_INO)  # answered from local entries too
+            assert core.readdir(fh, 0) == []
+            core.releasedir(fh)
+            release.set()
+            while b"late" not in core.inode(ROOT_INO).children:  # type: ignore[operator]
+                await trio.sleep(0.01)
+        assert (await core.lookup(ROOT_INO, b"late")).size == 4
+
+    run_flaky(tmp_path, body)
