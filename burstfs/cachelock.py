@@ -1,12 +1,64 @@
-"""One process at a time owns a cache directory (a mount or a stand-alone drain)."""
+"""One process at a time owns a cache directory (a mount or a stand-alone drain).
+
+The cache holds every checkpoint byte and the journal of file names, so it is
+private: the directory is 0700, owned by the daemon's user, and files in it are
+0600 (the daemon and ``burstfs drain`` run with umask 077).
+"""
 
 from __future__ import annotations
 
 import fcntl
 import os
+import stat
 from pathlib import Path
 
 from .errors import ConfigError
+
+#: What a cache dir holds at its top level that an older burstfs may have left 0644.
+_PRIVATE_FILES = ("journal.db", "journal.db-wal", "journal.db-shm", "burstfs.log", "lock")
+#: Everything the daemon and `burstfs drain` create is private to their user.
+PRIVATE_UMASK = 0o077
+
+
+def secure_cache_dir(cache_dir: Path, *, create: bool = True) -> None:
+    """Make ``cache_dir`` private before anything is written in it.
+
+    Creates it 0700 (if ``create``), refuses (ConfigError) one owned by another
+    user (who could read the checkpoints or plant links the root daemon would
+    follow), and tightens an existing 0755 directory and the journal/log files an
+    older burstfs left 0644.
+    """
+    cache_dir = Path(cache_dir)
+    if create:
+        try:
+            cache_dir.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+    try:
+        st = os.stat(cache_dir, follow_symlinks=False)
+    except FileNotFoundError:
+        raise ConfigError(f"cache dir {cache_dir} does not exist") from None
+    if stat.S_ISLNK(st.st_mode):
+        st = os.stat(cache_dir)  # a link to the real cache (the operator's choice): check its target
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"cache dir {cache_dir} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise ConfigError(
+            f"cache dir {cache_dir} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}); "
+            "use a cache dir of your own"
+        )
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(cache_dir, 0o700)
+    for name in _PRIVATE_FILES:
+        try:
+            fd = os.open(cache_dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:  # missing (or a link: never chmod through it)
+            continue
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode) and stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
+                os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
 
 
 class CacheLock:
@@ -17,7 +69,7 @@ class CacheLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

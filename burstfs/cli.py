@@ -189,11 +189,16 @@ def drain(cache_dir: Path, endpoint_url: str | None) -> None:
     """
     import asyncio
 
-    from .cachelock import CacheLock
+    from .cachelock import PRIVATE_UMASK, CacheLock, secure_cache_dir
     from .journal import Journal
     from .log import setup_logging
     from .mover import Mover
 
+    os.umask(PRIVATE_UMASK)  # the journal's WAL, the log, temp files: private to this user
+    try:
+        secure_cache_dir(cache_dir, create=False)
+    except BurstfsError as exc:
+        _fail(exc)
     setup_logging("INFO", log_file=cache_dir / "burstfs.log", stderr=True)
     lock = CacheLock(cache_dir)
     try:

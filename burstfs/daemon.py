@@ -26,7 +26,7 @@ from . import passthrough  # noqa: I001 (before pyfuse3: the shim interposes fus
 import pyfuse3
 import trio
 
-from .cachelock import CacheLock
+from .cachelock import PRIVATE_UMASK, CacheLock, secure_cache_dir
 from .control import serve_control
 from .config import MountConfig
 from .core import BurstCore, CapacityPolicy
@@ -80,6 +80,9 @@ def preflight(config: MountConfig) -> None:
     elif not os.access(cache, os.W_OK | os.X_OK):
         raise ConfigError(f"cache dir {cache} is not writable")
     else:
+        if cache.stat().st_uid != os.geteuid():  # secure_cache_dir() refuses it too; say so before forking
+            raise ConfigError(f"cache dir {cache} is owned by uid {cache.stat().st_uid}, not by this user "
+                              f"(uid {os.geteuid()}); use a cache dir of your own")  # fmt: skip
         _check_cache_owner(config)
 
 
@@ -131,7 +134,8 @@ def check_remote(config: MountConfig, timeout: float = 20.0) -> None:
 
 def open_cache(config: MountConfig) -> tuple[CacheLock, Journal]:
     """Lock the cache dir and open its journal; refuse a cache that belongs to another remote."""
-    config.cache_dir.mkdir(mode=0o700, exist_ok=True)
+    os.umask(PRIVATE_UMASK)  # journal.db, its WAL and everything else: 0600
+    secure_cache_dir(config.cache_dir)
     lock = CacheLock(config.cache_dir)
     lock.acquire()
     try:
@@ -252,11 +256,12 @@ def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
 
 def mount(config: MountConfig, *, foreground: bool) -> int:
     """``burstfs mount``: returns the process exit code once the mount is live (or failed)."""
+    os.umask(PRIVATE_UMASK)  # before the first file in the cache (or a temp file on the remote) exists
     preflight(config)
     check_remote(config)
     log_file = config.cache_dir / "burstfs.log"
     if foreground:
-        config.cache_dir.mkdir(mode=0o700, exist_ok=True)
+        secure_cache_dir(config.cache_dir)
         setup_logging(config.log_level, log_file=log_file, stderr=True)
         run_mount(config, on_ready=lambda: None)
         return 0
@@ -281,7 +286,7 @@ def mount(config: MountConfig, *, foreground: bool) -> int:
 
     code = 0
     try:
-        config.cache_dir.mkdir(mode=0o700, exist_ok=True)
+        secure_cache_dir(config.cache_dir)
         setup_logging(config.log_level, log_file=log_file, stderr=False)
         run_mount(config, on_ready=ready)
     except BaseException as exc:  # the parent prints it; the log keeps the details

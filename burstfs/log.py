@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,12 @@ def setup_logging(level: str, *, log_file: Path | None = None, stderr: bool = Tr
         handler.close()
     formatter = logging.Formatter(FORMAT)
     if log_file is not None:
+        # 0600 whatever the umask, and never written through a link planted at its name.
+        fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
         file_handler = logging.FileHandler(log_file)
         file_handler.setFormatter(formatter)
         root.addHandler(file_handler)
