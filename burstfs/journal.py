@@ -504,9 +504,12 @@ class Journal:
             "UPDATE inodes SET state=?, attempts=0 WHERE ino=? AND state=? AND remote_key=? AND parent!=0",
             (STAGED, ino, DURABLE, remote_key)))  # fmt: skip
 
+    def latest_event_seq(self) -> int:
+        return int(self.query("SELECT COALESCE(MAX(seq), 0) FROM events")[0][0])
+
     def renamed_since(self, seq: int) -> tuple[list[int], int]:
         """Inodes renamed after event ``seq``, and the newest event seq seen."""
-        latest = int(self.query("SELECT COALESCE(MAX(seq), 0) FROM events")[0][0])
+        latest = self.latest_event_seq()
         rows = self.query("SELECT ino FROM events WHERE seq > ? AND seq <= ? AND event='rename'", (seq, latest))
         return [int(ino) for (ino,) in rows if ino is not None], max(seq, latest)
 

@@ -594,20 +594,20 @@ class Mover:
             self._relocate_full = True
         if not (self._relocate_needed or self._relocate_full or due):
             return
+        self._relocate_needed = False  # before reading the events: a rename committed meanwhile sets it again
         roots: set[int] | None
         if self._relocate_full:
-            _, self._rename_seq = self.journal.renamed_since(self._rename_seq)
+            self._rename_seq = self.journal.latest_event_seq()
             roots = None
             self._relocate_full = False
             self._next_full_scan = now + RELOCATE_FULL_SCAN_S
         else:
             renamed, self._rename_seq = self.journal.renamed_since(self._rename_seq)
             roots = {*renamed, *due, *self._relocate_roots}
-        self._relocate_needed = False
         self._relocate_roots.clear()
         for ino in due:
             self._relocate_retry.pop(ino, None)
-        pending = [ino for ino, _, _ in self.journal.relocation_candidates(roots)]
+        pending = list(dict.fromkeys(ino for ino, _, _ in self.journal.relocation_candidates(roots)))
         for _ in range(len(pending) + 2):  # each round moves or parks at least one file, or ends the pass
             pending = [ino for ino in pending if ino not in self._relocate_retry]
             blocked: dict[int, int] = {}
