@@ -561,16 +561,16 @@ class Mover:
             try:
                 await self.store.delete(key)
             except Exception as exc:
-                scope = error_scope(exc)
-                if scope == OBJECT:  # no object can exist under such a key: the request is void
-                    log.warning("event=remote_delete_skipped key=%s reason=%s error=%s", key, reason, exc)
-                    self.stats.error(getattr(exc, "kind", "internal"), f"delete {key}: {exc}")
-                    self.journal.drop_delete(row_id)
-                    continue
-                if not isinstance(exc, RemoteError):
+                if not isinstance(exc, RemoteError):  # a bug hit by this key: retried later, not lost
                     log.exception("event=remote_delete_bug key=%s", key)
                     self.stats.error("internal", f"delete {key}: {exc!r}")
                     self._delete_retry[key] = now + RELOCATE_BACKOFF_S
+                    continue
+                scope = error_scope(exc)
+                if scope == OBJECT:  # no object can exist (or be removed) under such a key: the request is void
+                    log.warning("event=remote_delete_skipped key=%s reason=%s error=%s", key, reason, exc)
+                    self.stats.error(exc.kind, f"delete {key}: {exc}")
+                    self.journal.drop_delete(row_id)
                     continue
                 if scope == HALT:
                     self._halt(exc)
