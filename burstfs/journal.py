@@ -45,6 +45,9 @@ INCOMPLETE = "incomplete"  # open for writing when the daemon died, or lost a wr
 FILE_STATES = (WRITING, STAGED, DRAINING, DURABLE, EVICTED, REMOTE, FAILED, INCOMPLETE)
 NOT_LOCAL_STATES = (EVICTED, REMOTE)
 META = "meta"  # directories and symlinks: nothing to drain
+# Files whose object follows a rename (a listed file renamed here moves too: else its
+# key would stay held and block a new file at the old name for good).
+_MOVABLE_STATES = (DURABLE, EVICTED, REMOTE)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -459,8 +462,8 @@ class Journal:
                            FROM inodes i JOIN paths ON i.parent=paths.ino)
                        SELECT i.ino, paths.path, i.remote_key FROM inodes i JOIN paths USING (ino)
                        WHERE i.kind='file' AND i.remote_key IS NOT NULL AND i.remote_key != paths.path
-                           AND i.state IN (?, ?)""",
-                    (ino, path, DURABLE, EVICTED),
+                           AND i.state IN (?, ?, ?)""",
+                    (ino, path, *_MOVABLE_STATES),
                 ).fetchall()
                 found.extend((int(i), str(p), str(k)) for i, p, k in rows)
             return found
@@ -469,8 +472,8 @@ class Journal:
         """``(path, remote_key)`` if ``ino`` is durable and its object still has to move."""
         with self._lock:
             row = self._db.execute(
-                "SELECT remote_key FROM inodes WHERE ino=? AND parent!=0 AND kind='file' AND state IN (?, ?)",
-                (ino, DURABLE, EVICTED),
+                "SELECT remote_key FROM inodes WHERE ino=? AND parent!=0 AND kind='file' AND state IN (?, ?, ?)",
+                (ino, *_MOVABLE_STATES),
             ).fetchone()
             path = self._path_locked(ino)
         if row is None or row[0] is None or path is None or row[0] == path:

@@ -664,3 +664,23 @@ def test_s3_upload_verified_by_md5_etag_when_no_checksum_comes_back(s3_env: str)
             await remote.close()
 
     assert asyncio.run(main()) == b"payload"
+
+
+def test_a_listed_file_renamed_away_frees_its_name(tmp_path: Path) -> None:
+    """Another node's `latest`, listed here and renamed, moves along; a new local `latest` drains."""
+    mover, front, _ = make_mover(tmp_path)
+    (tmp_path / "remote/latest").write_bytes(b"theirs")
+
+    async def scenario() -> None:
+        listed = front._new(ROOT_INO, "latest", "file", "remote")
+        front.journal.execute("UPDATE inodes SET remote_key='latest', size=6 WHERE ino=?", (listed,))
+        d = front.mkdir("a")
+        front.rename(listed, "latest", new_parent=d)
+        mine = front.write("latest", b"ours")
+        mover.namespace_changed()
+        await until(lambda: front.row(mine).state == DURABLE and front.row(listed).remote_key == "a/latest"
+                    and not front.journal.query("SELECT 1 FROM remote_deletes"), "both names settled")  # fmt: skip
+
+    run_mover(mover, scenario)
+    assert remote_bytes(tmp_path, "latest") == b"ours"
+    assert remote_bytes(tmp_path, "a/latest") == b"theirs"
