@@ -622,7 +622,7 @@ def test_s3_upload_the_store_did_not_keep_intact_is_refused(s3_env: str, tamper:
                 response["ETag"] = '"0123456789abcdef0123456789abcdef"'
         return response
 
-    remote._call = lying_store  # type: ignore[method-assign]
+    remote._call = lying_store  # type: ignore[method-assign,assignment]
 
     async def main() -> None:
         try:
@@ -654,7 +654,7 @@ def test_s3_upload_verified_by_md5_etag_when_no_checksum_comes_back(s3_env: str)
         response.pop("ChecksumCRC32C", None)
         return response
 
-    remote._call = no_checksums  # type: ignore[method-assign]
+    remote._call = no_checksums  # type: ignore[method-assign,assignment]
 
     async def main() -> bytes:
         try:
