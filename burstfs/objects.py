@@ -700,7 +700,7 @@ def _field(doc: dict[str, Any], name: str, kind: type, where: str = "") -> Any:
     value = doc[name]
     if type(value) is not kind:
         raise ManifestError(f"invalid manifest: key '{label}' is {type(value).__name__}, expected {kind.__name__}")
-    if kind is int and not -_INT64 <= value < _INT64:
+    if isinstance(value, int) and not -_INT64 <= value < _INT64:
         raise ManifestError(f"invalid manifest: key '{label}' is out of range")
     return value
 

@@ -218,7 +218,7 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
     max_leaves=30,
 )
-SPECIAL_VALUES = (float("inf"), float("-inf"), float("nan"), 1.5, 10**30, -1, 0, True, "1", None, [], {},
+SPECIAL_VALUES: tuple[Any, ...] = (float("inf"), float("-inf"), float("nan"), 1.5, 10**30, -1, 0, True, "1", None, [], {},
                   {"stored_size": float("inf")}, {"stored_size": 10**12}, {"codec": "lz4"}, {"xxh3": 1}, [[[]]])
 MANIFEST_FIELDS = ("version", "key", "size", "chunk_size", "digest", "generation", "mtime_ns", "mode", "chunks")
 

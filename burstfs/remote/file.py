@@ -682,6 +682,7 @@ def _openat2(dir_fd: int, path: str, flags: int) -> int:
         syscall.restype = ctypes.c_long
         _openat2_state["syscall"] = syscall
     how = _OpenHow(flags, 0, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
+    assert _SYS_OPENAT2 is not None  # _openat2_usable() is false without it
     fd = syscall(  # type: ignore[operator]
         ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd), ctypes.c_char_p(os.fsencode(path)),
         ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)),
