@@ -61,6 +61,10 @@ TOMBSTONE_SECONDS = 600.0
 #: The longest a lookup miss or an opendir waits for a remote listing; a slower
 #: listing goes on in the background and the request is answered from what is local.
 LISTING_WAIT = 1.0
+#: A background listing is abandoned after this long (retried after the TTL).
+LISTING_TIMEOUT = 30.0
+#: After a listing failed or was slow, requests wait for none for this long.
+LISTING_BACKOFF = 30.0
 XATTR_USER = b"user."
 XATTR_RESERVED = b"user.burstfs."  # computed, read-only attributes (drain state)
 # Reads of a file being fetched go straight to the tier while they stay this far
@@ -270,7 +274,10 @@ class BurstCore:
         self._tombstones: dict[str, float] = {}  # key -> monotonic time this mount removed it
         self._skipped_logged: set[str] = set()  # listed keys already logged as skipped
         self.listing_wait = LISTING_WAIT
-        self._listings: dict[int, tuple[trio.Event, list[bool]]] = {}  # directory -> listing in flight
+        self.listing_timeout = LISTING_TIMEOUT
+        self.listing_backoff = LISTING_BACKOFF
+        self._remote_slow_until = 0.0  # until then, requests wait for no listing (the last one failed or was slow)
+        self._listings: dict[int, tuple[trio.Event, list[bool], float]] = {}  # directory -> listing in flight
         self._next_fh = itertools.count(1)
         self._recover()
         self._next_ino = itertools.count(max(self.inodes) + 1)
@@ -383,30 +390,47 @@ class BurstCore:
 
         The listing runs in its own task, so a slow or hung remote never holds a
         lookup or an opendir for long: past the bound, the request is answered
-        from what is local and the merge lands when the listing does.  Requests
-        on a directory whose listing is in flight wait for that one.
+        from what is local and the merge lands when the listing does.  The bound
+        counts from the listing's start, so requests that arrive while a slow
+        listing is in flight do not wait again; and after a listing failed or was
+        slow, requests wait for none until one answers in time again
+        (``_remote_slow_until``): a hung remote costs one wait, not one per name.
         """
         if self.fetcher is None:
             return False
         pending = self._listings.get(directory.ino)
+        now = time.monotonic()
         if pending is None:
-            if time.monotonic() - directory.listed_at < self.list_ttl:
+            if now - directory.listed_at < self.list_ttl:
                 return False
-            pending = (trio.Event(), [False])
+            pending = (trio.Event(), [False], now)
             self._listings[directory.ino] = pending
             trio.lowlevel.spawn_system_task(self._list_in_background, directory, pending)
-        done, merged = pending
-        with trio.move_on_after(self.listing_wait):
+        done, merged, started = pending
+        if now < self._remote_slow_until:
+            return False  # the remote is slow or down: local work does not wait for it
+        with trio.move_on_at(started + self.listing_wait):
             await done.wait()
             return merged[0]
-        log.info("event=listing_slow dir_ino=%d waited=%.1f note=answered from local entries",
-                 directory.ino, self.listing_wait)  # fmt: skip
+        if now >= self._remote_slow_until:
+            log.info("event=listing_slow dir_ino=%d waited=%.1f note=answered from local entries",
+                     directory.ino, time.monotonic() - now)  # fmt: skip
+        self._remote_slow_until = max(self._remote_slow_until, time.monotonic() + self.listing_backoff)
         return False
 
-    async def _list_in_background(self, directory: Inode, pending: tuple[trio.Event, list[bool]]) -> None:
-        done, merged = pending
+    async def _list_in_background(self, directory: Inode, pending: tuple[trio.Event, list[bool], float]) -> None:
+        """Run one listing, bounded by ``listing_timeout`` (the remote's own retries may take minutes)."""
+        done, merged, started = pending
         try:
-            merged[0] = await self.refresh_listing(directory)
+            with trio.move_on_after(self.listing_timeout) as scope:
+                merged[0] = await self.refresh_listing(directory)
+            if scope.cancelled_caught:
+                log.warning("event=list_failed dir_ino=%d error=no answer within %.0fs note=retried after the TTL",
+                            directory.ino, self.listing_timeout)  # fmt: skip
+            if scope.cancelled_caught:
+                self._remote_slow_until = time.monotonic() + self.listing_backoff
+            elif merged[0] and time.monotonic() - started <= self.listing_wait:
+                self._remote_slow_until = 0.0  # the remote answers in time again
         except Exception as exc:  # a failed merge commit: retried after the TTL
             log.warning("event=listing_merge_failed dir_ino=%d error=%s", directory.ino, exc)
         finally:
@@ -439,6 +463,7 @@ class BurstCore:
             files, subdirs = await self.fetcher.list_dir(dir_key)
         except Exception as exc:
             log.warning("event=list_failed dir=%s error=%s", dir_key or "/", exc)
+            self._remote_slow_until = time.monotonic() + self.listing_backoff
             return False
         prefix = f"{dir_key}/" if dir_key else ""
         at_root = directory.ino == ROOT_INO

@@ -7,6 +7,9 @@ Sits between a client and moto::
         proxy.fail_next(3, status=503)                     # SlowDown x3
         proxy.reset_next(1, when="response", match="partNumber=")
         proxy.delay_next(1, seconds=2.0)
+        proxy.blackhole()    # accept every connection, read it, never answer
+        proxy.pause()        # hold every request until resume(), then forward it
+        proxy.resume()       # end either mode: held requests go on, black-holed ones are reset
 
 Note that aiohttp itself resends an idempotent request (GET, PUT, HEAD, DELETE)
 once after a reset connection, so ``reset_next(1)`` on a PUT is absorbed below
@@ -72,6 +75,11 @@ class FaultProxy:
         #: Request lines seen, in order, and how many faults were injected.
         self.requests: list[str] = []
         self.injected = 0
+        #: "blackhole" | "pause" | None: what happens to every new request (see blackhole()).
+        self._mode: str | None = None
+        self._mode_changed = threading.Condition(self._lock)
+        #: Connections held by the current mode (black-holed or paused), for tests to wait on.
+        self.held = 0
 
     @property
     def endpoint(self) -> str:
@@ -96,6 +104,30 @@ class FaultProxy:
     def delay_next(self, n: int, seconds: float, match: Match = None) -> None:
         """Hold the response to the next ``n`` matching requests for ``seconds``."""
         self._add(_Rule("delay", n, match, seconds=seconds))
+
+    def blackhole(self) -> None:
+        """From now on, accept connections and read requests but never answer them
+        (a hung server, or a firewall that drops packets after the handshake).
+        ``resume()`` resets the connections held so far."""
+        self._set_mode("blackhole")
+
+    def pause(self) -> None:
+        """From now on, hold every request (unanswered) until ``resume()``, then forward it
+        (a server stalled by a long GC pause or a failover)."""
+        self._set_mode("pause")
+
+    def resume(self) -> None:
+        """End ``blackhole()`` or ``pause()``."""
+        self._set_mode(None)
+
+    def _set_mode(self, mode: str | None) -> None:
+        with self._lock:
+            self._mode = mode
+            self._mode_changed.notify_all()
+
+    def _held_mode(self) -> str | None:
+        with self._lock:
+            return self._mode
 
     def clear(self) -> None:
         """Drop all pending rules."""
@@ -173,6 +205,12 @@ class FaultProxy:
     # -- one request -------------------------------------------------------------------
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        mode = self._held_mode()
+        if mode is not None:  # before reading the head: a black hole does not even parse
+            held_as = await self._hold(reader, mode)
+            if held_as == "blackhole":
+                _reset(writer)
+                return
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _IO_TIMEOUT)
         request_line, headers = _parse_head(head)
         # Without a length (chunked), the body is copied until the response is done.
@@ -204,6 +242,31 @@ class FaultProxy:
                 await asyncio.gather(body, return_exceptions=True)
         finally:
             up_writer.close()
+
+    async def _hold(self, reader: asyncio.StreamReader, mode: str) -> str:
+        """Keep a new connection unanswered while ``mode`` lasts; returns the mode it was held in.
+
+        A black hole drains whatever the client sends (it never learns anything);
+        a pause leaves the request unread, to be forwarded once resumed.
+        """
+        with self._lock:
+            self.held += 1
+            self.requests.append(f"({mode})")
+        try:
+            while self._held_mode() == mode:
+                if mode == "blackhole":
+                    try:
+                        chunk = await asyncio.wait_for(reader.read(1 << 16), 0.05)
+                    except TimeoutError:
+                        continue
+                    if not chunk:  # the client gave up
+                        return mode
+                else:
+                    await asyncio.sleep(0.05)
+            return mode
+        finally:
+            with self._lock:
+                self.held -= 1
 
     async def _relay_response(
         self, rule: _Rule | None, request_line: str, up_reader: asyncio.StreamReader, writer: asyncio.StreamWriter

@@ -1,0 +1,87 @@
+"""A sick remote never stalls local work (issue 11 #2/#3/#4).
+
+Real mounts over moto behind a fault proxy that black-holes or pauses every
+connection: a checkpoint save and an ``ls`` of the mount must complete within
+a generous bound while the remote hangs, on both data paths.  The bounds are
+completion timeouts, never timing ratios.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import DATA_PATHS, FUSE_OK, MountedFS, wait_for
+from faultproxy import FaultProxy
+from s3server import fresh_bucket
+
+pytestmark = pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse, fusermount3 and root")
+
+#: Generous: the promise is ~1 s per request; this only separates "done" from "hung".
+BOUND_S = 30.0
+
+SAVE_256M = """
+import sys, torch
+torch.save(torch.zeros(64 * 1024 * 1024, dtype=torch.float32), sys.argv[1])
+"""
+
+
+@pytest.fixture
+def s3_proxy(s3_env: str) -> Iterator[tuple[FaultProxy, str]]:
+    """A fresh bucket on moto behind a fault proxy: (proxy, remote URL)."""
+    bucket = fresh_bucket(s3_env)
+    with FaultProxy(s3_env) as proxy:
+        yield proxy, f"s3://{bucket}/ckpt"
+        proxy.resume()  # let the daemon's hung requests end before the mount is cleaned up
+
+
+def _mount(factory: type[MountedFS], proxy: FaultProxy, url: str, data_path: str, *args: str) -> MountedFS:
+    fs = factory(f"node-{data_path}", url, ("--endpoint-url", proxy.endpoint, *DATA_PATHS[data_path], *args))  # type: ignore[call-arg]
+    fs.mount()
+    return fs
+
+
+def _bounded(argv: list[str], what: str) -> subprocess.CompletedProcess[str]:
+    """Run ``argv``; fail the test (not hang it) if it does not finish within BOUND_S."""
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=BOUND_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{what} did not complete within {BOUND_S:.0f}s while the remote hangs") from None
+    assert result.returncode == 0, f"{what} failed: {result.stderr}"
+    return result
+
+
+@pytest.mark.parametrize("mode", ["blackhole", "pause"])
+@pytest.mark.parametrize("data_path", sorted(DATA_PATHS))
+def test_a_hung_remote_never_stalls_a_save_or_ls(
+    mounted_factory: type[MountedFS], s3_proxy: tuple[FaultProxy, str], data_path: str, mode: str
+) -> None:
+    proxy, url = s3_proxy
+    fs = _mount(mounted_factory, proxy, url, data_path, "--list-ttl", "0")
+    (fs.path / "step_1").mkdir()
+    getattr(proxy, mode)()
+
+    # A 256 MiB torch.save (a lookup of a new name, create, writes, close) while every
+    # connection to the remote hangs; --list-ttl 0 makes every lookup miss due for a listing.
+    _bounded([sys.executable, "-c", SAVE_256M, str(fs.path / "step_1" / "model.pt")], "torch.save of 256 MiB")
+    wait_for(lambda: proxy.held > 0, timeout=BOUND_S, what="the daemon to reach the hung remote")
+    # A DCP-like save of many new names: no lookup miss may pay for the hung listing again.
+    names = [f"__{i}_0.distcp" for i in range(40)]
+    script = "import sys, os\nfor n in sys.argv[2:]:\n    open(os.path.join(sys.argv[1], n), 'wb').write(b'x' * 4096)\n"
+    _bounded([sys.executable, "-c", script, str(fs.path / "step_1"), *names], "40 small saves")
+    for directory in (fs.path, fs.path / "step_1"):
+        listing = _bounded(["ls", "-la", str(directory)], f"ls {directory}")
+        assert listing.stdout
+    _bounded(["stat", "-f", str(fs.path)], "statfs")
+    assert (fs.path / "step_1" / "model.pt").stat().st_size > 256 << 20
+    assert sorted(os.listdir(fs.path / "step_1")) == sorted([*names, "model.pt"])
+
+    proxy.resume()
+    start = time.monotonic()
+    fs.unmount()
+    assert time.monotonic() - start < BOUND_S * 4
