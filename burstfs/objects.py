@@ -53,6 +53,8 @@ _INT64 = 1 << 63
 #: A chunk is stored compressed only if lz4 saves at least this fraction: below
 #: that, decompressing on every read costs more than the bytes it saves.
 MIN_COMPRESSION_SAVING = 0.10
+#: Upload ids journaled before the create returns the real one (see ObjectStore._put_multipart).
+PENDING_UPLOAD = "pending-"
 # Read size of the whole-file digest pass.
 DIGEST_READ_SIZE = 8 << 20
 
@@ -456,6 +458,11 @@ class ObjectStore:
         reads: asyncio.Queue[asyncio.Task[tuple[ChunkInfo, bytes]]] = asyncio.Queue()
         chunks: list[ChunkInfo] = []
         parts: list[UploadedPart] = []
+        # Journaled before the create: a crash between the create and its record
+        # leaves a placeholder, and the next start aborts the uploads to this key.
+        placeholder = f"{PENDING_UPLOAD}{os.urandom(8).hex()}"
+        if self.on_upload_started is not None:
+            self.on_upload_started(key, placeholder)
         upload_id: str = await self._call(self.remote.create_multipart, key, what=f"create upload {key}")
         try:
             if self.on_upload_started is not None:
@@ -463,6 +470,7 @@ class ObjectStore:
         except BaseException:
             await self._abort(key, upload_id)
             raise
+        self._upload_ended(placeholder)
 
         async def read_ahead(group: asyncio.TaskGroup) -> None:
             for index in range(count):
@@ -612,11 +620,20 @@ class ObjectStore:
         """Abort ``uploads`` ((key, upload_id) this cache started and left unfinished: call only
         when none of them is in flight); returns how many.  Never lists and aborts the whole
         prefix: other nodes' uploads in flight there are theirs."""
-        for key, upload_id in uploads:
+        unknown = {key for key, upload_id in uploads if upload_id.startswith(PENDING_UPLOAD)}
+        listed = await self._call(self.remote.list_multipart_uploads, what="list uploads") if unknown else []
+        known = [(k, u) for k, u in uploads if not u.startswith(PENDING_UPLOAD)]
+        # A crash between a create and its record: the upload's id was never learned,
+        # so every upload to that key goes (another node writing the same key retries).
+        known += [(k, u) for k, u in listed if k in unknown and (k, u) not in known]
+        for key, upload_id in known:
             await self._call(self.remote.abort_multipart, key, upload_id, what=f"abort upload {key}")
             self._upload_ended(upload_id)
             log.info("event=stale_upload_aborted key=%s upload_id=%s", key, upload_id)
-        return len(uploads)
+        for key, upload_id in uploads:
+            if upload_id.startswith(PENDING_UPLOAD):
+                self._upload_ended(upload_id)
+        return len(known)
 
 
 class _ByteBudget:

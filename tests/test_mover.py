@@ -525,10 +525,13 @@ def test_startup_aborts_only_uploads_this_cache_started(tmp_path: Path) -> None:
     async def restart() -> None:
         left = await remote.create_multipart("big.bin")  # as if a crash had cut this one short
         front.journal.upload_started("big.bin", left)
+        # A crash between the create and its record: only the placeholder was journaled.
+        unnamed = await remote.create_multipart("c.bin")
+        front.journal.upload_started("c.bin", "pending-0123")
         mover2, _, _ = make_mover(tmp_path, remote)
         await mover2.run(until_idle=True)
         uploads = {u for _, u in await remote.list_multipart_uploads()}
-        assert left not in uploads and foreign in uploads
+        assert left not in uploads and unnamed not in uploads and foreign in uploads
         assert not front.journal.query("SELECT 1 FROM uploads")
 
     asyncio.run(restart())
