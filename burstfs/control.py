@@ -146,16 +146,29 @@ def _closed_at(journal: Journal, ino: int, fallback: float) -> float:
     return float(rows[0][0]) if rows else fallback
 
 
+def _held_bytes(journal: Journal, data_dir: Path) -> int:
+    """Bytes the local tier holds for files: each file's journaled local bytes, but no
+    more than its data file has allocated (``st_blocks * 512``), so a sparse file
+    (an ``incomplete`` one a write failed in, a hole-punched one) counts what it
+    takes, not its logical size."""
+    total = 0
+    for ino, local in journal.query("SELECT ino, local_bytes FROM inodes WHERE kind='file' AND parent!=0 AND local_bytes>0"):
+        try:
+            allocated = os.stat(data_dir / f"{int(ino):016x}").st_blocks * 512  # LocalTier.path; no LocalTier: it mkdirs
+        except OSError:  # removed meanwhile (evicted, unlinked): holds nothing
+            continue
+        total += min(int(local), allocated)
+    return total
+
+
 def journal_status(journal: Journal, cache_dir: Path) -> dict[str, Any]:
     """Everything status can tell from the journal and the cache dir alone (no daemon)."""
     states = {state: {"files": 0, "bytes": 0} for state in FILE_STATES}
-    local_bytes = 0
-    for state, files, nbytes, local in journal.query(
-        "SELECT state, COUNT(*), COALESCE(SUM(size), 0), COALESCE(SUM(local_bytes), 0) FROM inodes "
-        "WHERE kind='file' AND parent!=0 GROUP BY state"
+    for state, files, nbytes in journal.query(
+        "SELECT state, COUNT(*), COALESCE(SUM(size), 0) FROM inodes WHERE kind='file' AND parent!=0 GROUP BY state"
     ):
         states.setdefault(state, {"files": 0, "bytes": 0}).update(files=int(files), bytes=int(nbytes))
-        local_bytes += int(local)
+    local_bytes = _held_bytes(journal, cache_dir / "data")
     oldest = journal.query(
         f"SELECT ino, updated FROM inodes WHERE kind='file' AND parent!=0 "
         f"AND state IN ({', '.join('?' * len(UNDRAINED_STATES))}) ORDER BY close_seq LIMIT 1",
@@ -493,7 +506,7 @@ class ControlServer:
         doc.update(live=True, pid=os.getpid(), mountpoint=str(self.config.mountpoint), remote=str(self.config.remote),
                    data_path="passthrough" if self.core.backing is not None else "daemon",
                    daemon_written_bytes=self.core.daemon_written_bytes)  # fmt: skip
-        fs = self.core.statfs()
+        fs = self.core.statfs(await self.core.evictable_bytes())
         doc["local_tier"].update(
             limit_bytes=self.config.cache_size,
             mount_total_bytes=fs.blocks * fs.block_size,

@@ -286,6 +286,7 @@ class BurstCore:
             inode.accounted = inode.size if inode.kind == "file" and inode.local else 0
         self.local_bytes = sum(inode.accounted for inode in self.inodes.values())
         self._space_freed = trio.Event()
+        self._full_waited: dict[int, float] = {}  # ino -> seconds its writes waited on a full tier
 
     # -- start-up -----------------------------------------------------------------
 
@@ -1298,27 +1299,43 @@ class BurstCore:
             return st.f_bavail * st.f_frsize - nbytes >= self.capacity.min_free
         return True
 
-    async def _reserve(self, nbytes: int) -> None:
+    async def _reserve(self, nbytes: int, inode: Inode | None = None) -> None:
         """Count ``nbytes`` more on the local tier, making room first if needed.
 
         Durable files are evicted by the policy; when the tier is full of data not
         yet durable, wait for the drain (backpressure), then fail with ENOSPC.
-        Undrained data is never evicted.
+        Undrained data is never evicted.  ``--full-timeout`` bounds the *total*
+        wait of one file (``_full_waited``): with the write-back cache every
+        write-back batch would otherwise wait the whole timeout in turn, so once a
+        file has hit ENOSPC its writes that do not fit fail at once, until it is
+        emptied (truncate to 0, ``O_TRUNC``).
         """
         if not self._fits(nbytes):
-            deadline = time.monotonic() + self.capacity.full_timeout
+            spent = self._full_waited.get(inode.ino, 0.0) if inode is not None else 0.0
+            started = time.monotonic()
+            deadline = started + max(0.0, self.capacity.full_timeout - spent)
             waited = False
-            while not self._fits(nbytes) and not await self._evict_for(nbytes):
-                if time.monotonic() >= deadline:
-                    log.error("event=tier_full bytes=%d used=%d limit=%s action=ENOSPC", nbytes,
-                              self.local_bytes, self.capacity.limit)  # fmt: skip
-                    raise NoSpaceError("local tier full of data not yet durable")
-                if not waited:
-                    waited = True
-                    log.warning("event=tier_full bytes=%d used=%d limit=%s action=wait_for_drain", nbytes,
-                                self.local_bytes, self.capacity.limit)  # fmt: skip
-                with trio.move_on_at(min(deadline, time.monotonic() + 0.5)):
-                    await self._space_freed.wait()
+            try:
+                while not self._fits(nbytes) and not await self._evict_for(nbytes):
+                    if time.monotonic() >= deadline:
+                        if spent < self.capacity.full_timeout:
+                            log.error("event=tier_full bytes=%d used=%d limit=%s ino=%s action=ENOSPC "
+                                      "note=later writes of this file that do not fit fail at once until it is emptied",
+                                      nbytes, self.local_bytes, self.capacity.limit,
+                                      inode.ino if inode else None)  # fmt: skip
+                        if inode is not None:
+                            spent = self.capacity.full_timeout  # budget spent: no more waiting for this file
+                        raise NoSpaceError("local tier full of data not yet durable")
+                    if not waited:
+                        waited = True
+                        log.warning("event=tier_full bytes=%d used=%d limit=%s action=wait_for_drain wait_left=%.1f",
+                                    nbytes, self.local_bytes, self.capacity.limit,
+                                    deadline - time.monotonic())  # fmt: skip
+                    with trio.move_on_at(min(deadline, time.monotonic() + 0.5)):
+                        await self._space_freed.wait()
+            finally:
+                if inode is not None:
+                    self._full_waited[inode.ino] = max(spent, spent + time.monotonic() - started)
         self.local_bytes += nbytes
 
     async def _account(self, inode: Inode, size: int) -> None:
@@ -1327,12 +1344,31 @@ class BurstCore:
         need = size - inode.accounted
         if need <= 0:
             return
+        if inode.accounted == 0 and not inode.incomplete:  # written from empty: a fresh wait budget
+            self._full_waited.pop(inode.ino, None)
         inode.accounted = size
         try:
-            await self._reserve(need)
+            await self._reserve(need, inode)
         except BaseException:
             inode.accounted -= need
             raise
+
+    async def evictable_bytes(self) -> int:
+        """Bytes of local copies a write could reclaim now: durable, closed, unchanged
+        (what ``statfs`` counts as free besides the unused part of the limit)."""
+        if self.capacity.evict == "none":
+            return 0
+        rows = await trio.to_thread.run_sync(
+            self.journal.query,
+            "SELECT ino FROM inodes WHERE kind='file' AND parent!=0 AND state=? AND durable_generation=generation",
+            (DURABLE,),
+        )
+        total = 0
+        for (ino,) in rows:
+            inode = self.inodes.get(ino)
+            if inode is not None and inode.local and not inode.dirty and not inode.handles:
+                total += inode.accounted
+        return total
 
     def _release_space(self, nbytes: int) -> None:
         self.local_bytes = max(0, self.local_bytes - nbytes)
@@ -1472,14 +1508,21 @@ class BurstCore:
 
     # -- file system ----------------------------------------------------------------
 
-    def statfs(self) -> StatFs:
-        """The local tier's capacity: what a writer can still put here right now."""
+    def statfs(self, evictable: int = 0) -> StatFs:
+        """The local tier's capacity: what a writer can still put here right now.
+
+        ``evictable`` (from :meth:`evictable_bytes`) counts as free: a write takes
+        that room by evicting durable local copies, so a tier full of durable data
+        is not a full tier.
+        """
         st = self.tier.statvfs()
         bsize = st.f_frsize
-        blocks, free = st.f_blocks, max(0, st.f_bavail - self.capacity.min_free // bsize)
+        avail = st.f_bavail * bsize + evictable
+        blocks, free = st.f_blocks, max(0, avail - self.capacity.min_free) // bsize
         if self.capacity.limit is not None:
             blocks = min(blocks, self.capacity.limit // bsize)
-            free = min(free, max(0, self.capacity.limit - self.local_bytes) // bsize)
+            free = min(free, max(0, self.capacity.limit - self.local_bytes + evictable) // bsize)
+        free = min(free, blocks)
         return StatFs(
             block_size=bsize,
             blocks=blocks,

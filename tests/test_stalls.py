@@ -85,3 +85,61 @@ def test_a_hung_remote_never_stalls_a_save_or_ls(
     start = time.monotonic()
     fs.unmount()
     assert time.monotonic() - start < BOUND_S * 4
+
+
+WRITE_100M = """
+import errno, sys, time
+start = time.monotonic()
+try:
+    with open(sys.argv[1], "wb") as f:
+        for _ in range(100):
+            f.write(b"w" * (1 << 20))
+except OSError as exc:
+    assert exc.errno == errno.ENOSPC, exc
+    print(f"ENOSPC after {time.monotonic() - start:.1f}s")
+    sys.exit(0)
+sys.exit("no ENOSPC")
+"""
+
+
+def test_full_timeout_bounds_the_stall_of_one_writer(
+    mounted_factory: type[MountedFS], s3_proxy: tuple[FaultProxy, str]
+) -> None:
+    """Issue 11 #4: with the remote hung and the tier full, one writer gets ENOSPC
+    within about --full-timeout, not once per write-back batch; statfs then counts
+    durable local copies as free room."""
+    proxy, url = s3_proxy
+    fs = _mount(mounted_factory, proxy, url, "daemon", "--cache-size", "20M", "--full-timeout", "10")
+    fs.expect_log("action=ENOSPC")
+    fs.expect_log("event=request_bug")  # never expected: checked below
+    proxy.blackhole()
+    result = _bounded([sys.executable, "-c", WRITE_100M, str(fs.path / "big.pt")], "a writer on a full tier")
+    assert "ENOSPC" in result.stdout, result.stdout
+    print(result.stdout)
+    assert "event=request_bug" not in fs.log_text()
+    assert os.getxattr(fs.path / "big.pt", "user.burstfs.state") == b"incomplete"
+    os.unlink(fs.path / "big.pt")
+
+    # Space of durable files is free room for a writer: statfs says so.
+    proxy.resume()
+    (fs.path / "d.pt").write_bytes(b"d" * (12 << 20))
+    wait_for(lambda: os.getxattr(fs.path / "d.pt", "user.burstfs.state") == b"durable", what="durable")
+    vfs = os.statvfs(fs.path)
+    assert vfs.f_bavail * vfs.f_frsize >= 19 << 20, vfs
+    (fs.path / "e.pt").write_bytes(b"e" * (15 << 20))  # fits by evicting d.pt: no wait, no ENOSPC
+
+
+def test_status_counts_a_sparse_file_by_its_allocated_bytes(mounted_factory: type[MountedFS]) -> None:
+    """Issue 11 #4: 'burstfs holds' is what the data files take, not their logical sizes."""
+    fs = mounted_factory("sparse", None, ("--no-passthrough",))  # type: ignore[call-arg]
+    fs.mount()
+    with open(fs.path / "sparse.pt", "wb") as f:
+        f.seek(300 << 20)
+        f.write(b"tail")
+    status = subprocess.run([str(Path(sys.executable).parent / "burstfs-admin"), "status", str(fs.path), "--json"],
+                            capture_output=True, text=True, timeout=BOUND_S, check=True)  # fmt: skip
+    import json
+
+    doc = json.loads(status.stdout)
+    assert doc["local_tier"]["used_bytes"] < 1 << 20, doc["local_tier"]
+    assert doc["states"]["staged"]["bytes"] + doc["states"]["durable"]["bytes"] + doc["states"]["draining"]["bytes"] == (300 << 20) + 4
