@@ -82,11 +82,15 @@ def main() -> None:
 @click.option("--commit-marker", "commit_markers", multiple=True,
               help=f"Pattern of files that publish a checkpoint (repeatable). Default: {', '.join(DEFAULT_COMMIT_MARKERS)}")
 @click.option("--metrics-addr", default=None, help="Serve Prometheus metrics on HOST:PORT.")
+@click.option("--nonempty", is_flag=True, help="Mount over a mount point that holds files (they are hidden while mounted).")
+@click.option("--remote-wait", default=1.0, show_default=True,
+              help="Seconds a lookup or a directory listing waits for the remote; then it is answered from local entries.")
 def mount(mountpoint: Path, cache_dir: Path, remote: str, foreground: bool, log_level: str, fsync_mode: str,
           allow_other: bool, no_writeback_cache: bool, no_passthrough: bool, cache_size: str | None, min_free: str, evict_policy: str,
           full_timeout: float, list_ttl: float, endpoint_url: str | None,
           region: str | None, part_size: str, concurrency: int, max_files: int, compress: str, drain_delay: float, read_ahead: str,
-          commit_markers: tuple[str, ...], metrics_addr: str | None) -> None:  # fmt: skip
+          commit_markers: tuple[str, ...], metrics_addr: str | None, nonempty: bool,
+          remote_wait: float) -> None:  # fmt: skip
     """Mount burstfs at MOUNTPOINT; returns once the mount is live."""
     from .daemon import mount as run
 
@@ -116,6 +120,8 @@ def mount(mountpoint: Path, cache_dir: Path, remote: str, foreground: bool, log_
             read_ahead=parse_size(read_ahead),
             log_level=log_level.upper(),
             metrics_addr=metrics_addr,
+            nonempty=nonempty,
+            remote_wait=remote_wait,
         )
         sys.exit(run(config, foreground=foreground))
     except BurstfsError as exc:

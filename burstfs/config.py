@@ -123,6 +123,8 @@ class MountConfig:
     full_timeout: seconds a write waits for the drain on a full tier before ENOSPC.
     list_ttl: seconds a directory's remote listing stays fresh.
     read_ahead: kernel readahead of the mount, bytes.
+    nonempty: mount over a mount point that holds files (hidden while mounted).
+    remote_wait: seconds a request (lookup miss, opendir) waits for a remote listing.
     """
 
     mountpoint: Path
@@ -142,3 +144,11 @@ class MountConfig:
     read_ahead: int = 1 << 20
     log_level: str = "INFO"
     metrics_addr: str | None = None
+    nonempty: bool = False
+    remote_wait: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.remote_wait <= 60:
+            raise ConfigError(f"--remote-wait must be between 0 and 60 seconds, not {self.remote_wait}")
+        if self.full_timeout < 0:
+            raise ConfigError(f"--full-timeout must not be negative, not {self.full_timeout}")

@@ -38,7 +38,7 @@ from .mover import Mover
 from .remote import open_remote
 from .log import setup_logging
 from .metrics import parse_metrics_addr, start_metrics
-from .mountinfo import FSNAME_PREFIX, device_of, is_mounted
+from .mountinfo import FSNAME_PREFIX, device_of, find_burstfs_mount, is_mounted
 
 log = logging.getLogger("burstfs.daemon")
 
@@ -58,10 +58,10 @@ def preflight(config: MountConfig) -> None:
         raise ConfigError(f"mount point {mnt} does not exist (create it with: mkdir -p {mnt})")
     if not mnt.is_dir():
         raise ConfigError(f"mount point {mnt} is not a directory")
-    real_mnt = Path(os.path.realpath(mnt))
-    real_cache = Path(os.path.realpath(config.cache_dir))
-    if real_cache == real_mnt or real_mnt in real_cache.parents:
-        raise ConfigError(f"cache dir {config.cache_dir} must not be inside the mount point {mnt}")
+    check_overlaps(config)
+    if not config.nonempty and any(os.scandir(mnt)):
+        raise ConfigError(f"mount point {mnt} is not empty: its files would be hidden under the mount "
+                          "(use an empty directory, or pass --nonempty to mount over them)")  # fmt: skip
     if not os.path.exists("/dev/fuse"):
         raise ConfigError("/dev/fuse is missing: load the fuse module (modprobe fuse) or pass --device /dev/fuse to the container")
     if shutil.which("fusermount3") is None:
@@ -84,6 +84,41 @@ def preflight(config: MountConfig) -> None:
             raise ConfigError(f"cache dir {cache} is owned by uid {cache.stat().st_uid}, not by this user "
                               f"(uid {os.geteuid()}); use a cache dir of your own")  # fmt: skip
         _check_cache_owner(config)
+
+
+def _nested(a: Path, b: Path) -> bool:
+    """Whether one of two resolved paths is, or is inside, the other."""
+    return a == b or a in b.parents or b in a.parents
+
+
+def check_overlaps(config: MountConfig) -> None:
+    """Refuse a mount point, cache dir and file:// remote that nest (either way, after
+    resolving links), and a cache dir inside another burstfs mount.
+
+    Each of these wedges or corrupts the mount: a remote in the mount point asks
+    the daemon itself for every listing (a deadlock on the first lookup miss),
+    a remote over the cache shows and deletes the live journal, a mount point
+    in the cache or a cache in a burstfs mount has the daemon serve its own
+    files or drain them to someone else's remote.  Read-only: checked before
+    anything is created.
+    """
+    places = {"mount point": Path(os.path.realpath(config.mountpoint)),
+              "cache dir": Path(os.path.realpath(config.cache_dir))}  # fmt: skip
+    if config.remote.scheme == "file":
+        places["file:// remote"] = Path(os.path.realpath(config.remote.prefix))
+    named = list(places.items())
+    for i, (name_a, a) in enumerate(named):
+        for name_b, b in named[i + 1:]:
+            if _nested(a, b):
+                how = "is" if a == b else ("is inside" if b in a.parents else "contains")
+                raise ConfigError(f"the {name_a} {a} {how} the {name_b} {b}: they must not overlap")
+    for name, path in places.items():
+        if name == "mount point":
+            continue
+        inside = find_burstfs_mount(path)
+        if inside is not None:
+            raise ConfigError(f"the {name} {path} is inside the burstfs mount {inside[0]}: "
+                              "use a directory outside every burstfs mount")  # fmt: skip
 
 
 def _check_cache_owner(config: MountConfig) -> None:
@@ -228,6 +263,7 @@ def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
         core = BurstCore(config.cache_dir, journal, fsync_remote=config.fsync_remote, capacity=capacity,
                          list_ttl=config.list_ttl, digest_chunk_size=config.drain.part_size,
                          backing=backing)  # fmt: skip
+        core.listing_wait = config.remote_wait  # the longest a request waits for a remote listing
         drain = DrainService(Mover(config.cache_dir, config.remote, config.s3, config.drain), journal)
         core.drain = drain
         core.fetcher = drain
@@ -273,9 +309,11 @@ def mount(config: MountConfig, *, foreground: bool) -> int:
             verdict = pipe.read()
         if verdict.startswith("ready"):
             return 0
-        sys.stderr.write(verdict.removeprefix("error: ") or "burstfs: the daemon died during start-up\n")
+        # "error N: message": N is 2 for refused input (e.g. a cache dir taken meanwhile), else 1.
+        code, _, message = verdict.partition(": ")
+        sys.stderr.write(message or "burstfs: the daemon died during start-up\n")
         os.waitpid(pid, 0)
-        return 1
+        return 2 if code == "error 2" else 1
     os.close(read_fd)
     _become_daemon()
     status = os.fdopen(write_fd, "w")
@@ -294,7 +332,7 @@ def mount(config: MountConfig, *, foreground: bool) -> int:
         log.error("event=daemon_failed error=%s", exc)
         if not status.closed:
             message = str(exc) if isinstance(exc, BurstfsError) else "".join(traceback.format_exception(exc))
-            status.write(f"error: burstfs: {message}\n")
+            status.write(f"error {2 if isinstance(exc, ConfigError) else 1}: burstfs: {message}\n")
             status.close()
     os._exit(code)
 

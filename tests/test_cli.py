@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import FUSE_OK, MountedFS, burstfs, is_mounted
+from conftest import FUSE_OK, MountedFS, burstfs, force_unmount, is_mounted
 
 from burstfs.config import MountConfig, parse_remote_url
 from burstfs.daemon import preflight
@@ -74,7 +74,7 @@ def test_cache_dir_unusable(dirs: tuple[Path, Path, str], tmp_path: Path) -> Non
     err = refused("mount", str(mnt), "--cache", str(tmp_path / "no" / "such" / "cache"), "--remote", remote)
     assert "does not exist" in err
     err = refused("mount", str(mnt), "--cache", str(mnt / "cache"), "--remote", remote)
-    assert "must not be inside the mount point" in err
+    assert "must not overlap" in err and "contains the cache dir" in err
     assert not is_mounted(mnt) and os.listdir(mnt) == []
 
 
@@ -208,3 +208,105 @@ def test_mount_over_a_dead_mount_says_how_to_clean_it(burst: MountedFS) -> None:
     burstfs("unmount", str(burst.path))  # cleans up the dead mount
     burst.mount()
     assert (burst.path / "kept.bin").read_bytes() == b"closed before the crash"
+
+
+@pytest.mark.parametrize("layout", ["remote=mnt", "remote=cache", "mnt-in-cache", "cache-in-remote",
+                                    "remote-in-mnt", "mnt-in-remote", "cache-link-into-mnt"])  # fmt: skip
+def test_overlapping_paths_are_refused_before_anything_is_created(tmp_path: Path, layout: str) -> None:
+    """Issue 11 #1: mount point, cache dir and file:// remote must not nest, either way,
+    links resolved; refused with one line, exit 2, nothing created."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    mnt, cache, remote = tmp_path / "mnt", tmp_path / "cache", tmp_path / "remote"
+    if layout == "remote=mnt":
+        remote = mnt
+    elif layout == "remote=cache":
+        cache.mkdir()
+        remote = cache
+    elif layout == "mnt-in-cache":
+        cache.mkdir()
+        mnt = cache / "mnt"
+    elif layout == "cache-in-remote":
+        cache = remote / "cache"
+    elif layout == "remote-in-mnt":
+        remote = mnt / "remote"
+    elif layout == "mnt-in-remote":
+        mnt = remote / "mnt"
+    elif layout == "cache-link-into-mnt":
+        mnt.mkdir()
+        (tmp_path / "link").symlink_to(mnt)
+        cache = tmp_path / "link" / "cache"
+    for d in (mnt, remote):
+        d.mkdir(parents=True, exist_ok=True)
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    try:
+        err = refused("mount", str(mnt), "--cache", str(cache), "--remote", f"file://{remote}")
+    finally:
+        force_unmount(mnt)  # should it have mounted after all
+    assert "must not overlap" in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+
+
+@pytest.mark.fuse
+def test_a_cache_dir_inside_another_burstfs_mount_is_refused(burst: MountedFS, tmp_path: Path) -> None:
+    """Issue 11 #7: one line, exit 2, nothing created inside the other mount."""
+    (tmp_path / "mnt2").mkdir()
+    (tmp_path / "remote2").mkdir()
+    err = refused("mount", str(tmp_path / "mnt2"), "--cache", str(burst.path / "cache2"),
+                  "--remote", f"file://{tmp_path / 'remote2'}")  # fmt: skip
+    assert f"inside the burstfs mount {burst.path}" in err and len(err.strip().splitlines()) == 1
+    assert os.listdir(burst.path) == []
+    assert not is_mounted(tmp_path / "mnt2")
+
+
+def test_a_non_empty_mount_point_is_refused_unless_nonempty(dirs: tuple[Path, Path, str]) -> None:
+    """Issue 11 #1: files in the mount point would be hidden; --nonempty mounts anyway."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    mnt, cache, remote = dirs
+    (mnt / "old.pt").write_bytes(b"hidden")
+    try:
+        err = refused("mount", str(mnt), "--cache", str(cache), "--remote", remote)
+    finally:
+        force_unmount(mnt)  # should it have mounted after all
+    assert "is not empty" in err and "--nonempty" in err
+    assert not cache.exists() and not is_mounted(mnt)
+    burstfs("mount", str(mnt), "--cache", str(cache), "--remote", remote, "--nonempty")
+    try:
+        assert os.listdir(mnt) == []
+    finally:
+        burstfs("unmount", str(mnt))
+    assert (mnt / "old.pt").read_bytes() == b"hidden"
+
+
+def test_a_cache_taken_after_the_checks_is_exit_2(dirs: tuple[Path, Path, str], tmp_path: Path) -> None:
+    """Issue 11 #8: the daemon finds the cache locked (a second mount raced past the
+    read-only checks): still exit 2, as a refused cache, with one line."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    import subprocess
+    import sys
+
+    from burstfs.cachelock import CacheLock
+
+    mnt, cache, remote = dirs
+    cache.mkdir(mode=0o700)
+    lock = CacheLock(cache)
+    lock.acquire()
+    script = (
+        "import sys; from pathlib import Path\n"
+        "from burstfs import daemon\n"
+        "from burstfs.config import MountConfig, parse_remote_url\n"
+        "daemon.preflight = lambda config: None  # as if the other mount took the cache just after\n"
+        "config = MountConfig(Path(sys.argv[1]), Path(sys.argv[2]), parse_remote_url(sys.argv[3]))\n"
+        "sys.exit(daemon.mount(config, foreground=False))\n"
+    )
+    try:
+        result = subprocess.run([sys.executable, "-c", script, str(mnt), str(cache), remote],
+                                capture_output=True, text=True, timeout=60, cwd=tmp_path)  # fmt: skip
+    finally:
+        lock.release()
+        force_unmount(mnt)
+    assert result.returncode == USAGE, (result.returncode, result.stderr)
+    assert "in use by another burstfs process" in result.stderr and "Traceback" not in result.stderr
+    assert not is_mounted(mnt)
