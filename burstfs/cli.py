@@ -188,10 +188,13 @@ def unmount(mountpoint: Path, wait_drain: bool, timeout: float, wait_timeout: fl
 @click.option("--cache", "cache_dir", required=True, type=click.Path(path_type=Path, exists=True, file_okay=False),
               help="Cache dir of a stopped (or crashed) mount.")
 @click.option("--endpoint-url", default=None, help="Override the S3 endpoint recorded by the last mount.")
-def drain(cache_dir: Path, endpoint_url: str | None) -> None:
+@click.option("--now", is_flag=True, help="Drain at once: skip the --drain-delay the last mount was started with.")
+def drain(cache_dir: Path, endpoint_url: str | None, now: bool) -> None:
     """Drain a cache dir without a mount (after unmount or a crash), then exit.
 
-    Exit 0 when everything closed is durable, 1 if the drain stopped on an error.
+    Files drain with the options of the last mount, --drain-delay included
+    (said on stderr); --now skips the delay.  Exit 0 when everything closed is
+    durable, 1 if the drain stopped on an error.
     """
     import asyncio
 
@@ -223,6 +226,12 @@ def drain(cache_dir: Path, endpoint_url: str | None) -> None:
         if endpoint_url:
             s3 = dataclasses.replace(s3, endpoint_url=endpoint_url)
         options["commit_markers"] = tuple(options.get("commit_markers", DEFAULT_COMMIT_MARKERS))
+        delay = float(options.get("delay", 0.0))
+        if now:
+            options["delay"] = 0.0
+        elif delay > 0:
+            click.echo(f"burstfs: files drain {delay:.0f}s after their close, the --drain-delay of the last mount "
+                       "(a crash or an unmount does not shorten it); pass --now to drain at once", err=True)  # fmt: skip
         mover = Mover(cache_dir, parse_remote_url(remote), s3, DrainOptions(**options))
         asyncio.run(mover.run(until_idle=True))
         click.echo(f"drained {mover.stats.files_drained} files ({mover.stats.bytes_drained} bytes) to {remote}")

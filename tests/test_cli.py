@@ -310,3 +310,33 @@ def test_a_cache_taken_after_the_checks_is_exit_2(dirs: tuple[Path, Path, str], 
     assert result.returncode == USAGE, (result.returncode, result.stderr)
     assert "in use by another burstfs process" in result.stderr and "Traceback" not in result.stderr
     assert not is_mounted(mnt)
+
+
+@pytest.mark.fuse
+def test_drain_says_it_waits_for_the_drain_delay_and_now_skips_it(mounted_factory: type[MountedFS]) -> None:
+    """Issue 11 #6: `burstfs drain --cache` names the old mount's --drain-delay it waits
+    out, and --now drains at once."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    import subprocess
+    import sys
+
+    fs = mounted_factory("delayed", None, ("--drain-delay", "600"))  # type: ignore[call-arg]
+    fs.mount()
+    (fs.path / "model.pt").write_bytes(b"w" * 1000)
+    fs.unmount()
+    waiting = subprocess.Popen([str(Path(sys.executable).parent / "burstfs"), "drain", "--cache", str(fs.cache)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert waiting.stderr is not None
+        line = ""
+        while "drain-delay" not in line:
+            line = waiting.stderr.readline()
+            assert line, "no word about the drain delay"
+        assert "600s" in line and "--now" in line
+    finally:
+        waiting.kill()
+        waiting.wait()
+    result = burstfs("drain", "--cache", str(fs.cache), "--now", timeout=60)
+    assert "drained 1 files" in result.stdout
+    assert (fs.remote_dir / "model.pt").read_bytes() == b"w" * 1000
