@@ -44,6 +44,7 @@ from .journal import (
     FAILED,
     FILE_STATES,
     NOT_LOCAL_STATES,
+    REMOTE,
     ROOT_INO,
     STAGED,
     WRITING,
@@ -254,15 +255,20 @@ def _verify_local(cache_dir: Path, journal: Journal, row: InodeRow) -> tuple[str
 
 
 async def _verify_remote(store: Any, row: InodeRow) -> tuple[str, str]:
-    """('ok' | 'mismatch' | 'skipped', detail): the remote object against its manifest and the journal."""
-    if not row.remote_key or row.durable_generation is None:
+    """('ok' | 'mismatch' | 'skipped', detail): the remote object against its manifest and the journal.
+
+    A ``remote`` file (listed, another node drained it) has no journaled digest
+    here: its object is checked against its manifest alone, chunk by chunk.
+    """
+    listed = row.state == REMOTE
+    if not row.remote_key or (row.durable_generation is None and not listed):
         return "skipped", "not on the remote yet"
     key = row.remote_key
     try:
         manifest = await store.fetch_manifest(key)
         if manifest is None:
             return "mismatch", f"no burstfs manifest for {key}: the object cannot be verified"
-        if manifest.generation == row.generation and row.digest and manifest.digest != row.digest:
+        if not listed and manifest.generation == row.generation and row.digest and manifest.digest != row.digest:
             return "mismatch", f"manifest of {key} has digest {manifest.digest}, journal {row.digest}"
         whole = xxhash.xxh3_128()
         for start in range(0, manifest.size, manifest.chunk_size):
@@ -273,6 +279,8 @@ async def _verify_remote(store: Any, row: InodeRow) -> tuple[str, str]:
         return "mismatch", f"object {key} is missing on the remote"
     if whole.hexdigest() != manifest.digest:
         return "mismatch", f"object {key} hashes to {whole.hexdigest()}, manifest says {manifest.digest}"
+    if listed:
+        return "ok", f"generation {manifest.generation} (against its manifest)"
     older = "" if manifest.generation == row.generation else f" (local has generation {row.generation})"
     return "ok", f"generation {manifest.generation}{older}"
 
@@ -309,7 +317,8 @@ def verify(
     mismatches = sum(r["result"] == "MISMATCH" for r in results)
     if mismatches:
         log.error("event=verify_mismatch files=%d", mismatches)
-    return {"schema": SCHEMA, "files": results, "mismatches": mismatches}
+    skipped = sum(r["result"] == "SKIPPED" for r in results)
+    return {"schema": SCHEMA, "files": results, "mismatches": mismatches, "skipped": skipped}
 
 
 # -- the socket ------------------------------------------------------------------------------

@@ -404,7 +404,7 @@ class BurstCore:
         if pending is None:
             if now - directory.listed_at < self.list_ttl:
                 return False
-            pending = (trio.Event(), [False], now)
+            pending = (trio.Event(), [False], trio.current_time())  # trio's clock: move_on_at below
             self._listings[directory.ino] = pending
             trio.lowlevel.spawn_system_task(self._list_in_background, directory, pending)
         done, merged, started = pending
@@ -430,7 +430,7 @@ class BurstCore:
                             directory.ino, self.listing_timeout)  # fmt: skip
             if scope.cancelled_caught:
                 self._remote_slow_until = time.monotonic() + self.listing_backoff
-            elif merged[0] and time.monotonic() - started <= self.listing_wait:
+            elif merged[0] and trio.current_time() - started <= self.listing_wait:
                 self._remote_slow_until = 0.0  # the remote answers in time again
         except Exception as exc:  # a failed merge commit: retried after the TTL
             log.warning("event=listing_merge_failed dir_ino=%d error=%s", directory.ino, exc)

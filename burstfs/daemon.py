@@ -310,10 +310,10 @@ def mount(config: MountConfig, *, foreground: bool) -> int:
         if verdict.startswith("ready"):
             return 0
         # "error N: message": N is 2 for refused input (e.g. a cache dir taken meanwhile), else 1.
-        code, _, message = verdict.partition(": ")
+        kind, _, message = verdict.partition(": ")
         sys.stderr.write(message or "burstfs: the daemon died during start-up\n")
         os.waitpid(pid, 0)
-        return 2 if code == "error 2" else 1
+        return 2 if kind == "error 2" else 1
     os.close(read_fd)
     _become_daemon()
     status = os.fdopen(write_fd, "w")

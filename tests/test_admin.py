@@ -369,3 +369,28 @@ def test_metrics_endpoint(mounted_factory: Any) -> None:
     result = burstfs("mount", str(bad.path), "--cache", str(bad.cache), "--remote", bad.remote_url, *bad.extra_args,
                      check=False)  # fmt: skip
     assert result.returncode == 2 and "HOST:PORT" in result.stderr
+
+
+def test_verify_remote_on_a_restore_node_checks_remote_only_files(mounted_factory: type[MountedFS]) -> None:
+    """Issue 11 #5: on a node that only lists the files, `verify --remote` fetches and
+    checks each object against its manifest (finding a corrupt one), and a file that
+    could not be checked (SKIPPED) is never a success exit."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    writer = mounted_factory("writer")  # type: ignore[call-arg]
+    writer.mount()
+    checkpoint(writer, {"ck/good.pt": os.urandom(100_000), "ck/bad.pt": os.urandom(100_000)})
+    writer.unmount()
+    flip_byte(writer.remote_dir / "ck" / "bad.pt", 4321)
+
+    reader = mounted_factory("reader", writer.remote_url)  # type: ignore[call-arg]
+    reader.mount()
+    reader.expect_log("event=verify_mismatch")
+    assert sorted(os.listdir(reader.path / "ck")) == ["bad.pt", "good.pt"]
+    doc = admin_json("verify", reader.path / "ck", "--remote", expect=4)
+    results = {f["path"]: (f["result"], f["remote"]["result"]) for f in doc["files"]}
+    assert results == {"ck/bad.pt": ("MISMATCH", "mismatch"), "ck/good.pt": ("OK", "ok")}, doc
+
+    # Without --remote nothing can be checked on this node: SKIPPED, exit 1, says so.
+    result = admin("verify", reader.path / "ck" / "good.pt", expect=1)
+    assert "SKIPPED" in result.stdout and "could not be checked" in result.stderr
