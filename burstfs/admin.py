@@ -34,6 +34,7 @@ from .control import (
     SCHEMA,
     SOCKET_NAME,
     files_at,
+    short_reason,
     journal_events,
     journal_status,
     list_files,
@@ -322,6 +323,11 @@ def _print_status(doc: dict[str, Any]) -> None:
     oldest = f"; oldest closed {fmt_duration(undrained['oldest_age_s'])} ago" if undrained["files"] else ""
     click.echo(f"undrained: {undrained['files']} files, {fmt_bytes(undrained['bytes'])}{oldest}")
     drain = doc["drain"]
+    outage = drain.get("outage")  # absent from an older daemon's document
+    if outage:
+        click.echo(f"REMOTE {'UNREACHABLE' if outage['unreachable'] else 'FAILING'} since "
+                   f"{fmt_time(outage['since'])}: {outage['reason']}  (nothing drained since; "
+                   f"{outage['errors']} errors)")  # fmt: skip
     if doc["live"]:
         eta = "nothing to drain" if drain["eta_s"] == 0 else f"ETA {fmt_duration(drain['eta_s'])}"
         click.echo(f"drain: {fmt_bytes(drain['throughput_bps'])}/s, {eta}; "
@@ -333,7 +339,7 @@ def _print_status(doc: dict[str, Any]) -> None:
     if drain["errors_by_kind"]:
         click.echo("errors: " + ", ".join(f"{k}={v}" for k, v in sorted(drain["errors_by_kind"].items())))
         for error in drain["recent_errors"][-5:]:
-            click.echo(f"  {fmt_time(error['time'])}  {error['message']}")
+            click.echo(f"  {fmt_time(error['time'])}  {short_reason(error['message'])}")
     tier = doc["local_tier"]
     line = f"local tier {tier['path']}: burstfs holds {fmt_bytes(tier['used_bytes'])}"
     if tier["fs_total_bytes"] is not None:
@@ -383,7 +389,7 @@ def ls_command(path: Path, cache: Path | None, as_json: bool) -> None:
     if as_json:
         emit_json(doc)
         return
-    rows = [[f["state"], fmt_bytes(f["size"]), str(f["generation"]), (f["digest"] or "-")[:16], f["path"],
+    rows = [[f["state"], fmt_bytes(f["size"]), str(f["generation"]), f["digest"] or "-", f["path"],
              f["remote_key"] or "-"] for f in doc["files"]]  # fmt: skip
     click.echo(table(["STATE", "SIZE", "GEN", "DIGEST", "PATH", "REMOTE KEY"], rows, right=(1, 2)))
     for f in doc["files"]:
@@ -512,7 +518,12 @@ def prefetch(paths: tuple[Path, ...], cache: Path | None, as_json: bool) -> None
 
     doc = target.need_daemon("prefetch").call("prefetch", paths=target.rels, timeout=None,
                                               progress=None if as_json else progress)  # fmt: skip
-    emit_json(doc) if as_json else click.echo(f"fetched {fmt_bytes(doc['bytes'])} in {len(doc['files'])} files")
+    if as_json:
+        emit_json(doc)
+    else:
+        failed = sum(not f["ok"] for f in doc["files"])
+        click.echo(f"fetched {fmt_bytes(doc['bytes'])} in {len(doc['files']) - failed} files"
+                   + (f"; {failed} failed" if failed else ""))  # fmt: skip
     _per_file_failures(doc, "fetched")
 
 

@@ -138,6 +138,31 @@ def _undrained(cache_dir: Path) -> dict[str, tuple[int, int]]:
         journal.close()
 
 
+def _left_behind(cache_dir: Path) -> dict[str, tuple[int, int]]:
+    """What a stopped mount leaves undrained, by fate: {"drains": staged + draining,
+    "failed": failed, "incomplete": incomplete + writing} -> (files, bytes).
+
+    A file still ``writing`` in the journal of a stopped daemon becomes
+    ``incomplete`` at the next start: it never drains on its own.
+    """
+    from .journal import Journal
+
+    journal = Journal(cache_dir, readonly=True)
+    try:
+        rows = journal.query("SELECT state, COUNT(*), COALESCE(SUM(size), 0) FROM inodes "
+                             "WHERE kind='file' AND parent!=0 GROUP BY state")  # fmt: skip
+    finally:
+        journal.close()
+    fate = {"staged": "drains", "draining": "drains", "failed": "failed", "incomplete": "incomplete",
+            "writing": "incomplete"}  # fmt: skip
+    left: dict[str, tuple[int, int]] = {}
+    for state, files, nbytes in rows:
+        if state in fate:
+            f, b = left.get(fate[state], (0, 0))
+            left[fate[state]] = (f + int(files), b + int(nbytes))
+    return left
+
+
 @main.command()
 @click.argument("mountpoint", type=click.Path(path_type=Path))
 @click.option("--wait", "wait_drain", is_flag=True, help="First wait until every closed file is durable.")
@@ -176,12 +201,20 @@ def unmount(mountpoint: Path, wait_drain: bool, timeout: float, wait_timeout: fl
         if time.monotonic() > deadline:
             _fail(BurstfsError(f"daemon pid {pid} did not exit within {timeout:.0f}s after unmount"))
         time.sleep(0.05)
-    remaining = _undrained(cache_dir).values()
-    files, nbytes = sum(f for f, _ in remaining), sum(b for _, b in remaining)
+    left = _left_behind(cache_dir)
     click.echo(f"unmounted {point} (cache {cache_dir})")
+    files, nbytes = left.get("drains", (0, 0))
     if files:
         click.echo(f"{files} files ({nbytes} bytes) are not durable yet: they stay staged in {cache_dir}; "
                    f"the next mount or `burstfs drain --cache {cache_dir}` drains them")  # fmt: skip
+    files, nbytes = left.get("failed", (0, 0))
+    if files:
+        click.echo(f"{files} files ({nbytes} bytes) failed to drain: they drain after `burstfs-admin retry` "
+                   f"on the next mount (see: burstfs-admin ls {cache_dir})")  # fmt: skip
+    files, nbytes = left.get("incomplete", (0, 0))
+    if files:
+        click.echo(f"{files} files ({nbytes} bytes) are incomplete (open for writing at a crash, or a write "
+                   "failed): they will not drain; rewrite or delete them")  # fmt: skip
 
 
 @main.command()

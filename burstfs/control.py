@@ -26,6 +26,7 @@ import errno
 import json
 import logging
 import os
+import re
 import socket
 import stat
 import struct
@@ -147,6 +148,38 @@ def _closed_at(journal: Journal, ino: int, fallback: float) -> float:
     return float(rows[0][0]) if rows else fallback
 
 
+#: Error messages that say the remote cannot be reached or is not answering (vs. a per-file problem).
+_UNREACHABLE = re.compile(r"refused|timed? ?out|timeout|cannot (connect|reach)|unreachable|connection|"
+                          r"reset by peer|name resolution|SlowDown|ServiceUnavailable|\b50[234]\b", re.IGNORECASE)
+#: An outage is reported while its latest error is at most this old.
+OUTAGE_FRESH_S = 300.0
+
+
+def short_reason(message: str) -> str:
+    """An error message for a headline: URLs cut to their host (no upload ids, no keys), bounded."""
+    text = re.sub(r"https?://([^/\s'\"]+)[^\s'\"]*", r"\1", " ".join(message.split()))
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def outage_of(stats: Any, now: float | None = None) -> dict[str, Any] | None:
+    """The drain's trouble since its last progress: ``{"since", "reason", "errors",
+    "unreachable"}``, or None while files drain (or nothing failed).
+
+    Errors recorded after the newest durable file, the latest within
+    OUTAGE_FRESH_S, make an outage; it started at the first of them (the mover
+    records an error once its retries for a request are spent, so this lags
+    the first failed attempt by that retry budget).
+    """
+    now = time.time() if now is None else now
+    last_progress = max((t for t, _ in list(stats.bytes_drained_recent)), default=0.0)
+    errors = [(t, m) for t, m in list(stats.recent_errors) if t > last_progress]
+    if not errors or now - errors[-1][0] > OUTAGE_FRESH_S:
+        return None
+    reason = errors[-1][1]
+    return {"since": errors[0][0], "reason": short_reason(reason), "errors": len(errors),
+            "unreachable": bool(_UNREACHABLE.search(reason))}  # fmt: skip
+
+
 def _held_bytes(journal: Journal, data_dir: Path) -> int:
     """Bytes the local tier holds for files: each file's journaled local bytes, but no
     more than its data file has allocated (``st_blocks * 512``), so a sparse file
@@ -198,6 +231,7 @@ def journal_status(journal: Journal, cache_dir: Path) -> dict[str, Any]:
             "eta_s": 0.0 if not states[STAGED]["bytes"] + states[DRAINING]["bytes"] else None,
             "files_drained": None,
             "bytes_drained": None,
+            "outage": None,
             "halted": None,
             "mover_crashed": None,
             "errors_by_kind": {},
@@ -523,9 +557,11 @@ class ControlServer:
         )
         if self.drain is not None:
             stats = self.drain.mover.stats
-            throughput = stats.throughput()
+            outage = outage_of(stats)
+            throughput = 0.0 if outage else stats.throughput()  # an outage stops the drain now, not in 30 s
             pending = doc["states"][STAGED]["bytes"] + doc["states"][DRAINING]["bytes"]
             doc["drain"].update(
+                outage=outage,
                 throughput_bps=throughput,
                 eta_s=0.0 if not pending else (pending / throughput if throughput > 0 else None),
                 files_drained=stats.files_drained,

@@ -394,3 +394,14 @@ def test_verify_remote_on_a_restore_node_checks_remote_only_files(mounted_factor
     # Without --remote nothing can be checked on this node: SKIPPED, exit 1, says so.
     result = admin("verify", reader.path / "ck" / "good.pt", expect=1)
     assert "SKIPPED" in result.stdout and "could not be checked" in result.stderr
+
+    # prefetch says one failed (and exits 1), not "fetched 2 files"
+    reader.expect_log("corrupt")
+    reader.expect_log("mismatch")
+    result = admin("prefetch", reader.path / "ck", expect=1)
+    assert "in 1 files; 1 failed" in result.stdout, result.stdout
+    # ls shows the whole xxh3-128 digest (32 hex digits), as documented
+    digest = admin_json("ls", reader.path / "ck" / "good.pt")["files"][0]["digest"]
+    row = [line for line in admin("ls", reader.path / "ck").stdout.splitlines() if "good.pt" in line]
+    assert digest is None or digest in row[0]
+    assert any(len(word) == 32 for word in admin("ls", writer.cache).stdout.split()), "no 32-digit digest"

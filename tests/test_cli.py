@@ -340,3 +340,41 @@ def test_drain_says_it_waits_for_the_drain_delay_and_now_skips_it(mounted_factor
     result = burstfs("drain", "--cache", str(fs.cache), "--now", timeout=60)
     assert "drained 1 files" in result.stdout
     assert (fs.remote_dir / "model.pt").read_bytes() == b"w" * 1000
+
+
+@pytest.mark.fuse
+def test_unmount_after_a_crash_counts_incomplete_files_apart(mounted_factory: type[MountedFS]) -> None:
+    """Issue 11 #8: a file open for writing when the daemon died never drains; unmount
+    must not count it among the files the next mount drains."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    fs = mounted_factory("crashed", None, ("--drain-delay", "600"))  # type: ignore[call-arg]
+    fs.mount()
+    fs.expect_log("recover")
+    (fs.path / "closed.pt").write_bytes(b"c" * 1000)
+    writer = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'wb'); f.write(b'x' * 100);"
+                               " f.flush(); print('ready', flush=True); time.sleep(60)", str(fs.path / "open.pt")],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+        pid = fs.daemon_pid()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while fs.cache.joinpath("lock").exists() and time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.02)
+    finally:
+        writer.kill()
+        writer.wait()
+    result = burstfs("unmount", str(fs.path))
+    assert "1 files (1000 bytes) are not durable yet" in result.stdout, result.stdout
+    (incomplete,) = [line for line in result.stdout.splitlines() if "are incomplete" in line]
+    assert incomplete.startswith("1 files (") and "will not drain" in incomplete, result.stdout

@@ -143,3 +143,32 @@ def test_status_counts_a_sparse_file_by_its_allocated_bytes(mounted_factory: typ
     doc = json.loads(status.stdout)
     assert doc["local_tier"]["used_bytes"] < 1 << 20, doc["local_tier"]
     assert doc["states"]["staged"]["bytes"] + doc["states"]["durable"]["bytes"] + doc["states"]["draining"]["bytes"] == (300 << 20) + 4
+
+
+def test_status_during_an_outage_has_a_headline_and_no_stale_rate(
+    mounted_factory: type[MountedFS], s3_proxy: tuple[FaultProxy, str]
+) -> None:
+    """Issue 11 #8: with the remote refusing connections, status says since when and why,
+    and the drain rate is 0 (not the rate from before the outage) with no ETA."""
+    import json
+
+    proxy, url = s3_proxy
+    fs = _mount(mounted_factory, proxy, url, "daemon")
+    admin = str(Path(sys.executable).parent / "burstfs-admin")
+    (fs.path / "before.pt").write_bytes(os.urandom(1 << 20))
+    wait_for(lambda: os.getxattr(fs.path / "before.pt", "user.burstfs.state") == b"durable", what="durable")
+    proxy.close()  # nothing listens on its port any more: connection refused
+    (fs.path / "during.pt").write_bytes(os.urandom(1 << 20))
+
+    def outage() -> dict | None:  # type: ignore[type-arg]
+        doc = json.loads(subprocess.run([admin, "status", str(fs.path), "--json"], capture_output=True, text=True,
+                                        timeout=BOUND_S, check=True).stdout)  # fmt: skip
+        return doc if doc["drain"]["outage"] else None
+
+    doc = wait_for(outage, timeout=120, interval=0.5, what="an outage in status")
+    assert doc["drain"]["outage"]["unreachable"], doc["drain"]
+    assert doc["drain"]["throughput_bps"] == 0 and doc["drain"]["eta_s"] is None, doc["drain"]
+    text = subprocess.run([admin, "status", str(fs.path)], capture_output=True, text=True, timeout=BOUND_S).stdout
+    print(text)
+    (headline,) = [line for line in text.splitlines() if line.startswith("REMOTE UNREACHABLE since")]
+    assert "http://" not in headline and "Could not connect" in headline, headline
