@@ -61,6 +61,12 @@ TOMBSTONE_SECONDS = 600.0
 #: The longest a lookup miss or an opendir waits for a remote listing; a slower
 #: listing goes on in the background and the request is answered from what is local.
 LISTING_WAIT = 1.0
+#: The first listing of a directory this node has never listed may take this long:
+#: until it lands, a restore node would not see what the remote holds at all.
+#: A hung remote costs this once (then ``LISTING_BACKOFF`` applies).
+FIRST_LISTING_WAIT = 10.0
+#: ``Inode.listed_at`` of a directory whose remote listing was never merged.
+NEVER_LISTED = -1e9
 #: A background listing is abandoned after this long (retried after the TTL).
 LISTING_TIMEOUT = 30.0
 #: After a listing failed or was slow, requests wait for none for this long.
@@ -159,7 +165,7 @@ class Inode:
     handles: int = 0  # open file handles
     last_access: float = 0.0  # monotonic time of the last open/read/write (eviction order)
     listed: bool = False  # known only from a remote listing (state remote)
-    listed_at: float = -1e9  # directories: monotonic time of the last remote listing merge
+    listed_at: float = NEVER_LISTED  # directories: monotonic time of the last remote listing merge
     accounted: int = 0  # bytes of this file counted in BurstCore.local_bytes
     digests: StreamingDigests | None = None  # computed as written; None: the drain hashes the file
     local_prefix: int = 0  # a file being fetched: bytes from its start known to be local
@@ -277,7 +283,9 @@ class BurstCore:
         self.listing_timeout = LISTING_TIMEOUT
         self.listing_backoff = LISTING_BACKOFF
         self._remote_slow_until = 0.0  # until then, requests wait for no listing (the last one failed or was slow)
-        self._listings: dict[int, tuple[trio.Event, list[bool], float]] = {}  # directory -> listing in flight
+        self.first_listing_wait = FIRST_LISTING_WAIT
+        # directory -> listing in flight: (done, [merged], trio time it started, how long requests wait)
+        self._listings: dict[int, tuple[trio.Event, list[bool], float, float]] = {}
         self._next_fh = itertools.count(1)
         self._recover()
         self._next_ino = itertools.count(max(self.inodes) + 1)
@@ -404,13 +412,15 @@ class BurstCore:
         if pending is None:
             if now - directory.listed_at < self.list_ttl:
                 return False
-            pending = (trio.Event(), [False], trio.current_time())  # trio's clock: move_on_at below
+            never_listed = directory.listed_at == NEVER_LISTED
+            wait = max(self.listing_wait, self.first_listing_wait) if never_listed else self.listing_wait
+            pending = (trio.Event(), [False], trio.current_time(), wait)  # trio's clock: move_on_at below
             self._listings[directory.ino] = pending
             trio.lowlevel.spawn_system_task(self._list_in_background, directory, pending)
-        done, merged, started = pending
+        done, merged, started, wait = pending
         if now < self._remote_slow_until:
             return False  # the remote is slow or down: local work does not wait for it
-        with trio.move_on_at(started + self.listing_wait):
+        with trio.move_on_at(started + wait):
             await done.wait()
             return merged[0]
         if now >= self._remote_slow_until:
@@ -419,9 +429,10 @@ class BurstCore:
         self._remote_slow_until = max(self._remote_slow_until, time.monotonic() + self.listing_backoff)
         return False
 
-    async def _list_in_background(self, directory: Inode, pending: tuple[trio.Event, list[bool], float]) -> None:
+    async def _list_in_background(self, directory: Inode,
+                                  pending: tuple[trio.Event, list[bool], float, float]) -> None:  # fmt: skip
         """Run one listing, bounded by ``listing_timeout`` (the remote's own retries may take minutes)."""
-        done, merged, started = pending
+        done, merged, started, _ = pending
         try:
             with trio.move_on_after(self.listing_timeout) as scope:
                 merged[0] = await self.refresh_listing(directory)

@@ -521,7 +521,7 @@ def test_a_slow_listing_does_not_hold_a_lookup(tmp_path: Path) -> None:
         remote.during_list = release.wait  # a remote that does not answer
         listed(core, remote)
         core.list_ttl = 60
-        core.listing_wait = 0.05
+        core.listing_wait = core.first_listing_wait = 0.05
         with trio.fail_after(10):  # without the bound this hangs until the remote answers
             try:
                 await core.lookup(ROOT_INO, b"late")
@@ -535,5 +535,29 @@ def test_a_slow_listing_does_not_hold_a_lookup(tmp_path: Path) -> None:
             while b"late" not in core.inode(ROOT_INO).children:  # type: ignore[operator]
                 await trio.sleep(0.01)
         assert (await core.lookup(ROOT_INO, b"late")).size == 4
+
+    run_flaky(tmp_path, body)
+
+
+def test_the_first_listing_of_a_directory_may_take_longer(tmp_path: Path) -> None:
+    """A restore node must see what the remote holds: the first listing of a directory
+    this node never listed is waited for up to ``first_listing_wait``, later ones only
+    up to ``listing_wait``."""
+
+    async def body(core: BurstCore) -> None:
+        remote = FakeRemote({"": ([("ckpt.pt", 4, 1.0)], [])})
+
+        async def slow() -> None:
+            await trio.sleep(0.3)
+
+        remote.during_list = slow
+        listed(core, remote)
+        core.list_ttl = 0
+        core.listing_wait, core.first_listing_wait = 0.01, 5.0
+        with trio.fail_after(10):
+            assert (await core.lookup(ROOT_INO, b"ckpt.pt")).size == 4  # the first listing is waited for
+            with pytest.raises(BurstfsError) as missing:  # a later one is not: answered from local entries
+                await core.lookup(ROOT_INO, b"other.pt")
+            assert missing.value.errno == errno.ENOENT
 
     run_flaky(tmp_path, body)

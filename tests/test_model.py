@@ -37,6 +37,7 @@ import stat
 import tempfile
 from pathlib import Path
 
+import pytest
 import xxhash
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
@@ -680,7 +681,9 @@ BurstfsModel.TestCase.settings = settings(
     deadline=None,
     derandomize=os.environ.get("BURSTFS_MODEL_RANDOM") != "1",
     database=None,
+    print_blob=True,
     suppress_health_check=list(HealthCheck),
     phases=[p for p in Phase if p != Phase.shrink or os.environ.get("BURSTFS_MODEL_SHRINK", "1") == "1"],
 )
-TestBurstfsModel = BurstfsModel.TestCase
+# The CI budget runs in ~2 minutes; the by-hand budgets take longer than the default per-test timeout.
+TestBurstfsModel = pytest.mark.timeout(int(os.environ.get("BURSTFS_MODEL_TIMEOUT", "900")))(BurstfsModel.TestCase)
