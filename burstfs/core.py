@@ -143,7 +143,7 @@ class Inode:
     """In-memory state of one file, directory or symlink."""
 
     ino: int
-    kind: str  # "file" | "dir" | "symlink"
+    kind: str  # "file" | "dir" | "symlink" | "special" (a FIFO or socket: local only)
     mode: int  # full st_mode, type bits included
     uid: int
     gid: int
@@ -689,6 +689,24 @@ class BurstCore:
         inode = self._new_inode(parent, name, "symlink", stat.S_IFLNK | 0o777, uid, gid)
         inode.target = target
         inode.size = len(target)
+        undo = _Undo()
+        self._link(parent, inode, undo)
+        await self._commit_new(parent, inode, META, undo)
+        inode.lookups += 1
+        return inode
+
+    async def mknod_special(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
+        """A FIFO or a UNIX socket: a local-only node (journaled, never drained).
+
+        The kernel opens, reads and writes FIFOs and binds sockets itself; the file
+        system only keeps the name, mode and owner.  Device nodes are refused (EPERM):
+        a checkpoint store has no use for them, and honouring them would let anyone
+        who can write the mount reach a device through it (the mount is not ``nodev``).
+        """
+        parent = self._dir(parent_ino)
+        if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+            raise FsError(errno.EPERM, "device nodes are not supported")
+        inode = self._new_inode(parent, name, "special", stat.S_IFMT(mode) | stat.S_IMODE(mode), uid, gid)
         undo = _Undo()
         self._link(parent, inode, undo)
         await self._commit_new(parent, inode, META, undo)

@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import sqlite3
+import stat
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -142,6 +143,8 @@ class BurstOperations(pyfuse3.Operations):
     @_errors_to_fuse
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:  # fmt: skip
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            return entry_attributes(await self.core.mknod_special(parent_inode, name, mode, ctx.uid, ctx.gid))
         fh, inode = await self.core.create(parent_inode, name, mode, os.O_WRONLY, ctx.uid, ctx.gid)
         await self.core.release(fh)
         return entry_attributes(inode)

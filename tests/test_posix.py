@@ -541,17 +541,57 @@ def test_hard_links_refused(burst: MountedFS) -> None:
     assert os.stat(burst.path / "a").st_nlink == 1
 
 
-def test_special_files_refused_regular_mknod_works(burst: MountedFS) -> None:
-    with oserror(errno.EPERM):
-        os.mkfifo(burst.path / "fifo")
+def test_fifos_and_sockets_are_local_only_nodes_devices_refused(burst: MountedFS) -> None:
+    import socket
+
+    os.mkfifo(burst.path / "fifo", 0o640)
+    st = os.stat(burst.path / "fifo")
+    assert stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o640 and st.st_rdev == 0
+    assert st.st_nlink == 1 and st.st_size == 0
+    # The kernel runs the pipe itself: a writer and a reader meet through the name.
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append((burst.path / "fifo").read_bytes()))
+    reader.start()
+    (burst.path / "fifo").write_bytes(b"through the pipe")
+    reader.join(10)
+    assert got == [b"through the pipe"]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(burst.path / "sock"))
+        server.listen(1)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(str(burst.path / "sock"))
+            conn, _ = server.accept()
+            with conn:
+                client.sendall(b"hi")
+                assert conn.recv(2) == b"hi"
+    assert stat.S_ISSOCK(os.stat(burst.path / "sock").st_mode)
+    os.mknod(burst.path / "sock2", stat.S_IFSOCK | 0o600)
+    # Device nodes stay refused (a checkpoint store needs none; see SEMANTICS).
     with oserror(errno.EPERM):
         os.mknod(burst.path / "null", stat.S_IFCHR | 0o600, os.makedev(1, 3))
     with oserror(errno.EPERM):
-        os.mknod(burst.path / "sock", stat.S_IFSOCK | 0o600)
+        os.mknod(burst.path / "disk", stat.S_IFBLK | 0o600, os.makedev(7, 0))
     os.mknod(burst.path / "plain", stat.S_IFREG | 0o640)
     st = os.stat(burst.path / "plain")
     assert stat.S_ISREG(st.st_mode) and st.st_size == 0 and stat.S_IMODE(st.st_mode) == 0o640
-    assert os.listdir(burst.path) == ["plain"]
+    assert sorted(os.listdir(burst.path)) == ["fifo", "plain", "sock", "sock2"]
+    os.rename(burst.path / "sock2", burst.path / "sock3")
+    os.chmod(burst.path / "fifo", 0o600)
+    # Journaled: they survive a remount; never drained (only the regular file reaches the remote).
+    wait_closed = time.monotonic() + 30
+    while not (burst.remote_dir / "plain").exists():
+        assert time.monotonic() < wait_closed
+        time.sleep(0.05)
+    burst.unmount()
+    burst.mount()
+    assert sorted(os.listdir(burst.path)) == ["fifo", "plain", "sock", "sock3"]
+    assert stat.S_ISFIFO(os.stat(burst.path / "fifo").st_mode)
+    assert stat.S_IMODE(os.stat(burst.path / "fifo").st_mode) == 0o600
+    assert stat.S_ISSOCK(os.stat(burst.path / "sock3").st_mode)
+    assert sorted(p.name for p in burst.remote_dir.iterdir() if p.name != ".burstfs") == ["plain"]
+    os.unlink(burst.path / "fifo")
+    os.unlink(burst.path / "sock")
+    assert sorted(os.listdir(burst.path)) == ["plain", "sock3"]
 
 
 def test_o_direct_works_or_fails_cleanly(burst: MountedFS) -> None:
