@@ -148,9 +148,9 @@ def _closed_at(journal: Journal, ino: int, fallback: float) -> float:
     return float(rows[0][0]) if rows else fallback
 
 
-#: Error messages that say the remote cannot be reached or is not answering (vs. a per-file problem).
-_UNREACHABLE = re.compile(r"refused|timed? ?out|timeout|cannot (connect|reach)|unreachable|connection|"
-                          r"reset by peer|name resolution|SlowDown|ServiceUnavailable|\b50[234]\b", re.IGNORECASE)
+#: Error kinds that say the remote cannot be reached or is not answering (vs. a refusal
+#: or a per-file problem): temporary failures after retries, a failed start-up probe.
+UNREACHABLE_KINDS = frozenset({"unavailable", "unreachable"})
 #: An outage is reported while its latest error is at most this old.
 OUTAGE_FRESH_S = 300.0
 
@@ -162,22 +162,25 @@ def short_reason(message: str) -> str:
 
 
 def outage_of(stats: Any, now: float | None = None) -> dict[str, Any] | None:
-    """The drain's trouble since its last progress: ``{"since", "reason", "errors",
+    """The drain's trouble since its last progress: ``{"since", "reason", "kind", "errors",
     "unreachable"}``, or None while files drain (or nothing failed).
 
     Errors recorded after the newest durable file, the latest within
-    OUTAGE_FRESH_S, make an outage; it started at the first of them (the mover
-    records an error once its retries for a request are spent, so this lags
-    the first failed attempt by that retry budget).
+    OUTAGE_FRESH_S, make an outage.  It started at the first failed attempt the
+    mover noted for them (``MoverStats.trouble_since``), else at the first of them.
+    ``unreachable`` comes from the error's kind, never from its message text.
     """
     now = time.time() if now is None else now
     last_progress = max((t for t, _ in list(stats.bytes_drained_recent)), default=0.0)
-    errors = [(t, m) for t, m in list(stats.recent_errors) if t > last_progress]
+    errors = [(t, k, m) for t, k, m in list(stats.recent_errors) if t > last_progress]
     if not errors or now - errors[-1][0] > OUTAGE_FRESH_S:
         return None
-    reason = errors[-1][1]
-    return {"since": errors[0][0], "reason": short_reason(reason), "errors": len(errors),
-            "unreachable": bool(_UNREACHABLE.search(reason))}  # fmt: skip
+    _, kind, reason = errors[-1]
+    since = getattr(stats, "trouble_since", None)
+    if since is None or since <= last_progress or since > errors[0][0]:
+        since = errors[0][0]
+    return {"since": since, "reason": short_reason(reason), "kind": kind, "errors": len(errors),
+            "unreachable": kind in UNREACHABLE_KINDS}  # fmt: skip
 
 
 def _held_bytes(journal: Journal, data_dir: Path) -> int:
@@ -569,7 +572,7 @@ class ControlServer:
                 halted=stats.halted,
                 mover_crashed=None if self.drain.crashed is None else repr(self.drain.crashed),
                 errors_by_kind=dict(stats.errors_by_kind),
-                recent_errors=[{"time": t, "message": m} for t, m in list(stats.recent_errors)],
+                recent_errors=[{"time": t, "kind": k, "message": m} for t, k, m in list(stats.recent_errors)],
             )
         return doc
 

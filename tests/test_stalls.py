@@ -172,3 +172,32 @@ def test_status_during_an_outage_has_a_headline_and_no_stale_rate(
     print(text)
     (headline,) = [line for line in text.splitlines() if line.startswith("REMOTE UNREACHABLE since")]
     assert "http://" not in headline and "Could not connect" in headline, headline
+
+
+def test_outage_headline_uses_the_error_kind_and_the_first_failed_attempt() -> None:
+    """Issue 11 leftover (c): the headline says "unreachable" from the error's kind, not by
+    matching words in its message, and dates the outage from its first failed attempt
+    (before the retries that preceded the recorded error)."""
+    from burstfs.control import outage_of
+    from burstfs.mover import MoverStats
+
+    stats = MoverStats()
+    stats.bytes_drained_recent.append((time.time() - 100, 1 << 20))
+    first = time.time() - 40  # the request's first attempt; its retries ran until now
+    stats.error("unavailable", "put ckpt/a.pt: remote s3://b unavailable after 8 attempts: EndpointError",
+                first_attempt=first)  # fmt: skip
+    outage = outage_of(stats)
+    assert outage is not None and outage["unreachable"] and outage["kind"] == "unavailable", outage
+    assert outage["since"] == first, outage
+    # A refusal whose text happens to mention a connection is not "unreachable".
+    stats.error("access_denied", "s3://b: put: access denied (AccessDenied) on connection 3")
+    outage = outage_of(stats)
+    assert outage is not None and not outage["unreachable"] and outage["kind"] == "access_denied", outage
+    assert outage["since"] == first and outage["errors"] == 2, outage
+    # Progress ends the outage; the next failure starts a new one.
+    stats.bytes_drained_recent.append((time.time(), 1))
+    assert outage_of(stats) is None
+    time.sleep(0.01)
+    stats.error("unavailable", "later")
+    outage = outage_of(stats)
+    assert outage is not None and outage["since"] > first, outage
