@@ -36,11 +36,12 @@ import time
 
 import xxhash
 
-from .errors import CorruptDataError, FsError
+from .errors import CorruptDataError, FsError, RemoteError
 from .fileio import pread_full, pwrite_full
 from .journal import DURABLE, EVICTED, REMOTE, InodeRow, Journal
 from .localtier import LocalTier
 from .objects import Manifest, ObjectStore
+from .remote.retry import RetryPolicy
 
 log = logging.getLogger("burstfs.restore")
 
@@ -60,6 +61,12 @@ VERIFY_READ_SIZE = 8 << 20
 # Written by a drain that compresses: its presence tells readers that listed
 # object sizes are stored sizes, not file sizes.
 LAYOUT_KEY = ".burstfs/layout.json"
+#: Listings answer requests (a lookup miss, an opendir): one attempt, bounded, never
+#: the drain's retry budget (8 attempts of up to 60 s each).  A failed listing is
+#: tried again by the core after its backoff; the drain keeps its own retries.
+LISTING_RETRY = RetryPolicy(attempts=1)
+#: A listing attempt (with the manifests a compressed layout needs) gives up after this.
+LISTING_ATTEMPT_TIMEOUT_S = 20.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -111,6 +118,8 @@ class RestoreService:
         self._opening: dict[int, asyncio.Future[_FileFetch]] = {}
         self._open_fds: collections.OrderedDict[int, _FileFetch] = collections.OrderedDict()  # LRU, oldest first
         self._compressed: bool | None = None
+        self.listing_retry = LISTING_RETRY
+        self.listing_timeout = LISTING_ATTEMPT_TIMEOUT_S
 
     @property
     def open_fds(self) -> int:
@@ -123,8 +132,16 @@ class RestoreService:
         A listing gives stored sizes; when the remote holds compressed objects
         (see :data:`LAYOUT_KEY`), the file sizes come from their manifests.
         """
+        try:
+            return await asyncio.wait_for(self._list_dir_once(dir_key), self.listing_timeout)
+        except asyncio.TimeoutError:
+            raise RemoteError(f"list {dir_key or '/'}: remote {self.store.remote.url} did not answer within "
+                              f"{self.listing_timeout:.0f}s", kind="unavailable") from None  # fmt: skip
+
+    async def _list_dir_once(self, dir_key: str) -> tuple[list[tuple[str, int, float]], list[str]]:
+        """list_dir's one attempt (``listing_retry``), without a bound of its own."""
         remote = self.store.remote
-        files, subdirs = await self.store.retry.call(remote, remote.list_dir, dir_key, what=f"list {dir_key or '/'}")
+        files, subdirs = await self.listing_retry.call(remote, remote.list_dir, dir_key, what=f"list {dir_key or '/'}")
         prefix = f"{dir_key}/" if dir_key else ""
         sizes = {info.key: info.size for info in files}
         if await self._compressed_layout():
@@ -140,7 +157,8 @@ class RestoreService:
     async def _compressed_layout(self) -> bool:
         if self._compressed is None:
             remote = self.store.remote
-            self._compressed = await self.store.retry.call(remote, remote.head, LAYOUT_KEY, what="head layout") is not None
+            head = await self.listing_retry.call(remote, remote.head, LAYOUT_KEY, what="head layout")
+            self._compressed = head is not None
         return self._compressed
 
     async def ensure_local(self, ino: int, offset: int, length: int) -> int:

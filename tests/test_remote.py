@@ -621,3 +621,43 @@ def test_file_remote_refuses_a_symlink_at_the_key(tmp_path: Path, path_resolutio
     assert (outside / "victim").read_bytes() == b"precious"
     assert (root / "latest").is_symlink()
     assert not (root / "stolen").exists()
+
+
+def test_request_path_listing_is_one_short_attempt(tmp_path: Path) -> None:
+    """Issue 11 leftover (b): RestoreService.list_dir (a lookup miss, an opendir) makes one
+    attempt, bounded in time, instead of the drain's retry policy; the drain's ObjectStore
+    keeps its retries."""
+    from burstfs.localtier import LocalTier
+    from burstfs.objects import ObjectStore
+    from burstfs.restore import RestoreService
+
+    calls: list[str] = []
+
+    class Flaky(FileRemote):
+        hang = False
+
+        async def list_dir(self, prefix: str) -> Any:
+            calls.append(prefix)
+            if self.hang:
+                await asyncio.sleep(3600)
+            if len(calls) == 1:
+                raise OSError(errno.ECONNRESET, "connection reset")  # temporary: a retry would succeed
+            return await super().list_dir(prefix)
+
+    (tmp_path / "remote").mkdir()
+    remote = Flaky(parse_remote_url(f"file://{tmp_path / 'remote'}"))
+    store = ObjectStore(remote, RetryPolicy(attempts=8, base_delay=0.0, max_delay=0.0))
+    restore = RestoreService(store, None, LocalTier(tmp_path / "cache"))  # type: ignore[arg-type]
+
+    async def body() -> None:
+        with pytest.raises(RemoteError) as info:
+            await restore.list_dir("")
+        assert info.value.kind == "unavailable" and calls == [""]
+        assert await restore.list_dir("") == ([], [])  # the next request's attempt goes through
+        remote.hang = True
+        restore.listing_timeout = 0.2
+        with pytest.raises(RemoteError, match="did not answer within") as info:
+            await restore.list_dir("")
+        assert info.value.kind == "unavailable"
+
+    asyncio.run(body())
