@@ -661,3 +661,66 @@ def test_request_path_listing_is_one_short_attempt(tmp_path: Path) -> None:
         assert info.value.kind == "unavailable"
 
     asyncio.run(body())
+
+
+def test_check_wrong_credentials_keeps_s3_error_code(monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """Issue 11 leftover (a): head_bucket's 403 has no body; check() asks once more with a
+    listing and reports S3's code and message (here InvalidAccessKeyId), never the credentials.
+    A stand-in server answers as S3 does to an unknown key (moto does not check credentials)."""
+    import http.server
+    import threading
+
+    seen: list[str] = []
+
+    class Denying(http.server.BaseHTTPRequestHandler):
+        def _deny(self, with_body: bool) -> None:
+            seen.append(f"{self.command} {self.path}")
+            body = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InvalidAccessKeyId</Code>'
+                    b"<Message>The AWS Access Key Id you provided does not exist in our records.</Message>"
+                    b"<AWSAccessKeyId>AKIAWRONGKEYFORTEST</AWSAccessKeyId><RequestId>1</RequestId></Error>")  # fmt: skip
+            self.send_response(403)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if with_body:
+                self.wfile.write(body)
+
+        def do_HEAD(self) -> None:  # noqa: N802
+            self._deny(with_body=False)
+
+        def do_GET(self) -> None:  # noqa: N802
+            self._deny(with_body=True)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Denying)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    secret = "wrongSecretNeverShownAnywhere"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEYFORTEST")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    try:
+        remote = s3_remote(f"http://127.0.0.1:{server.server_address[1]}", "bucket")
+
+        async def body() -> None:
+            with caplog.at_level(logging.DEBUG, logger="burstfs"):
+                with pytest.raises(RemoteError) as info:
+                    await remote.check()
+            text = str(info.value)
+            assert info.value.kind == "access_denied", text
+            assert "InvalidAccessKeyId" in text and "does not exist in our records" in text, text
+            assert "AKIAWRONGKEYFORTEST" not in text and secret not in text, text
+            assert secret not in caplog.text and "AKIAWRONGKEYFORTEST" not in caplog.text
+
+        run(remote, body)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen[0].startswith("HEAD ") and len(seen) == 2 and "max-keys=1" in seen[1], seen

@@ -245,10 +245,33 @@ class S3Remote(Remote):
 
     # -- Remote --------------------------------------------------------------------
 
+    async def _denial_detail(self, denied: RemoteError) -> RemoteError:
+        """A HEAD has no body, so a 403 on head_bucket loses S3's error code: ask once more
+        with a request that returns one (a one-key listing) and keep its code and message
+        (InvalidAccessKeyId, SignatureDoesNotMatch, ...).  Only Code and Message are kept:
+        S3 echoes the access key id and the string to sign in other fields."""
+        client = await self._get_client()
+        try:
+            await client.list_objects_v2(Bucket=self._bucket, Prefix=self._prefix, MaxKeys=1)
+        except botocore.exceptions.ClientError as exc:
+            code, status = _error_code(exc)
+            if code in _DENIED_CODES or status == 403:
+                message = " ".join(str(exc.response.get("Error", {}).get("Message", "")).split())[:300]
+                detail = f"{code}: {message}" if message else code
+                return RemoteError(f"{self._where()}: check: access denied ({detail})", kind="access_denied")
+        except Exception:  # noqa: S110 (the HEAD's denial is the answer; this only adds detail)
+            pass
+        return denied
+
     async def check(self) -> None:
         probe = self._full(f"{INTERNAL_DIR}/check-{uuid.uuid4().hex}")
         try:
-            await self._call("head_bucket", "check")
+            try:
+                await self._call("head_bucket", "check")
+            except RemoteError as exc:
+                if exc.kind != "access_denied":
+                    raise
+                raise await self._denial_detail(exc) from exc
             await self._call("put_object", "write probe", Key=probe, Body=b"")
             await self._call("delete_object", "delete probe", Key=probe)
         except RemoteNotFound as exc:  # HEAD has no body, so a missing bucket is a bare 404
