@@ -40,7 +40,8 @@ Drills (one round each per ``--rounds``):
              restored and must read back right.
 
 Figures per drill: rounds, faults injected, files closed, files lost, wrong bytes
-served, recovery times; exit 1 if any file is lost or any wrong byte was served.
+served, recovery times; exit 1 if any file is lost or any wrong byte was served,
+3 if a round broke off before its verification (e.g. a mount failed to start).
 Faults counted: each kill, each outage, each reset/503/500 the proxy injected,
 each ENOSPC a writer got, each corruption.
 
@@ -468,6 +469,7 @@ class Figures:
     seconds: float = 0.0
     skipped: str | None = None
     listing_retries: int = 0
+    aborted: int = 0
     corrupt_served_right: int = 0
 
     def fault(self, kind: str, n: int = 1) -> None:
@@ -477,7 +479,7 @@ class Figures:
     def row(self) -> dict[str, Any]:
         rec = self.recover_s
         return {
-            "drill": self.drill, "rounds": self.rounds, "faults": self.faults, "fault_kinds": dict(self.fault_kinds),
+            "drill": self.drill, "rounds": self.rounds, "rounds_aborted": self.aborted, "faults": self.faults, "fault_kinds": dict(self.fault_kinds),
             "files_closed": self.files_closed, "files_lost": self.files_lost, "wrong_bytes_served": self.wrong_bytes,
             "recover_s_mean": round(sum(rec) / len(rec), 2) if rec else None,
             "recover_s_max": round(max(rec), 2) if rec else None, "recoveries": len(rec),
@@ -824,7 +826,8 @@ class Drill:
         except Exception as e:  # noqa: BLE001  (a drill that breaks is a finding, the others still run)
             import traceback
 
-            fig.problems.append(f"{name} round {rnd} aborted: {e!r}")
+            fig.aborted += 1
+            fig.problems.append(f"{name} round {rnd} aborted: {e!r}"[:2000])
             log(traceback.format_exc())
             try:
                 self.writers.stop(60)
@@ -847,9 +850,9 @@ class Drill:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    cols = ("drill", "rounds", "faults", "files_closed", "files_lost", "wrong_bytes_served", "recover_s_mean",
-            "recover_s_max", "seconds")  # fmt: skip
-    heads = ("drill", "rounds", "faults injected", "files closed", "files lost", "wrong bytes served",
+    cols = ("drill", "rounds", "rounds_aborted", "faults", "files_closed", "files_lost", "wrong_bytes_served",
+            "recover_s_mean", "recover_s_max", "seconds")  # fmt: skip
+    heads = ("drill", "rounds", "aborted", "faults injected", "files closed", "files lost", "wrong bytes served",
              "recover s (mean)", "recover s (max)", "wall s")  # fmt: skip
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for r in rows:
@@ -920,6 +923,8 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"{name} round {rnd + 1}/{a.rounds}")
                     drill.run(name, fig, rnd)
                     row = fig.row()
+                    if a.out:  # figures so far, in case the run is stopped
+                        a.out.write_text(json.dumps({"partial": True, "drills": [f.row() for f in figs.values()]}) + "\n")
                     log(f"{name}: faults={row['faults']} closed={row['files_closed']} lost={row['files_lost']} "
                         f"wrong={row['wrong_bytes_served']} problems={len(fig.problems)}")  # fmt: skip
         finally:
@@ -930,7 +935,8 @@ def main(argv: list[str] | None = None) -> int:
                 moto_server.stop()
     rows = [figs[d].row() for d in a.drill_list]
     total = {
-        "drill": "total", "rounds": sum(r["rounds"] for r in rows), "faults": sum(r["faults"] for r in rows),
+        "drill": "total", "rounds": sum(r["rounds"] for r in rows),
+        "rounds_aborted": sum(r["rounds_aborted"] for r in rows), "faults": sum(r["faults"] for r in rows),
         "files_closed": sum(r["files_closed"] for r in rows), "files_lost": sum(r["files_lost"] for r in rows),
         "wrong_bytes_served": sum(r["wrong_bytes_served"] for r in rows),
         "recover_s_mean": None, "recover_s_max": max((r["recover_s_max"] or 0 for r in rows), default=None),
@@ -951,7 +957,10 @@ def main(argv: list[str] | None = None) -> int:
         doc = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
                "seed": a.seed, "remote": a.remote, "drills": rows, "total": total}  # fmt: skip
         a.out.write_text(json.dumps(doc, indent=2) + "\n")
-    return 1 if total["files_lost"] or total["wrong_bytes_served"] else 0
+    if total["files_lost"] or total["wrong_bytes_served"]:
+        return 1
+    # A round that broke before its verification proves nothing: say so in the exit code.
+    return 3 if any(r["rounds_aborted"] for r in rows) else 0
 
 
 if __name__ == "__main__":
