@@ -291,7 +291,7 @@ class BurstCore:
         self._next_ino = itertools.count(max(self.inodes) + 1)
         self._next_close_seq = itertools.count(journal.max_close_seq() + 1)
         for inode in self.inodes.values():
-            inode.accounted = inode.size if inode.kind == "file" and inode.local else 0
+            inode.accounted = self._allocated(inode.ino) if inode.kind == "file" and inode.local else 0
         self.local_bytes = sum(inode.accounted for inode in self.inodes.values())
         self._space_freed = trio.Event()
         self._full_waited: dict[int, float] = {}  # ino -> seconds its writes waited on a full tier
@@ -934,9 +934,10 @@ class BurstCore:
         inode.size = st.st_size
         inode.mtime_ns, inode.ctime_ns = st.st_mtime_ns, st.st_ctime_ns
         inode.last_access = time.monotonic()
-        if st.st_size > inode.accounted:  # no byte limit is set when passthrough is on
-            self.local_bytes += st.st_size - inode.accounted
-            inode.accounted = st.st_size
+        allocated = st.st_blocks * 512  # a sparse file takes what it allocated, not its size
+        if allocated > inode.accounted:  # no byte limit is set when passthrough is on
+            self.local_bytes += allocated - inode.accounted
+            inode.accounted = allocated
 
     async def setattr(
         self,
@@ -1012,11 +1013,13 @@ class BurstCore:
         else:
             await trio.to_thread.run_sync(self.tier.truncate, inode.ino, size)
         inode.reopened_clean = False
-        if size < inode.accounted:
-            self._release_space(inode.accounted - size)
-        else:  # sparse growth: counted, but never waits for room
-            self.local_bytes += size - inode.accounted
-        inode.size = inode.accounted = size
+        # Growth adds a hole: nothing allocated, nothing counted (a file drains at its
+        # logical size, but the tier holds only what was written).  Shrinking frees blocks.
+        if size < inode.size:
+            kept = min(inode.accounted, await trio.to_thread.run_sync(self._allocated, inode.ino))
+            self._release_space(inode.accounted - kept)
+            inode.accounted = kept
+        inode.size = size
         if size == 0:  # emptied: what is written next is all of it
             inode.incomplete = ""
             inode.digests = None if inode.direct_writers else StreamingDigests(self.digest_chunk_size)
@@ -1175,10 +1178,9 @@ class BurstCore:
             await self._mark_writing(inode)
         end = offset + len(data)
         try:
-            if end > inode.accounted:
-                await self._account(inode, end)
             fd = self.tier.fd(inode.ino)
             assert fd is not None
+            await self._claim_write(inode, fd, offset, end)
             if self.offload_writes and len(data) >= 65536:
                 written = await trio.to_thread.run_sync(_write_hashed, fd, data, offset, inode.digests)
             else:
@@ -1376,6 +1378,41 @@ class BurstCore:
         if inode.accounted == 0 and not inode.incomplete:  # written from empty: a fresh wait budget
             self._full_waited.pop(inode.ino, None)
         inode.accounted = size
+        try:
+            await self._reserve(need, inode)
+        except BaseException:
+            inode.accounted -= need
+            raise
+
+    def _allocated(self, ino: int) -> int:
+        """Bytes the data file of ``ino`` takes on the tier (``st_blocks``; holes take none)."""
+        try:
+            return os.stat(self.tier.path(ino)).st_blocks * 512
+        except OSError:
+            return 0
+
+    async def _claim_write(self, inode: Inode, fd: int, offset: int, end: int) -> None:
+        """Count the room a write of [offset, end) may allocate, before it lands.
+
+        Capacity counts allocated bytes, not logical size: growing a file by
+        truncate (or a write far past its end, as copy_file_range and seek-ahead
+        writers do) leaves a hole that takes nothing, so a few such calls cannot
+        make the tier look full.  Bytes past the end are new; below it, only the
+        part from the first hole in the range can be (SEEK_HOLE); overwrites of
+        allocated bytes claim nothing.
+        """
+        start = offset
+        if offset < inode.size:
+            try:
+                start = max(offset, os.lseek(fd, offset, os.SEEK_HOLE))
+            except OSError:  # no SEEK_HOLE here: assume all of it is new
+                start = offset
+        need = end - start
+        if need <= 0:
+            return
+        if inode.accounted == 0 and not inode.incomplete:  # written from empty: a fresh wait budget
+            self._full_waited.pop(inode.ino, None)
+        inode.accounted += need
         try:
             await self._reserve(need, inode)
         except BaseException:

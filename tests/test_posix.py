@@ -434,6 +434,43 @@ def test_tier_full_of_undrained_data_is_enospc_and_the_short_file_never_drains(
     assert sorted(p.name for p in fs.remote_dir.iterdir() if p.name != ".burstfs") == ["first.bin", "third.bin"]
 
 
+def test_sparse_growth_counts_allocated_bytes_not_logical_size(mounted_factory: type[MountedFS]) -> None:
+    """Issue 11 #9: truncate growth and copy_file_range far past the end leave holes; the
+    capacity limit counts what the tier allocates, so a few such calls cannot fill it
+    (they used to count the logical size: the next real write waited, then ENOSPC).
+    Sparse files still drain at their logical size.  (A byte limit turns passthrough
+    off, so this runs through the daemon.)"""
+    fs = mounted_factory(extra_args=("--cache-size", "8M", "--evict", "none", "--full-timeout", "1"))  # type: ignore[call-arg]
+    fs.mount()
+    sparse = fs.path / "sparse.bin"
+    with open(sparse, "wb") as f:
+        f.write(b"head")
+        f.truncate(64 << 20)  # 8x the limit, all hole
+    os.truncate(fs.path / "sparse.bin", 48 << 20)  # by path too; shrinking a hole frees nothing
+    src = fs.path / "src.bin"
+    src.write_bytes(b"s" * 4096)
+    copied = fs.path / "copied.bin"
+    with open(src, "rb") as s, open(copied, "wb") as d:
+        for i in range(1, 5):  # 4 KiB each, 16 MiB apart
+            assert os.copy_file_range(s.fileno(), d.fileno(), 4096, 0, i << 24) == 4096
+    with open(fs.path / "seek-ahead.bin", "wb") as f:
+        f.seek(40 << 20)
+        f.write(b"tail")
+    # Real data still fits: 6 MiB under an 8 MiB limit.
+    (fs.path / "dense.bin").write_bytes(b"d" * (6 << 20))
+    assert copied.stat().st_size == (4 << 24) + 4096
+    with open(copied, "rb") as f:
+        f.seek(3 << 24)
+        assert f.read(4096) == b"s" * 4096
+    # Each drains at its logical size.
+    expected = {"sparse.bin": 48 << 20, "copied.bin": (4 << 24) + 4096, "seek-ahead.bin": (40 << 20) + 4,
+                "dense.bin": 6 << 20, "src.bin": 4096}  # fmt: skip
+    for name, size in expected.items():
+        _wait_state(fs.path / name, (b"durable",))
+        assert (fs.remote_dir / name).stat().st_size == size, name
+    assert (fs.remote_dir / "sparse.bin").read_bytes()[:8] == b"head\0\0\0\0"
+
+
 # -- extended attributes, statfs, mmap ------------------------------------------------
 
 
