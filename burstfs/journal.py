@@ -480,6 +480,44 @@ class Journal:
             return None
         return path, str(row[0])
 
+    def stale_keys(self, roots: Iterable[int] | None = None) -> list[tuple[int, str]]:
+        """``(ino, remote_key)`` of files (at or below ``roots``; None: all) that were renamed
+        while not durable (staged again, incomplete, failed): their object is an older
+        version at a name that no longer exists here, and nothing will move it."""
+        found: list[tuple[int, str]] = []
+        with self._lock:
+            if roots is None:
+                seeds = [(int(ino), os.fsdecode(name)) for ino, name in self._db.execute(
+                    "SELECT ino, name FROM inodes WHERE parent=? AND ino!=?", (ROOT_INO, ROOT_INO))]  # fmt: skip
+            else:
+                seeds = [(ino, path) for ino in set(roots) if ino != ROOT_INO and (path := self._path_locked(ino))]
+            for root, path in seeds:
+                rows = self._db.execute(
+                    """WITH RECURSIVE paths(ino, path) AS (
+                           SELECT ?, ?
+                           UNION ALL SELECT i.ino, paths.path || '/' || CAST(i.name AS TEXT)
+                           FROM inodes i JOIN paths ON i.parent=paths.ino)
+                       SELECT i.ino, i.remote_key FROM inodes i JOIN paths USING (ino)
+                       WHERE i.kind='file' AND i.remote_key IS NOT NULL AND i.remote_key != paths.path
+                           AND i.state IN (?, ?, ?)""",
+                    (root, path, STAGED, INCOMPLETE, FAILED),
+                ).fetchall()
+                found.extend((int(i), str(k)) for i, k in rows)
+        return found
+
+    def drop_stale_key(self, ino: int, key: str) -> bool:
+        """The file no longer owns ``key`` (see :meth:`stale_keys`); its object is queued for deletion.
+        Its next upload goes to its path."""
+        with self._transaction() as db:
+            dropped = db.execute(
+                "UPDATE inodes SET remote_key=NULL WHERE ino=? AND remote_key=? AND parent!=0 AND state IN (?, ?, ?)",
+                (ino, key, STAGED, INCOMPLETE, FAILED),
+            ).rowcount
+            if dropped:
+                db.execute("INSERT INTO remote_deletes (key, reason) VALUES (?, 'stale')", (key,))
+                db.execute(*self.log_event(ino, "stale_key", key))
+            return bool(dropped)
+
     def finish_relocation(self, ino: int, old_key: str, new_key: str) -> bool:
         """After copying ``old_key`` to ``new_key``: the file owns ``new_key``; the old object goes.
 

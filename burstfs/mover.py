@@ -68,6 +68,10 @@ REQUEUE_BACKOFF_S = 2.0
 REQUEUE_BACKOFF_MAX_S = 60.0
 # A file waiting for a key another inode holds (uploading, or not yet moved away) looks again after this.
 KEY_BUSY_RETRY_S = 0.5
+# A file/directory clash on a file remote is retried this many times (with the
+# requeue backoff) before the file fails: the clashing object may be one of ours
+# that a queued delete or move is about to take away.
+KEY_CONFLICT_RETRIES = 5
 # A relocation that failed for one file is retried after this (doubling, capped).
 RELOCATE_BACKOFF_S = 5.0
 RELOCATE_BACKOFF_MAX_S = 600.0
@@ -462,6 +466,10 @@ class Mover:
             scope = error_scope(exc)
             if scope == OBJECT and self.journal.superseded(ino, generation):
                 self._requeue(ino, generation, None)  # renamed or changed meanwhile: try the new key/bytes
+            elif exc.kind == "key_conflict" and row.attempts < KEY_CONFLICT_RETRIES:
+                # A file remote's file/directory clash may be this node's own object on its way
+                # out (a delete or a move still queued): try again before failing the file.
+                self._requeue(ino, generation, exc)
             elif scope == OBJECT:  # this object only: the file fails, the drain goes on
                 self._fail(ino, generation, exc)
             else:
@@ -621,6 +629,9 @@ class Mover:
         self._relocate_roots.clear()
         for ino in due:
             self._relocate_retry.pop(ino, None)
+        for ino, key in self.journal.stale_keys(roots):
+            if ino not in self._in_flight and self.journal.drop_stale_key(ino, key):
+                log.info("event=stale_key ino=%d key=%s action=delete", ino, key)
         pending = list(dict.fromkeys(ino for ino, _, _ in self.journal.relocation_candidates(roots)))
         for _ in range(len(pending) + 2):  # each round moves or parks at least one file, or ends the pass
             pending = [ino for ino in pending if ino not in self._relocate_retry]
