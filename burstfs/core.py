@@ -1362,7 +1362,7 @@ class BurstCore:
                         log.warning("event=tier_full bytes=%d used=%d limit=%s action=wait_for_drain wait_left=%.1f",
                                     nbytes, self.local_bytes, self.capacity.limit,
                                     deadline - time.monotonic())  # fmt: skip
-                    with trio.move_on_at(min(deadline, time.monotonic() + 0.5)):
+                    with trio.move_on_after(max(0.0, min(deadline - time.monotonic(), 0.5))):  # deadline is time.monotonic()
                         await self._space_freed.wait()
             finally:
                 if inode is not None:
