@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import itertools
-import json
 import logging
 import os
 import stat
@@ -31,19 +30,27 @@ import trio
 from .committer import GroupCommitter
 from .errors import BurstfsError, FsError, NoSpaceError, to_errno
 from .journal import (
-    DURABLE,
-    EVICTED,
     INCOMPLETE,
     META,
-    NOT_LOCAL_STATES,
+    NOT_LOCAL,
     REMOTE,
     ROOT_INO,
-    STAGED,
     WRITING,
+    FileState,
     InodeRow,
     Journal,
     Op,
+    close_ops,
+    drop_unlinked_ops,
+    event_op,
+    forget_listed_ops,
     insert_inode_op,
+    mark_writing_op,
+    recovered_incomplete_ops,
+    remove_xattr_op,
+    set_xattr_op,
+    unchanged_close_op,
+    unlink_ops,
     update_inode_op,
 )
 from .localtier import LocalTier
@@ -303,25 +310,22 @@ class BurstCore:
         rows = self.journal.inodes()
         if not rows:
             now = _now_ns()
-            root = InodeRow(ROOT_INO, ROOT_INO, b"", "dir", stat.S_IFDIR | 0o755, os.getuid(),
-                            os.getgid(), 0, now, now, now, None, META, 0, 0, None, None, None,
-                            None, None, None, 0, time.time(), 0)  # fmt: skip
+            root = InodeRow(ino=ROOT_INO, parent=ROOT_INO, name=b"", kind="dir", mode=stat.S_IFDIR | 0o755,
+                            uid=os.getuid(), gid=os.getgid(), atime_ns=now, mtime_ns=now, ctime_ns=now,
+                            state=META, updated=time.time())  # fmt: skip
             self.journal.apply([insert_inode_op(root)])
             rows = [root]
         ops: list[Op] = []
         for row in rows:
             if row.parent == 0:  # unlinked while open when the daemon stopped
-                ops.append(("DELETE FROM inodes WHERE ino=?", (row.ino,)))
-                ops.append(("DELETE FROM xattrs WHERE ino=?", (row.ino,)))
+                ops.extend(drop_unlinked_ops(row.ino))
                 continue
             if row.state == WRITING:
                 # The data file is all there is of it: show its length, so that the bytes
                 # can be inspected and a later extension reads zeros, not stale bytes.
                 row.size = self.tier.data_size(row.ino)
                 row.state, row.error = INCOMPLETE, "open for writing when the daemon stopped"
-                ops.append(update_inode_op(row.ino, state=INCOMPLETE, size=row.size, error=row.error,
-                                           local_bytes=row.size, updated=time.time()))  # fmt: skip
-                ops.append(self.journal.log_event(row.ino, "incomplete", "open for writing at crash"))
+                ops.extend(recovered_incomplete_ops(row.ino, row.size, row.error))
                 log.warning("event=recover_incomplete ino=%d name=%s", row.ino, row.name)
             self.inodes[row.ino] = self._inode_from_row(row)
         for ino, name, value in self.journal.xattrs():
@@ -348,7 +352,7 @@ class BurstCore:
             ino=row.ino, kind=row.kind, mode=row.mode, uid=row.uid, gid=row.gid,
             parent=row.parent, name=row.name, size=row.size, atime_ns=row.atime_ns,
             mtime_ns=row.mtime_ns, ctime_ns=row.ctime_ns, target=row.target,
-            generation=row.generation, local=row.state not in NOT_LOCAL_STATES,
+            generation=row.generation, local=row.state not in NOT_LOCAL,
             listed=row.state == REMOTE, incomplete=(row.error or INCOMPLETE) if row.state == INCOMPLETE else "",
         )  # fmt: skip
         if row.kind == "dir":
@@ -579,20 +583,11 @@ class BurstCore:
 
     def _forget_listed_ops(self, directory: Inode, inode: Inode, undo: _Undo) -> list[Op]:
         """A listed file that vanished from the remote: drop it here, delete nothing there."""
-        now = self._detach(directory, inode, undo)
-        return [
-            update_inode_op(inode.ino, parent=0, remote_key=None, ctime_ns=now),
-            self.journal.log_event(inode.ino, "forgotten", os.fsdecode(inode.name)),
-        ]
+        return forget_listed_ops(inode.ino, inode.name, self._detach(directory, inode, undo))
 
     def _keys_owned_under(self, dir_key: str) -> set[str]:
         """Keys this node owns or is deleting: a listing must not resurrect them."""
-        like = f"{dir_key}/%" if dir_key else "%"
-        rows = self.journal.query(
-            "SELECT remote_key FROM inodes WHERE remote_key LIKE ? UNION SELECT key FROM remote_deletes WHERE key LIKE ?",
-            (like, like),
-        )
-        return {row[0] for row in rows}
+        return self.journal.keys_owned_under(dir_key)
 
     def _add_listed(self, directory: Inode, name: bytes, kind: str, size: int, mtime_ns: int,
                     key: str | None, undo: _Undo) -> list[Op]:  # fmt: skip
@@ -641,11 +636,11 @@ class BurstCore:
             inode.children = {}
         return inode
 
-    def _row(self, inode: Inode, state: str) -> InodeRow:
-        return InodeRow(inode.ino, inode.parent, inode.name, inode.kind, inode.mode, inode.uid,
-                        inode.gid, inode.size, inode.atime_ns, inode.mtime_ns, inode.ctime_ns,
-                        inode.target, state, inode.generation, 0, None, None, None, None, None,
-                        None, 0, time.time(), 0)  # fmt: skip
+    def _row(self, inode: Inode, state: FileState) -> InodeRow:
+        return InodeRow(ino=inode.ino, parent=inode.parent, name=inode.name, kind=inode.kind, mode=inode.mode,
+                        uid=inode.uid, gid=inode.gid, size=inode.size, atime_ns=inode.atime_ns,
+                        mtime_ns=inode.mtime_ns, ctime_ns=inode.ctime_ns, target=inode.target, state=state,
+                        generation=inode.generation, updated=time.time())  # fmt: skip
 
     def _link(self, parent: Inode, inode: Inode, undo: _Undo) -> None:
         """Give ``inode`` its name in ``parent``; ``undo`` takes it back."""
@@ -669,7 +664,7 @@ class BurstCore:
     def _touch_parent_op(self, parent: Inode) -> Op:
         return update_inode_op(parent.ino, mtime_ns=parent.mtime_ns, ctime_ns=parent.ctime_ns)
 
-    async def _commit_new(self, parent: Inode, inode: Inode, state: str, undo: _Undo) -> None:
+    async def _commit_new(self, parent: Inode, inode: Inode, state: FileState, undo: _Undo) -> None:
         """Journal a name just made; on failure it is gone again (no ghost in memory)."""
         await self.committer.commit([insert_inode_op(self._row(inode, state)), self._touch_parent_op(parent)],
                                     undo=undo)  # fmt: skip
@@ -808,13 +803,7 @@ class BurstCore:
     def _unlink_ops(self, parent: Inode, inode: Inode, undo: _Undo) -> list[Op]:
         """Detach ``inode`` from its name; the journal queues its remote object for deletion."""
         self._tombstone(parent, inode.name, undo)
-        now = self._detach(parent, inode, undo)
-        return [
-            ("INSERT INTO remote_deletes (key, reason) SELECT remote_key, 'unlink' FROM inodes "
-             "WHERE ino=? AND remote_key IS NOT NULL", (inode.ino,)),
-            update_inode_op(inode.ino, parent=0, remote_key=None, ctime_ns=now),
-            self.journal.log_event(inode.ino, "unlink", os.fsdecode(inode.name)),
-        ]  # fmt: skip
+        return unlink_ops(inode.ino, inode.name, self._detach(parent, inode, undo))
 
     def _maybe_destroy(self, inode: Inode) -> None:
         """Drop an unlinked inode once nothing references it any more."""
@@ -831,8 +820,7 @@ class BurstCore:
         # Not awaited: losing this record in a crash is harmless (start-up drops
         # unlinked rows), and forget() must not block.
         self.committer.enqueue(
-            [("DELETE FROM inodes WHERE ino=? AND parent=0", (inode.ino,)),
-             ("DELETE FROM xattrs WHERE ino=?", (inode.ino,))]
+            drop_unlinked_ops(inode.ino)
         )  # fmt: skip
 
     async def rename(self, old_parent_ino: int, old_name: bytes, new_parent_ino: int,
@@ -893,7 +881,7 @@ class BurstCore:
             update_inode_op(inode.ino, parent=new_parent.ino, name=new_name, ctime_ns=now),
             self._touch_parent_op(old_parent),
             self._touch_parent_op(new_parent),
-            self.journal.log_event(inode.ino, "rename", f"{os.fsdecode(old_name)} -> {os.fsdecode(new_name)}"),
+            event_op(inode.ino, "rename", f"{os.fsdecode(old_name)} -> {os.fsdecode(new_name)}"),
         ]
         try:
             await self.committer.commit(ops, undo=undo)
@@ -1154,7 +1142,7 @@ class BurstCore:
             inode.dirty = False
 
         try:
-            await self.committer.commit([update_inode_op(inode.ino, state=WRITING, updated=time.time())], undo=undo)
+            await self.committer.commit([mark_writing_op(inode.ino)], undo=undo)
         finally:
             inode.marking = None
             marking.set()
@@ -1216,23 +1204,15 @@ class BurstCore:
         inode.dirty = inode.new = False
         inode.generation += 1
         seq = next(self._next_close_seq)
-        state = INCOMPLETE if inode.incomplete else STAGED
-        error = inode.incomplete or None
         digests = inode.digests.result(inode.size) if inode.digests is not None else None
         if not self._has_writer(inode):
             inode.digests = None
-        return [
-            update_inode_op(
-                inode.ino, state=state, generation=inode.generation, close_seq=seq,
-                size=inode.size, mtime_ns=inode.mtime_ns, ctime_ns=inode.ctime_ns,
-                digest=digests.digest if digests else None,
-                chunks=json.dumps(list(digests.chunks)) if digests else None,
-                chunk_size=digests.chunk_size if digests else None,
-                error=error, attempts=0, updated=time.time(), local_bytes=inode.size,
-            ),  # fmt: skip
-            self.journal.log_event(inode.ino, "closed" if state == STAGED else "incomplete",
-                                   f"generation={inode.generation} size={inode.size} {error or ''}".rstrip()),
-        ]
+        return close_ops(
+            inode.ino, generation=inode.generation, close_seq=seq, size=inode.size, mtime_ns=inode.mtime_ns,
+            ctime_ns=inode.ctime_ns, digest=digests.digest if digests else None,
+            chunks=digests.chunks if digests else None, chunk_size=digests.chunk_size if digests else None,
+            incomplete=inode.incomplete or None,
+        )  # fmt: skip
 
     def _publish_ops(self, inode: Inode, undo: _Undo) -> list[Op]:
         """What a close journals: a new generation, or, for a file opened for
@@ -1246,11 +1226,7 @@ class BurstCore:
 
         undo.add(reopen)
         inode.dirty = inode.reopened_clean = False
-        return [(
-            "UPDATE inodes SET state=CASE WHEN durable_generation=generation THEN ? ELSE ? END "
-            "WHERE ino=? AND state=?",
-            (DURABLE, STAGED, inode.ino, WRITING),
-        )]  # fmt: skip
+        return [unchanged_close_op(inode.ino)]
 
     def _file_closed(self) -> None:
         if self.drain is not None:
@@ -1424,13 +1400,9 @@ class BurstCore:
         (what ``statfs`` counts as free besides the unused part of the limit)."""
         if self.capacity.evict == "none":
             return 0
-        rows = await trio.to_thread.run_sync(
-            self.journal.query,
-            "SELECT ino FROM inodes WHERE kind='file' AND parent!=0 AND state=? AND durable_generation=generation",
-            (DURABLE,),
-        )
+        rows = await trio.to_thread.run_sync(self.journal.evictable)
         total = 0
-        for (ino,) in rows:
+        for ino, _ in rows:
             inode = self.inodes.get(ino)
             if inode is not None and inode.local and not inode.dirty and not inode.handles:
                 total += inode.accounted
@@ -1445,12 +1417,7 @@ class BurstCore:
         """Evict durable files by policy until ``nbytes`` fit; True if they now do."""
         if self.capacity.evict == "none":
             return False
-        rows = await trio.to_thread.run_sync(
-            self.journal.query,
-            "SELECT ino, close_seq FROM inodes WHERE kind='file' AND parent!=0 AND state=? "
-            "AND durable_generation=generation",
-            (DURABLE,),
-        )
+        rows = await trio.to_thread.run_sync(self.journal.evictable)
         candidates = []
         for ino, close_seq in rows:
             inode = self.inodes.get(ino)
@@ -1464,11 +1431,7 @@ class BurstCore:
         return self._fits(nbytes)
 
     async def _evict(self, inode: Inode) -> int:
-        changed = await trio.to_thread.run_sync(
-            self.journal.execute,
-            "UPDATE inodes SET state=?, local_bytes=0 WHERE ino=? AND state=? AND generation=?",
-            (EVICTED, inode.ino, DURABLE, inode.generation),
-        )
+        changed = await trio.to_thread.run_sync(self.journal.evict, inode.ino, inode.generation)
         if not changed or inode.handles or inode.dirty:
             return 0
         inode.local, inode.local_prefix = False, 0
@@ -1559,7 +1522,7 @@ class BurstCore:
 
         inode.xattrs[name] = value
         inode.ctime_ns = _now_ns()
-        await self.committer.commit([("INSERT OR REPLACE INTO xattrs VALUES (?, ?, ?)", (ino, name, value))],
+        await self.committer.commit([set_xattr_op(ino, name, value)],
                                     undo=restore)  # fmt: skip
 
     async def removexattr(self, ino: int, name: bytes) -> None:
@@ -1569,7 +1532,7 @@ class BurstCore:
         if name not in inode.xattrs:
             raise FsError(errno.ENODATA)
         value = inode.xattrs.pop(name)
-        await self.committer.commit([("DELETE FROM xattrs WHERE ino=? AND name=?", (ino, name))],
+        await self.committer.commit([remove_xattr_op(ino, name)],
                                     undo=lambda: inode.xattrs.__setitem__(name, value))  # fmt: skip
 
     # -- file system ----------------------------------------------------------------

@@ -18,12 +18,13 @@ the generation they were computed for, so a racing close always wins.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,21 +34,63 @@ from .errors import ConfigError
 SCHEMA_VERSION = 2
 ROOT_INO = 1
 
-# File states, in the order a checkpoint file normally walks through them.
-WRITING = "writing"  # open and changed since its last journaled close
-STAGED = "staged"  # closed and journaled; waiting to drain
-DRAINING = "draining"  # an upload of this generation is in flight
-DURABLE = "durable"  # the remote holds this generation; a local copy exists
-EVICTED = "evicted"  # durable, local copy dropped to make room
-REMOTE = "remote"  # known only from a remote listing (another node wrote it)
-FAILED = "failed"  # the drain hit a permanent error; data stays staged
-INCOMPLETE = "incomplete"  # open for writing when the daemon died, or lost a write: not drained
-FILE_STATES = (WRITING, STAGED, DRAINING, DURABLE, EVICTED, REMOTE, FAILED, INCOMPLETE)
-NOT_LOCAL_STATES = (EVICTED, REMOTE)
-META = "meta"  # directories and symlinks: nothing to drain
-# Files whose object follows a rename (a listed file renamed here moves too: else its
-# key would stay held and block a new file at the old name for good).
-_MOVABLE_STATES = (DURABLE, EVICTED, REMOTE)
+class FileState(enum.StrEnum):
+    """The ``state`` column, in the order a checkpoint file normally walks through the states.
+
+    A ``str`` enum: the stored values stay the plain strings, rows compare equal
+    to them, and members go into SQL parameters as they are.
+    """
+
+    WRITING = "writing"  # open and changed since its last journaled close
+    STAGED = "staged"  # closed and journaled; waiting to drain
+    DRAINING = "draining"  # an upload of this generation is in flight
+    DURABLE = "durable"  # the remote holds this generation; a local copy exists
+    EVICTED = "evicted"  # durable, local copy dropped to make room
+    REMOTE = "remote"  # known only from a remote listing (another node wrote it)
+    FAILED = "failed"  # the drain hit a permanent error; data stays staged
+    INCOMPLETE = "incomplete"  # open for writing when the daemon died, or lost a write: not drained
+    META = "meta"  # directories and symlinks: nothing to drain
+
+
+WRITING = FileState.WRITING
+STAGED = FileState.STAGED
+DRAINING = FileState.DRAINING
+DURABLE = FileState.DURABLE
+EVICTED = FileState.EVICTED
+REMOTE = FileState.REMOTE
+FAILED = FileState.FAILED
+INCOMPLETE = FileState.INCOMPLETE
+META = FileState.META
+
+# The named sets of file states; every module asks these, none spells its own.
+#: Every state a file (not a directory or symlink) can be in, in display order.
+FILE_STATES: tuple[FileState, ...] = tuple(s for s in FileState if s is not META)
+#: The remote holds the file's object: nothing left to wait for (and the object follows a
+#: rename: a listed file renamed here moves too, else its key would stay held and block a
+#: new file at the old name for good).
+DONE = frozenset({DURABLE, EVICTED, REMOTE})
+#: Not (yet) on the remote: holds back a commit marker closed after it, and is what
+#: ``burstfs-admin wait`` waits for (an incomplete file never becomes durable on its own).
+NOT_YET_DURABLE = frozenset(FILE_STATES) - DONE
+#: Will not drain without someone acting (``burstfs-admin retry``, rewriting the file).
+BROKEN = frozenset({FAILED, INCOMPLETE})
+#: Not yet durable and staying in the cache for a later drain (what unmount reports and
+#: ``unmount --wait`` waits for): NOT_YET_DURABLE less ``incomplete``, which never drains.
+UNDRAINED = NOT_YET_DURABLE - {INCOMPLETE}
+#: Closed and journaled but not yet durable: status's "undrained" (a file being written is not counted).
+CLOSED_UNDRAINED = UNDRAINED - {WRITING}
+#: Waiting to drain or draining: the drain queue.
+QUEUED = frozenset({STAGED, DRAINING})
+#: No complete local copy: reads fetch from the remote.
+NOT_LOCAL = frozenset({EVICTED, REMOTE})
+NOT_LOCAL_STATES = NOT_LOCAL  # TODO(issue 14): until control.py and core.py use NOT_LOCAL
+
+
+def _marks(states: Iterable[FileState]) -> tuple[str, tuple[FileState, ...]]:
+    """``"?, ?, ..."`` and the parameters for ``state IN (...)`` over ``states``."""
+    ordered = tuple(sorted(states))
+    return ", ".join("?" * len(ordered)), ordered
+
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -116,9 +159,9 @@ INODE_COLUMNS = (
 )  # fmt: skip
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class InodeRow:
-    """One row of the ``inodes`` table, as stored."""
+    """One row of the ``inodes`` table, as stored (built by keyword only: 24 fields)."""
 
     ino: int
     parent: int
@@ -127,29 +170,35 @@ class InodeRow:
     mode: int
     uid: int
     gid: int
-    size: int
+    size: int = 0
     atime_ns: int
     mtime_ns: int
     ctime_ns: int
-    target: bytes | None
-    state: str
-    generation: int
-    close_seq: int
-    digest: str | None
-    chunk_size: int | None
-    chunks: str | None
-    remote_key: str | None
-    durable_generation: int | None
-    error: str | None
-    attempts: int
-    updated: float
-    local_bytes: int
+    target: bytes | None = None
+    state: FileState
+    generation: int = 0
+    close_seq: int = 0
+    digest: str | None = None
+    chunk_size: int | None = None
+    chunks: str | None = None
+    remote_key: str | None = None
+    durable_generation: int | None = None
+    error: str | None = None
+    attempts: int = 0
+    updated: float = 0.0
+    local_bytes: int = 0
 
     def chunk_digests(self) -> tuple[str, ...]:
         return tuple(json.loads(self.chunks)) if self.chunks else ()
 
 
 Op = tuple[str, Sequence[Any]]
+
+
+def _row(values: Sequence[Any]) -> InodeRow:
+    fields = dict(zip(INODE_COLUMNS, values, strict=True))
+    fields["state"] = FileState(fields["state"])
+    return InodeRow(**fields)
 
 
 class Journal:
@@ -251,7 +300,7 @@ class Journal:
 
     def inodes(self, where: str = "", params: Sequence[Any] = ()) -> list[InodeRow]:
         sql = f"SELECT {', '.join(INODE_COLUMNS)} FROM inodes {where}"
-        return [InodeRow(*row) for row in self.query(sql, params)]
+        return [_row(values) for values in self.query(sql, params)]
 
     def inode(self, ino: int) -> InodeRow | None:
         rows = self.inodes("WHERE ino=?", (ino,))
@@ -277,22 +326,186 @@ class Journal:
 
     def undrained(self) -> dict[str, tuple[int, int]]:
         """{state: (files, bytes)} of files not yet durable; they stay staged in the cache."""
+        return {state: counts for state, counts in self.state_counts().items() if state in UNDRAINED}
+
+    def state_counts(self) -> dict[FileState, tuple[int, int]]:
+        """{state: (files, bytes)} of the linked files, for the states that have any."""
         rows = self.query(
-            "SELECT state, COUNT(*), COALESCE(SUM(size), 0) FROM inodes WHERE kind='file' AND parent!=0 "
-            "AND state IN (?, ?, ?, ?) GROUP BY state",
-            (WRITING, STAGED, DRAINING, FAILED),
+            "SELECT state, COUNT(*), COALESCE(SUM(size), 0) FROM inodes WHERE kind='file' AND parent!=0 GROUP BY state"
         )
-        return {state: (int(files), int(nbytes)) for state, files, nbytes in rows}
+        return {FileState(state): (int(files), int(nbytes)) for state, files, nbytes in rows}
 
     def log_event(self, ino: int | None, event: str, detail: str = "") -> Op:
-        return ("INSERT INTO events (time, ino, event, detail) VALUES (?, ?, ?, ?)",
-                (time.time(), ino, event, detail))  # fmt: skip
+        return event_op(ino, event, detail)
 
     def events(self, since: float = 0.0, limit: int = 1000) -> list[tuple[float, int | None, str, str]]:
         return self.query(
             "SELECT time, ino, event, detail FROM events WHERE time >= ? ORDER BY seq DESC LIMIT ?",
             (since, limit),
         )[::-1]
+
+    # -- status queries (a live daemon and a stopped mount's read-only journal alike) ----
+
+    def child(self, parent: int, name: bytes) -> InodeRow | None:
+        """The linked inode called ``name`` in the directory ``parent``."""
+        rows = self.inodes("WHERE parent=? AND name=? AND parent!=0", (parent, name))
+        return rows[0] if rows else None
+
+    def subtree(self, ino: int) -> list[InodeRow]:
+        """``ino`` and every inode below it (the root's own row is not walked into again)."""
+        return self.inodes(
+            """WHERE ino IN (WITH RECURSIVE sub(ino) AS (
+                    SELECT ? UNION SELECT i.ino FROM inodes i JOIN sub ON i.parent=sub.ino WHERE i.ino!=?)
+                SELECT ino FROM sub)""",
+            (ino, ROOT_INO),
+        )
+
+    def last_closed_at(self, ino: int) -> float | None:
+        """Time of the newest ``closed`` event of ``ino``, scanning back from the end of the log."""
+        rows = self.query("SELECT time FROM events WHERE ino=? AND event='closed' ORDER BY seq DESC LIMIT 1", (ino,))
+        return float(rows[0][0]) if rows else None
+
+    def local_bytes_by_file(self) -> list[tuple[int, int]]:
+        """``(ino, local_bytes)`` of the linked files with bytes on the local tier."""
+        rows = self.query("SELECT ino, local_bytes FROM inodes WHERE kind='file' AND parent!=0 AND local_bytes>0")
+        return [(int(ino), int(local)) for ino, local in rows]
+
+    def oldest_closed_undrained(self) -> tuple[int, float] | None:
+        """``(ino, updated)`` of the file first in close order among CLOSED_UNDRAINED, or None."""
+        marks, states = _marks(CLOSED_UNDRAINED)
+        rows = self.query(
+            f"SELECT ino, updated FROM inodes WHERE kind='file' AND parent!=0 AND state IN ({marks}) "
+            "ORDER BY close_seq LIMIT 1",
+            states,
+        )
+        return (int(rows[0][0]), float(rows[0][1])) if rows else None
+
+    # -- the drain queue ---------------------------------------------------------------
+
+    def has_drain_work(self) -> bool:
+        """True while a file is QUEUED or a remote delete is pending."""
+        marks, states = _marks(QUEUED)
+        rows = self.query(f"SELECT COUNT(*) FROM inodes WHERE kind='file' AND parent!=0 AND state IN ({marks})", states)
+        return bool(rows[0][0]) or bool(self.query("SELECT 1 FROM remote_deletes LIMIT 1"))
+
+    def eligible(
+        self,
+        slots: int,
+        limit: int,
+        *,
+        closed_before: float,
+        is_marker: Callable[[InodeRow], bool],
+        skip: Callable[[InodeRow], bool] = lambda row: False,
+    ) -> list[InodeRow]:
+        """Up to ``slots`` staged files to drain next, in close order (invariant 5).
+
+        Reads the first ``limit`` staged files last changed at or before
+        ``closed_before``; passes over those ``skip`` names (in flight, backing
+        off) and the commit markers (``is_marker``) that ``blocks_marker`` holds back.
+        """
+        chosen: list[InodeRow] = []
+        for row in self.inodes(
+            "WHERE state=? AND kind='file' AND parent!=0 AND updated <= ? ORDER BY close_seq LIMIT ?",
+            (STAGED, closed_before, limit),
+        ):
+            if skip(row):
+                continue
+            if is_marker(row) and self.blocks_marker(row):
+                continue
+            chosen.append(row)
+            if len(chosen) >= slots:
+                break
+        return chosen
+
+    def blocks_marker(self, marker: InodeRow) -> bool:
+        """True while a file under the marker's directory closed before it is NOT_YET_DURABLE."""
+        marks, states = _marks(NOT_YET_DURABLE)
+        rows = self.query(
+            f"""WITH RECURSIVE sub(ino) AS (
+                   SELECT ino FROM inodes WHERE parent=? AND ino!=?
+                   UNION SELECT i.ino FROM inodes i JOIN sub ON i.parent=sub.ino)
+               SELECT COUNT(*) FROM inodes WHERE ino IN sub AND ino!=? AND kind='file'
+                   AND state IN ({marks}) AND close_seq > 0 AND close_seq < ?""",
+            (marker.parent, ROOT_INO, marker.ino, *states, marker.close_seq),
+        )
+        return bool(rows[0][0])
+
+    def retry_failed(self) -> int:
+        """Every failed file staged again with a fresh retry budget; returns how many."""
+        return self.execute("UPDATE inodes SET state=?, attempts=0, error=NULL WHERE state=?", (STAGED, FAILED))
+
+    def attempts(self, ino: int) -> int:
+        """Failed upload attempts of ``ino`` so far (0 if it is gone)."""
+        rows = self.query("SELECT attempts FROM inodes WHERE ino=?", (ino,))
+        return int(rows[0][0]) if rows else 0
+
+    def record_digests(self, ino: int, generation: int, digest: str, chunks: Sequence[str], chunk_size: int) -> None:
+        """Digests the drain took of ``generation`` (for verify and the xattr); a newer close keeps its own."""
+        self.execute(
+            "UPDATE inodes SET digest=?, chunks=?, chunk_size=? WHERE ino=? AND generation=?",
+            (digest, json.dumps(list(chunks)), chunk_size, ino, generation),
+        )
+
+    def prune_events(self, keep: int) -> None:
+        """Drop all but the newest ``keep`` events."""
+        self.execute("DELETE FROM events WHERE seq <= (SELECT MAX(seq) FROM events) - ?", (keep,))
+
+    # -- the local tier ----------------------------------------------------------------
+
+    def evictable(self) -> list[tuple[int, int]]:
+        """``(ino, close_seq)`` of linked files whose local copy is what the remote holds
+        (``durable``, ``durable_generation = generation``): invariant 7's candidates."""
+        rows = self.query(
+            "SELECT ino, close_seq FROM inodes WHERE kind='file' AND parent!=0 AND state=? "
+            "AND durable_generation=generation",
+            (DURABLE,),
+        )
+        return [(int(ino), int(close_seq)) for ino, close_seq in rows]
+
+    def evict(self, ino: int, generation: int) -> bool:
+        """``durable`` → ``evicted`` if ``generation`` is still the durable one; False otherwise."""
+        return bool(self.execute(
+            "UPDATE inodes SET state=?, local_bytes=0 WHERE ino=? AND state=? AND generation=?",
+            (EVICTED, ino, DURABLE, generation)))  # fmt: skip
+
+    def finish_fetch(
+        self,
+        ino: int,
+        size: int,
+        *,
+        digest: str | None = None,
+        chunks: Sequence[str] | None = None,
+        chunk_size: int | None = None,
+    ) -> None:
+        """A NOT_LOCAL file fetched whole: ``durable`` and local (with the manifest's digests, if any)."""
+        fields: dict[str, object] = {"state": DURABLE, "local_bytes": size, "updated": time.time()}
+        if digest is not None:
+            fields.update(digest=digest, chunk_size=chunk_size, chunks=json.dumps(list(chunks or ())))
+        assignments = ", ".join(f"{name}=?" for name in fields)
+        marks, states = _marks(NOT_LOCAL)
+        self.execute(
+            f"UPDATE inodes SET {assignments}, durable_generation=generation WHERE ino=? AND state IN ({marks})",
+            (*fields.values(), ino, *states),
+        )
+
+    # -- restore listings --------------------------------------------------------------
+
+    def keys_owned_under(self, dir_key: str) -> set[str]:
+        """Keys below ``dir_key`` ("" = everywhere) this node owns (some inode's ``remote_key``)
+        or is deleting: a listing must not resurrect them.  A key range, so the
+        ``remote_key`` and ``remote_deletes(key)`` indexes serve it."""
+        if not dir_key:
+            rows = self.query(
+                "SELECT remote_key FROM inodes WHERE remote_key IS NOT NULL UNION SELECT key FROM remote_deletes"
+            )
+        else:
+            low, high = f"{dir_key}/", f"{dir_key}0"  # '0' sorts right after '/'
+            rows = self.query(
+                "SELECT remote_key FROM inodes WHERE remote_key >= ? AND remote_key < ? "
+                "UNION SELECT key FROM remote_deletes WHERE key >= ? AND key < ?",
+                (low, high, low, high),
+            )
+        return {str(row[0]) for row in rows}
 
     # -- the mover's ownership protocol ------------------------------------------------
     #
@@ -397,7 +610,7 @@ class Journal:
                 db.execute("INSERT INTO remote_deletes (key, reason) VALUES (?, 'replaced')", (old_key,))
             db.execute("DELETE FROM remote_deletes WHERE id=?", (intent,))
             if recorded:
-                db.execute(*self.log_event(ino, "durable", detail))
+                db.execute(*event_op(ino, "durable", detail))
             return bool(recorded)
 
     def requeue(self, ino: int, generation: int, error: str | None, attempts: int) -> None:
@@ -418,7 +631,7 @@ class Journal:
             ).rowcount
             db.execute("UPDATE inodes SET upload_key=NULL WHERE ino=?", (ino,))
             if failed:
-                db.execute(*self.log_event(ino, "failed", error))
+                db.execute(*event_op(ino, "failed", error))
             return bool(failed)
 
     def recover_drains(self) -> int:
@@ -454,16 +667,17 @@ class Journal:
             else:
                 seeds = [(ino, path) for ino in set(roots) if (path := self._path_locked(ino))]
             found: list[tuple[int, str, str]] = []
+            marks, movable = _marks(DONE)
             for ino, path in seeds:
                 rows = self._db.execute(
-                    """WITH RECURSIVE paths(ino, path) AS (
+                    f"""WITH RECURSIVE paths(ino, path) AS (
                            SELECT ?, ?
                            UNION ALL SELECT i.ino, paths.path || '/' || CAST(i.name AS TEXT)
                            FROM inodes i JOIN paths ON i.parent=paths.ino)
                        SELECT i.ino, paths.path, i.remote_key FROM inodes i JOIN paths USING (ino)
                        WHERE i.kind='file' AND i.remote_key IS NOT NULL AND i.remote_key != paths.path
-                           AND i.state IN (?, ?, ?)""",
-                    (ino, path, *_MOVABLE_STATES),
+                           AND i.state IN ({marks})""",
+                    (ino, path, *movable),
                 ).fetchall()
                 found.extend((int(i), str(p), str(k)) for i, p, k in rows)
             return found
@@ -471,9 +685,10 @@ class Journal:
     def relocation_target(self, ino: int) -> tuple[str, str] | None:
         """``(path, remote_key)`` if ``ino`` is durable and its object still has to move."""
         with self._lock:
+            marks, movable = _marks(DONE)
             row = self._db.execute(
-                "SELECT remote_key FROM inodes WHERE ino=? AND parent!=0 AND kind='file' AND state IN (?, ?, ?)",
-                (ino, *_MOVABLE_STATES),
+                f"SELECT remote_key FROM inodes WHERE ino=? AND parent!=0 AND kind='file' AND state IN ({marks})",
+                (ino, *movable),
             ).fetchone()
             path = self._path_locked(ino)
         if row is None or row[0] is None or path is None or row[0] == path:
@@ -532,7 +747,7 @@ class Journal:
             gone = old_key if moved else new_key
             db.execute("INSERT INTO remote_deletes (key, reason) VALUES (?, 'moved')", (gone,))
             if moved:
-                db.execute(*self.log_event(ino, "moved", f"{old_key} -> {new_key}"))
+                db.execute(*event_op(ino, "moved", f"{old_key} -> {new_key}"))
             return bool(moved)
 
     def set_error(self, ino: int, error: str | None) -> None:
@@ -576,3 +791,94 @@ def insert_inode_op(row: InodeRow) -> Op:
 def update_inode_op(ino: int, **fields: Any) -> Op:
     assignments = ", ".join(f"{name}=?" for name in fields)
     return (f"UPDATE inodes SET {assignments} WHERE ino=?", (*fields.values(), ino))
+
+
+# -- records the front's group committer applies (core.py builds none of its own SQL) ----
+
+
+def event_op(ino: int | None, event: str, detail: str = "") -> Op:
+    return ("INSERT INTO events (time, ino, event, detail) VALUES (?, ?, ?, ?)", (time.time(), ino, event, detail))
+
+
+def mark_writing_op(ino: int) -> Op:
+    """The first change after a close (invariant 2): ``writing`` until the next close."""
+    return update_inode_op(ino, state=WRITING, updated=time.time())
+
+
+def close_ops(
+    ino: int,
+    *,
+    generation: int,
+    close_seq: int,
+    size: int,
+    mtime_ns: int,
+    ctime_ns: int,
+    digest: str | None,
+    chunks: Sequence[str] | None,
+    chunk_size: int | None,
+    incomplete: str | None,
+) -> list[Op]:
+    """A changed file closed (invariant 1): a new generation, ``staged`` to drain with its
+    digests, or ``incomplete`` (with the reason) when it may lack bytes."""
+    state = INCOMPLETE if incomplete else STAGED
+    return [
+        update_inode_op(
+            ino, state=state, generation=generation, close_seq=close_seq, size=size, mtime_ns=mtime_ns,
+            ctime_ns=ctime_ns, digest=digest, chunks=json.dumps(list(chunks)) if chunks is not None else None,
+            chunk_size=chunk_size, error=incomplete, attempts=0, updated=time.time(), local_bytes=size,
+        ),  # fmt: skip
+        event_op(ino, "closed" if state == STAGED else "incomplete",
+                 f"generation={generation} size={size} {incomplete or ''}".rstrip()),  # fmt: skip
+    ]
+
+
+def unchanged_close_op(ino: int) -> Op:
+    """A file opened for writing and closed unchanged: back to the state it had (``durable``
+    if the remote holds its generation, else ``staged``)."""
+    return (
+        "UPDATE inodes SET state=CASE WHEN durable_generation=generation THEN ? ELSE ? END WHERE ino=? AND state=?",
+        (DURABLE, STAGED, ino, WRITING),
+    )
+
+
+def recovered_incomplete_ops(ino: int, size: int, error: str) -> list[Op]:
+    """At start-up: a file the stopped daemon had open for writing is ``incomplete``."""
+    return [
+        update_inode_op(ino, state=INCOMPLETE, size=size, error=error, local_bytes=size, updated=time.time()),
+        event_op(ino, "incomplete", "open for writing at crash"),
+    ]
+
+
+def unlink_ops(ino: int, name: bytes, ctime_ns: int) -> list[Op]:
+    """``ino`` loses its name; its object (if any) is queued for deletion (invariant 6)."""
+    return [
+        ("INSERT INTO remote_deletes (key, reason) SELECT remote_key, 'unlink' FROM inodes "
+         "WHERE ino=? AND remote_key IS NOT NULL", (ino,)),
+        update_inode_op(ino, parent=0, remote_key=None, ctime_ns=ctime_ns),
+        event_op(ino, "unlink", os.fsdecode(name)),
+    ]  # fmt: skip
+
+
+def forget_listed_ops(ino: int, name: bytes, ctime_ns: int) -> list[Op]:
+    """A listed file that vanished from the remote: dropped here, nothing deleted there."""
+    return [
+        update_inode_op(ino, parent=0, remote_key=None, ctime_ns=ctime_ns),
+        event_op(ino, "forgotten", os.fsdecode(name)),
+    ]
+
+
+def drop_unlinked_ops(ino: int) -> list[Op]:
+    """An unlinked inode nothing references any more: its row and xattrs go."""
+    return [("DELETE FROM inodes WHERE ino=? AND parent=0", (ino,)), ("DELETE FROM xattrs WHERE ino=?", (ino,))]
+
+
+def set_xattr_op(ino: int, name: bytes, value: bytes) -> Op:
+    return ("INSERT OR REPLACE INTO xattrs VALUES (?, ?, ?)", (ino, name, value))
+
+
+def remove_xattr_op(ino: int, name: bytes) -> Op:
+    return ("DELETE FROM xattrs WHERE ino=? AND name=?", (ino, name))
+
+
+def set_meta_op(key: str, value: str) -> Op:
+    return ("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))

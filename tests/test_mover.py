@@ -24,7 +24,7 @@ from burstfs import drainservice as drainservice_module
 from burstfs import mover as mover_module
 from burstfs.config import DrainOptions, S3Options, parse_remote_url
 from burstfs.errors import RemoteError
-from burstfs.journal import DURABLE, FAILED, META, ROOT_INO, STAGED, InodeRow, Journal, Op, insert_inode_op
+from burstfs.journal import DURABLE, FAILED, META, ROOT_INO, STAGED, FileState, InodeRow, Journal, Op, insert_inode_op
 from burstfs.localtier import LocalTier
 from burstfs.mover import Mover
 from burstfs.objects import compute_digests
@@ -83,8 +83,8 @@ class Front:
         self.seq = 0
         now = time.time_ns()
         self.journal.apply([insert_inode_op(InodeRow(
-            ROOT_INO, 0, b"", "dir", stat.S_IFDIR | 0o755, 0, 0, 0, now, now, now, None, META, 0, 0,
-            None, None, None, None, None, None, 0, time.time(), 0))])  # fmt: skip
+            ino=ROOT_INO, parent=0, name=b"", kind="dir", mode=stat.S_IFDIR | 0o755, uid=0, gid=0,
+            atime_ns=now, mtime_ns=now, ctime_ns=now, state=META, updated=time.time()))])  # fmt: skip
         self.next_ino = 2
 
     def _new(self, parent: int, name: str, kind: str, state: str) -> int:
@@ -92,8 +92,8 @@ class Front:
         now = time.time_ns()
         mode = (stat.S_IFDIR | 0o755) if kind == "dir" else (stat.S_IFREG | 0o644)
         self.journal.apply([insert_inode_op(InodeRow(
-            ino, parent, name.encode(), kind, mode, 0, 0, 0, now, now, now, None, state, 0, 0,
-            None, None, None, None, None, None, 0, time.time(), 0))])  # fmt: skip
+            ino=ino, parent=parent, name=name.encode(), kind=kind, mode=mode, uid=0, gid=0,
+            atime_ns=now, mtime_ns=now, ctime_ns=now, state=FileState(state), updated=time.time()))])  # fmt: skip
         return ino
 
     def mkdir(self, name: str, parent: int = ROOT_INO) -> int:

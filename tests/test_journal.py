@@ -1,0 +1,362 @@
+"""The journal's state machine against SQLite alone (no mount): DESIGN-NOTES invariants 3, 5, 6, 7."""
+
+from __future__ import annotations
+
+import itertools
+import stat
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from burstfs.journal import (
+    BROKEN,
+    CLOSED_UNDRAINED,
+    DONE,
+    DRAINING,
+    DURABLE,
+    EVICTED,
+    FAILED,
+    FILE_STATES,
+    INCOMPLETE,
+    META,
+    NOT_YET_DURABLE,
+    REMOTE,
+    ROOT_INO,
+    STAGED,
+    UNDRAINED,
+    WRITING,
+    FileState,
+    InodeRow,
+    Journal,
+    close_ops,
+    insert_inode_op,
+    mark_writing_op,
+    unchanged_close_op,
+    unlink_ops,
+    update_inode_op,
+)
+
+
+class Tree:
+    """Rows written the way the front writes them (creates, closes, unlinks)."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+        self._ino = itertools.count(ROOT_INO + 1)
+        self._seq = itertools.count(1)
+        self._insert(ROOT_INO, ROOT_INO, b"", "dir", META)
+
+    def _insert(self, ino: int, parent: int, name: bytes, kind: str, state: FileState) -> int:
+        now = time.time_ns()
+        mode = stat.S_IFDIR | 0o755 if kind == "dir" else stat.S_IFREG | 0o644
+        self.journal.apply([insert_inode_op(InodeRow(
+            ino=ino, parent=parent, name=name, kind=kind, mode=mode, uid=0, gid=0,
+            atime_ns=now, mtime_ns=now, ctime_ns=now, state=state, updated=time.time()))])  # fmt: skip
+        return ino
+
+    def mkdir(self, name: str, parent: int = ROOT_INO) -> int:
+        return self._insert(next(self._ino), parent, name.encode(), "dir", META)
+
+    def create(self, name: str, parent: int = ROOT_INO) -> int:
+        return self._insert(next(self._ino), parent, name.encode(), "file", WRITING)
+
+    def close(self, ino: int, size: int = 10) -> int:
+        """A journaled close (invariant 1): returns the new generation."""
+        row = self.journal.inode(ino)
+        assert row is not None
+        generation = row.generation + 1
+        self.journal.apply(close_ops(
+            ino, generation=generation, close_seq=next(self._seq), size=size, mtime_ns=row.mtime_ns,
+            ctime_ns=row.ctime_ns, digest=None, chunks=None, chunk_size=None, incomplete=None))  # fmt: skip
+        return generation
+
+    def write_file(self, name: str, parent: int = ROOT_INO) -> tuple[int, int]:
+        ino = self.create(name, parent)
+        return ino, self.close(ino)
+
+    def durable(self, ino: int, generation: int) -> str:
+        claimed = self.journal.claim_for_drain(ino, generation)
+        assert isinstance(claimed, tuple), claimed
+        key, intent = claimed
+        assert self.journal.finish_upload(ino, generation, key, intent, "test")
+        return key
+
+    def state(self, ino: int) -> FileState:
+        row = self.journal.inode(ino)
+        assert row is not None
+        return row.state
+
+
+@pytest.fixture
+def journal(tmp_path: Path) -> Iterator[Journal]:
+    j = Journal(tmp_path)
+    yield j
+    j.close()
+
+
+@pytest.fixture
+def tree(journal: Journal) -> Tree:
+    return Tree(journal)
+
+
+def _markers(row: InodeRow) -> bool:
+    return row.name == b"COMMIT"
+
+
+# -- the named state sets ---------------------------------------------------------------
+
+
+def test_state_sets_partition_the_file_states() -> None:
+    assert DONE | NOT_YET_DURABLE == frozenset(FILE_STATES) and not DONE & NOT_YET_DURABLE
+    assert META not in FILE_STATES
+    assert BROKEN <= NOT_YET_DURABLE and INCOMPLETE not in UNDRAINED and WRITING not in CLOSED_UNDRAINED
+    assert CLOSED_UNDRAINED < UNDRAINED < NOT_YET_DURABLE
+    assert STAGED == "staged" and f"{DURABLE}" == "durable"  # stored values unchanged
+
+
+def test_rows_read_back_as_file_states(journal: Journal, tree: Tree) -> None:
+    ino, _ = tree.write_file("a")
+    row = journal.inode(ino)
+    assert row is not None and row.state is STAGED
+    assert journal.state_counts() == {STAGED: (1, 10)}
+    assert journal.undrained() == {"staged": (1, 10)}
+
+
+def test_inode_row_is_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        InodeRow(1, 1, b"", "dir", 0, 0, 0, 0, 0, 0, 0, None, META)  # type: ignore[call-arg]
+
+
+# -- invariant 3: the mover only moves forward the generation it read -----------------------
+
+
+def test_finish_upload_never_overwrites_a_newer_close(journal: Journal, tree: Tree) -> None:
+    ino, generation = tree.write_file("ckpt.bin")
+    claimed = journal.claim_for_drain(ino, generation)
+    assert isinstance(claimed, tuple)
+    key, intent = claimed
+    newer = tree.close(ino)  # a close races the upload
+    assert newer == generation + 1
+    assert journal.superseded(ino, generation)
+    assert not journal.finish_upload(ino, generation, key, intent, "late")
+    row = journal.inode(ino)
+    assert row is not None
+    assert (row.state, row.generation, row.durable_generation) == (STAGED, newer, None)
+    # The object at the key is still this file's (no delete queued for it).
+    assert all(k != key for _, k, _ in journal.pending_deletes(10))
+
+
+@pytest.mark.parametrize("how", ["requeue", "fail"])
+def test_requeue_and_fail_leave_a_newer_close_alone(journal: Journal, tree: Tree, how: str) -> None:
+    ino, generation = tree.write_file("f")
+    assert isinstance(journal.claim_for_drain(ino, generation), tuple)
+    tree.close(ino)
+    if how == "requeue":
+        journal.requeue(ino, generation, "boom", 3)
+    else:
+        assert not journal.fail(ino, generation, "boom")
+    row = journal.inode(ino)
+    assert row is not None and row.state == STAGED and row.attempts == 0 and row.error is None
+    assert journal.key_holder("f") is None  # the upload no longer holds the key
+
+
+def test_record_digests_is_conditional_on_the_generation(journal: Journal, tree: Tree) -> None:
+    ino, generation = tree.write_file("f")
+    tree.close(ino)
+    journal.record_digests(ino, generation, "old", ["a"], 4)
+    row = journal.inode(ino)
+    assert row is not None and row.digest is None
+
+
+def test_claim_only_from_staged_and_the_right_generation(journal: Journal, tree: Tree) -> None:
+    ino = tree.create("f")
+    assert journal.claim_for_drain(ino, 0) is None  # writing
+    generation = tree.close(ino)
+    assert journal.claim_for_drain(ino, generation - 1) is None
+    journal.apply([mark_writing_op(ino)])
+    assert journal.claim_for_drain(ino, generation) is None
+
+
+def test_unchanged_close_restores_the_previous_state(journal: Journal, tree: Tree) -> None:
+    ino, generation = tree.write_file("f")
+    tree.durable(ino, generation)
+    journal.apply([mark_writing_op(ino)])
+    journal.apply([unchanged_close_op(ino)])
+    assert tree.state(ino) == DURABLE
+    other, _ = tree.write_file("g")
+    journal.apply([mark_writing_op(other)])
+    journal.apply([unchanged_close_op(other)])
+    assert tree.state(other) == STAGED
+
+
+def test_recover_drains_stages_again(journal: Journal, tree: Tree) -> None:
+    ino, generation = tree.write_file("f")
+    assert isinstance(journal.claim_for_drain(ino, generation), tuple)
+    assert journal.recover_drains() == 1
+    assert tree.state(ino) == STAGED and journal.key_holder("f") is None
+
+
+def test_retry_failed(journal: Journal, tree: Tree) -> None:
+    ino, generation = tree.write_file("f")
+    assert isinstance(journal.claim_for_drain(ino, generation), tuple)
+    assert journal.fail(ino, generation, "corrupt")
+    assert tree.state(ino) == FAILED
+    assert journal.retry_failed() == 1
+    row = journal.inode(ino)
+    assert row is not None and (row.state, row.error, row.attempts) == (STAGED, None, 0)
+
+
+# -- invariant 6: a key belongs to one inode ---------------------------------------------
+
+
+def test_claim_of_a_key_another_inode_owns_returns_the_holder(journal: Journal, tree: Tree) -> None:
+    old, generation = tree.write_file("a")
+    tree.durable(old, generation)
+    # Renamed here, not yet moved on the remote: its object still sits at "a".
+    journal.apply([update_inode_op(old, name=b"b")])
+    new, new_generation = tree.write_file("a")
+    assert journal.claim_for_drain(new, new_generation) == old
+    assert tree.state(new) == STAGED
+
+
+def test_claim_of_a_key_another_upload_writes_returns_the_uploader(journal: Journal, tree: Tree) -> None:
+    first, generation = tree.write_file("a")
+    assert isinstance(journal.claim_for_drain(first, generation), tuple)
+    journal.apply(unlink_ops(first, b"a", time.time_ns()))  # unlinked mid-upload: still uploading to "a"
+    second, second_generation = tree.write_file("a")
+    assert journal.claim_for_drain(second, second_generation) == first
+
+
+def test_unlink_queues_the_object_and_an_unrecorded_upload_leaves_its_intent(journal: Journal, tree: Tree) -> None:
+    ino, generation = tree.write_file("a")
+    key = tree.durable(ino, generation)
+    journal.apply(unlink_ops(ino, b"a", time.time_ns()))
+    assert [(k, r) for _, k, r in journal.pending_deletes(10)] == [(key, "unlink")]
+    other, other_generation = tree.write_file("b")
+    claimed = journal.claim_for_drain(other, other_generation)
+    assert isinstance(claimed, tuple)
+    journal.apply(unlink_ops(other, b"b", time.time_ns()))
+    assert not journal.finish_upload(other, other_generation, claimed[0], claimed[1], "gone")
+    assert ("b", "upload") in [(k, r) for _, k, r in journal.pending_deletes(10)]
+
+
+def test_keys_owned_under_is_a_prefix_range(journal: Journal, tree: Tree) -> None:
+    d = tree.mkdir("ckpt")
+    e = tree.mkdir("ckpt-2")
+    inside, g1 = tree.write_file("x", d)
+    beside, g2 = tree.write_file("y", e)
+    tree.durable(inside, g1)
+    tree.durable(beside, g2)
+    journal.apply(unlink_ops(inside, b"x", time.time_ns()))
+    assert journal.keys_owned_under("ckpt") == {"ckpt/x"}  # deleting counts as owned
+    assert journal.keys_owned_under("CKPT") == set()  # case matters (LIKE ignored it)
+    assert journal.keys_owned_under("ckpt-2") == {"ckpt-2/y"}
+    assert journal.keys_owned_under("") == {"ckpt/x", "ckpt-2/y"}
+    plan = " ".join(str(r) for r in journal.query(
+        "EXPLAIN QUERY PLAN SELECT remote_key FROM inodes WHERE remote_key >= ? AND remote_key < ?", ("a/", "a0")))
+    assert "inodes_by_remote_key" in plan
+
+
+# -- invariant 5: commit markers wait; close order --------------------------------------
+
+
+def test_eligible_in_close_order(journal: Journal, tree: Tree) -> None:
+    later = tree.create("later")
+    first, _ = tree.write_file("first")
+    tree.close(later)
+    rows = journal.eligible(10, 10, closed_before=time.time() + 1, is_marker=_markers)
+    assert [r.ino for r in rows] == [first, later]
+    assert [r.ino for r in journal.eligible(1, 10, closed_before=time.time() + 1, is_marker=_markers)] == [first]
+    skipped = journal.eligible(10, 10, closed_before=time.time() + 1, is_marker=_markers,
+                               skip=lambda row: row.ino == first)  # fmt: skip
+    assert [r.ino for r in skipped] == [later]
+    assert journal.eligible(10, 10, closed_before=0.0, is_marker=_markers) == []  # the delay
+
+
+@pytest.mark.parametrize("blocker", [STAGED, DRAINING, FAILED, INCOMPLETE, WRITING])
+def test_commit_marker_waits_for_earlier_closes_under_its_directory(
+    journal: Journal, tree: Tree, blocker: FileState
+) -> None:
+    d = tree.mkdir("step-1")
+    sub = tree.mkdir("shard", d)
+    data, generation = tree.write_file("part-0", sub)
+    marker, _ = tree.write_file("COMMIT", d)
+    elsewhere, _ = tree.write_file("other")  # not under the marker's directory
+    journal.apply([update_inode_op(data, state=blocker)])
+    eligible = [r.ino for r in journal.eligible(10, 10, closed_before=time.time() + 1, is_marker=_markers)]
+    assert marker not in eligible and elsewhere in eligible
+    journal.apply([update_inode_op(data, state=STAGED)])
+    tree.durable(data, generation)
+    eligible = [r.ino for r in journal.eligible(10, 10, closed_before=time.time() + 1, is_marker=_markers)]
+    assert marker in eligible
+
+
+def test_commit_marker_ignores_files_closed_after_it(journal: Journal, tree: Tree) -> None:
+    d = tree.mkdir("step-1")
+    marker, _ = tree.write_file("COMMIT", d)
+    tree.write_file("late", d)
+    row = journal.inode(marker)
+    assert row is not None and not journal.blocks_marker(row)
+
+
+# -- invariant 7: undrained data is never evicted ------------------------------------------
+
+
+def test_only_the_durable_generation_is_evictable(journal: Journal, tree: Tree) -> None:
+    ino, generation = tree.write_file("f")
+    staged, _ = tree.write_file("g")
+    tree.durable(ino, generation)
+    assert [i for i, _ in journal.evictable()] == [ino]
+    assert not journal.evict(staged, 1)
+    assert not journal.evict(ino, generation + 1)
+    assert journal.evict(ino, generation)
+    row = journal.inode(ino)
+    assert row is not None and (row.state, row.local_bytes) == (EVICTED, 0)
+    assert journal.evictable() == []
+    journal.finish_fetch(ino, 10, digest="d", chunks=["c"], chunk_size=10)
+    row = journal.inode(ino)
+    assert row is not None and (row.state, row.local_bytes, row.digest, row.chunk_digests()) == (
+        DURABLE, 10, "d", ("c",))  # fmt: skip
+
+
+def test_a_close_after_durable_is_not_evictable(journal: Journal, tree: Tree) -> None:
+    ino, generation = tree.write_file("f")
+    tree.durable(ino, generation)
+    journal.apply([mark_writing_op(ino)])
+    assert journal.evictable() == []
+    assert not journal.evict(ino, generation)
+    tree.close(ino)
+    assert journal.evictable() == []
+
+
+def test_finish_fetch_only_for_files_not_local(journal: Journal, tree: Tree) -> None:
+    ino, _ = tree.write_file("f")
+    journal.finish_fetch(ino, 10)
+    assert tree.state(ino) == STAGED
+    listed = tree.create("listed")
+    journal.apply([update_inode_op(listed, state=REMOTE)])
+    journal.finish_fetch(listed, 5)
+    assert tree.state(listed) in DONE and tree.state(listed) == DURABLE
+
+
+# -- status queries ------------------------------------------------------------------------
+
+
+def test_status_queries(journal: Journal, tree: Tree) -> None:
+    d = tree.mkdir("d")
+    a, _ = tree.write_file("a", d)
+    b, _ = tree.write_file("b", d)
+    tree.create("open")
+    journal.apply([update_inode_op(a, local_bytes=7)])
+    child = journal.child(d, b"a")
+    assert child is not None and child.ino == a
+    assert journal.child(d, b"nope") is None
+    assert {r.ino for r in journal.subtree(d)} == {d, a, b}
+    assert sorted(journal.local_bytes_by_file()) == [(a, 7), (b, 10)]  # a close journals its size local
+    assert journal.oldest_closed_undrained() is not None
+    assert journal.oldest_closed_undrained()[0] == a  # type: ignore[index]
+    assert journal.last_closed_at(a) is not None and journal.last_closed_at(d) is None
+    assert journal.has_drain_work()
+    assert journal.undrained() == {"staged": (2, 20), "writing": (1, 0)}
