@@ -41,16 +41,16 @@ import xxhash
 from .config import MountConfig, RemoteURL, S3Options
 from .errors import BurstfsError, CorruptDataError, FsError, RemoteNotFound
 from .journal import (
-    DRAINING,
-    FAILED,
+    CLOSED_UNDRAINED,
     FILE_STATES,
-    NOT_LOCAL_STATES,
+    NOT_LOCAL,
+    QUEUED,
     REMOTE,
     ROOT_INO,
-    STAGED,
     WRITING,
     InodeRow,
     Journal,
+    set_meta_op,
 )
 from .localtier import LocalTier
 
@@ -63,7 +63,6 @@ log = logging.getLogger("burstfs.control")
 SOCKET_NAME = "control.sock"
 SCHEMA = 1  # version of the JSON documents (docs/ADMIN.md); bump on incompatible change
 MAX_LINE = 1 << 20  # longest request accepted: a path list of a few thousand files
-UNDRAINED_STATES = (STAGED, DRAINING, FAILED)  # closed but not (yet) durable
 PREFETCH_FILES_AT_ONCE = 4  # each core.prefetch is parallel inside; a few files hide per-file latency
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the NUL
 
@@ -77,8 +76,7 @@ def lookup(journal: Journal, rel: str) -> InodeRow | None:
     for part in filter(None, rel.split("/")):
         if row is None:
             return None
-        rows = journal.inodes("WHERE parent=? AND name=? AND parent!=0", (row.ino, os.fsencode(part)))
-        row = rows[0] if rows else None
+        row = journal.child(row.ino, os.fsencode(part))
     return row
 
 
@@ -92,12 +90,7 @@ def files_under(journal: Journal, rel: str) -> list[tuple[str, InodeRow]]:
         raise FsError(errno.ENOENT, f"/{rel}: {os.strerror(errno.ENOENT)}")
     if top.kind != "dir":
         return [(rel, top)] if top.kind == "file" else []
-    rows = journal.inodes(
-        """WHERE ino IN (WITH RECURSIVE sub(ino) AS (
-                SELECT ? UNION SELECT i.ino FROM inodes i JOIN sub ON i.parent=sub.ino WHERE i.ino!=?)
-            SELECT ino FROM sub)""",
-        (top.ino, ROOT_INO),
-    )
+    rows = journal.subtree(top.ino)
     by_ino = {row.ino: row for row in rows}
     paths: dict[int, str] = {top.ino: rel}
 
@@ -144,8 +137,8 @@ def list_files(journal: Journal, rel: str) -> dict[str, Any]:
 def _closed_at(journal: Journal, ino: int, fallback: float) -> float:
     # Newest 'closed' event of the file, scanning back from the end of the log: the
     # oldest undrained file is usually recent, so the scan stays short.
-    rows = journal.query("SELECT time FROM events WHERE ino=? AND event='closed' ORDER BY seq DESC LIMIT 1", (ino,))
-    return float(rows[0][0]) if rows else fallback
+    closed = journal.last_closed_at(ino)
+    return fallback if closed is None else closed
 
 
 #: Error kinds that say the remote cannot be reached or is not answering (vs. a refusal
@@ -189,7 +182,7 @@ def _held_bytes(journal: Journal, data_dir: Path) -> int:
     (an ``incomplete`` one a write failed in, a hole-punched one) counts what it
     takes, not its logical size."""
     total = 0
-    for ino, local in journal.query("SELECT ino, local_bytes FROM inodes WHERE kind='file' AND parent!=0 AND local_bytes>0"):
+    for ino, local in journal.local_bytes_by_file():
         try:
             allocated = os.stat(data_dir / f"{int(ino):016x}").st_blocks * 512  # LocalTier.path; no LocalTier: it mkdirs
         except OSError:  # removed meanwhile (evicted, unlinked): holds nothing
@@ -201,17 +194,11 @@ def _held_bytes(journal: Journal, data_dir: Path) -> int:
 def journal_status(journal: Journal, cache_dir: Path) -> dict[str, Any]:
     """Everything status can tell from the journal and the cache dir alone (no daemon)."""
     states = {state: {"files": 0, "bytes": 0} for state in FILE_STATES}
-    for state, files, nbytes in journal.query(
-        "SELECT state, COUNT(*), COALESCE(SUM(size), 0) FROM inodes WHERE kind='file' AND parent!=0 GROUP BY state"
-    ):
-        states.setdefault(state, {"files": 0, "bytes": 0}).update(files=int(files), bytes=int(nbytes))
+    for state, (files, nbytes) in journal.state_counts().items():
+        states.setdefault(state, {"files": 0, "bytes": 0}).update(files=files, bytes=nbytes)
     local_bytes = _held_bytes(journal, cache_dir / "data")
-    oldest = journal.query(
-        f"SELECT ino, updated FROM inodes WHERE kind='file' AND parent!=0 "
-        f"AND state IN ({', '.join('?' * len(UNDRAINED_STATES))}) ORDER BY close_seq LIMIT 1",
-        UNDRAINED_STATES,
-    )
-    oldest_closed = _closed_at(journal, oldest[0][0], oldest[0][1]) if oldest else None
+    oldest = journal.oldest_closed_undrained()
+    oldest_closed = _closed_at(journal, *oldest) if oldest else None
     tier = os.statvfs(LocalTier(cache_dir).data_dir) if (cache_dir / "data").is_dir() else None
     return {
         "schema": SCHEMA,
@@ -224,14 +211,14 @@ def journal_status(journal: Journal, cache_dir: Path) -> dict[str, Any]:
         "daemon_written_bytes": None,
         "states": states,
         "undrained": {
-            "files": sum(states[s]["files"] for s in UNDRAINED_STATES),
-            "bytes": sum(states[s]["bytes"] for s in UNDRAINED_STATES),
+            "files": sum(states[s]["files"] for s in CLOSED_UNDRAINED),
+            "bytes": sum(states[s]["bytes"] for s in CLOSED_UNDRAINED),
             "oldest_closed_at": oldest_closed,
             "oldest_age_s": None if oldest_closed is None else max(0.0, time.time() - oldest_closed),
         },
         "drain": {
             "throughput_bps": None,
-            "eta_s": 0.0 if not states[STAGED]["bytes"] + states[DRAINING]["bytes"] else None,
+            "eta_s": 0.0 if not sum(states[s]["bytes"] for s in QUEUED) else None,
             "files_drained": None,
             "bytes_drained": None,
             "outage": None,
@@ -271,7 +258,7 @@ def _verify_local(cache_dir: Path, journal: Journal, row: InodeRow) -> tuple[str
     """('ok' | 'mismatch' | 'skipped', detail): the staged bytes against the journaled digest."""
     from .objects import compute_digests
 
-    if row.state in NOT_LOCAL_STATES:
+    if row.state in NOT_LOCAL:
         return "skipped", "not on the local tier"
     if row.state == WRITING:
         return "skipped", "open for writing"
@@ -431,7 +418,7 @@ class ControlServer:
         try:
             # Lets burstfs-admin map paths under the mount point while the mount is down.
             await self.core.committer.commit(
-                [("INSERT OR REPLACE INTO meta VALUES ('mountpoint', ?)", (str(self.config.mountpoint),))]
+                [set_meta_op("mountpoint", str(self.config.mountpoint))]
             )
             log.info("event=control_listening socket=%s", self.path)
             task_status.started()
@@ -562,7 +549,7 @@ class ControlServer:
             stats = self.drain.mover.stats
             outage = outage_of(stats)
             throughput = 0.0 if outage else stats.throughput()  # an outage stops the drain now, not in 30 s
-            pending = doc["states"][STAGED]["bytes"] + doc["states"][DRAINING]["bytes"]
+            pending = sum(doc["states"][s]["bytes"] for s in QUEUED)
             doc["drain"].update(
                 outage=outage,
                 throughput_bps=throughput,
