@@ -44,7 +44,7 @@ from pathlib import Path
 
 from .config import DrainOptions, RemoteURL, S3Options, is_commit_marker
 from .errors import HALT, OBJECT, RETRY, CorruptDataError, RemoteError, UploadCancelled, error_scope
-from .journal import DRAINING, FAILED, INCOMPLETE, ROOT_INO, STAGED, WRITING, InodeRow, Journal
+from .journal import InodeRow, Journal
 from .localtier import LocalTier
 from .objects import FileDigests, ObjectStore
 from .remote import INTERNAL_DIR, Remote, open_remote
@@ -86,10 +86,6 @@ PASS_ERROR_BACKOFF_S = 2.0
 PARK_PREFIX = f"{INTERNAL_DIR}/moving/"
 # _relocate_one's answer when the remote (not one file) failed: end the pass.
 _STOP = -1
-
-# A commit marker waits for every earlier-closed file in these states (an
-# incomplete file never becomes durable, so it holds the marker back for good).
-_PENDING_STATES = (STAGED, DRAINING, FAILED, INCOMPLETE, WRITING)
 
 
 @dataclasses.dataclass
@@ -201,9 +197,7 @@ class Mover:
 
     def retry_failed(self) -> int:
         """Requeue failed files and lift a halt; returns how many files were requeued."""
-        count = self.journal.execute(
-            "UPDATE inodes SET state=?, attempts=0, error=NULL WHERE state=?", (STAGED, FAILED)
-        )
+        count = self.journal.retry_failed()
         self.stats.halted = None
         self.drain_now()
         return count
@@ -334,7 +328,7 @@ class Mover:
         if time.monotonic() < self._next_prune:
             return
         self._next_prune = time.monotonic() + EVENT_PRUNE_EVERY_S
-        self.journal.execute("DELETE FROM events WHERE seq <= (SELECT MAX(seq) FROM events) - ?", (EVENTS_KEPT,))
+        self.journal.prune_events(EVENTS_KEPT)
 
     async def _record_layout(self) -> None:
         """Tell readers of this prefix that object sizes may be compressed sizes."""
@@ -368,10 +362,7 @@ class Mover:
     # -- choosing what to drain -------------------------------------------------------
 
     def _has_pending_work(self) -> bool:
-        rows = self.journal.query(
-            "SELECT COUNT(*) FROM inodes WHERE kind='file' AND parent!=0 AND state IN (?, ?)", (STAGED, DRAINING)
-        )
-        return bool(rows[0][0]) or bool(self.journal.query("SELECT 1 FROM remote_deletes LIMIT 1"))
+        return self.journal.has_drain_work()
 
     def _eligible(self, slots: int) -> list[InodeRow]:
         """Staged files in close order, respecting commit markers, delay and backoff."""
@@ -382,33 +373,15 @@ class Mover:
         # This runs after every close: read enough rows to fill the free slots past the
         # files in flight or backing off (and a few blocked markers), not the whole queue.
         limit = slots + len(self._in_flight) + len(self._not_before) + 32
-        chosen: list[InodeRow] = []
-        for row in self.journal.inodes(
-            "WHERE state=? AND kind='file' AND parent!=0 AND updated <= ? ORDER BY close_seq LIMIT ?",
-            (STAGED, now - delay, limit),
-        ):
-            if row.ino in self._in_flight or self._not_before.get(row.ino, 0) > now:
-                continue
-            if is_commit_marker(os.fsdecode(row.name), self.options.commit_markers) and self._blocks_marker(row):
-                continue
-            chosen.append(row)
-            if len(chosen) >= slots:
-                break
+        # An incomplete file never becomes durable, so it holds a later marker back for good.
+        chosen = self.journal.eligible(
+            slots, limit, closed_before=now - delay,
+            is_marker=lambda row: is_commit_marker(os.fsdecode(row.name), self.options.commit_markers),
+            skip=lambda row: row.ino in self._in_flight or self._not_before.get(row.ino, 0) > now,
+        )  # fmt: skip
         if not chosen:
             self._skip_delay = False
         return chosen
-
-    def _blocks_marker(self, marker: InodeRow) -> bool:
-        """True while a file closed before ``marker`` under its directory is not durable."""
-        rows = self.journal.query(
-            """WITH RECURSIVE sub(ino) AS (
-                   SELECT ino FROM inodes WHERE parent=? AND ino!=?
-                   UNION SELECT i.ino FROM inodes i JOIN sub ON i.parent=sub.ino)
-               SELECT COUNT(*) FROM inodes WHERE ino IN sub AND ino!=? AND kind='file'
-                   AND state IN (?, ?, ?, ?, ?) AND close_seq > 0 AND close_seq < ?""",
-            (marker.parent, ROOT_INO, marker.ino, *_PENDING_STATES, marker.close_seq),
-        )
-        return bool(rows[0][0])
 
     def _claim(self, row: InodeRow) -> tuple[str, int, float] | None:
         """Take ``row``'s key for its upload, or leave it staged while another inode holds the key.
@@ -446,11 +419,8 @@ class Mover:
                 compress=self.options.compress, cancel_check=lambda: self.journal.superseded(ino, generation),
             )  # fmt: skip
             if digests is None:  # taken during the upload: journal them for verify and the xattr
-                self.journal.execute(
-                    "UPDATE inodes SET digest=?, chunks=?, chunk_size=? WHERE ino=? AND generation=?",
-                    (manifest.digest, json.dumps([c.xxh3 for c in manifest.chunks]), manifest.chunk_size,
-                     ino, generation),
-                )  # fmt: skip
+                self.journal.record_digests(ino, generation, manifest.digest, [c.xxh3 for c in manifest.chunks],
+                                            manifest.chunk_size)  # fmt: skip
             self._finish(row, key, manifest.size, started, intent)
         except (asyncio.CancelledError, UploadCancelled) as exc:
             self._requeue(ino, generation, None)  # stopping, or the file changed: drains again
@@ -544,8 +514,7 @@ class Mover:
         attempts = 0
         if exc is not None:
             self.stats.error(getattr(exc, "kind", "remote"), str(exc))
-            rows = self.journal.query("SELECT attempts FROM inodes WHERE ino=?", (ino,))
-            attempts = (rows[0][0] if rows else 0) + 1
+            attempts = self.journal.attempts(ino) + 1
             delay = min(REQUEUE_BACKOFF_MAX_S, REQUEUE_BACKOFF_S * 2 ** (attempts - 1))
             self._not_before[ino] = time.time() + delay
             log.warning("event=drain_retry ino=%d attempts=%d delay=%.1f error=%s", ino, attempts, delay, exc)
