@@ -42,15 +42,7 @@ from .control import (
     verify,
 )
 from .errors import BurstfsError
-from .journal import (
-    DURABLE,
-    EVICTED,
-    FAILED,
-    FILE_STATES,
-    INCOMPLETE,
-    REMOTE,
-    Journal,
-)
+from .journal import BROKEN, DONE, FILE_STATES, Journal
 from .mountinfo import FSNAME_PREFIX, find_burstfs_mount, mounts
 
 EXIT_OK = 0
@@ -63,8 +55,6 @@ WAIT_POLL_S = 0.1  # journal reads are cheap (WAL readers never block the daemon
 HALT_POLL_S = 1.0  # asking the daemon whether the drain is halted costs a socket round trip
 WATCH_INTERVAL_S = 1.0
 REQUEST_TIMEOUT_S = 60.0  # quick ops; prefetch and verify wait as long as they take
-DONE_STATES = (DURABLE, EVICTED, REMOTE)  # on the remote: nothing left to wait for
-BROKEN_STATES = (FAILED, INCOMPLETE)  # will not drain without someone acting
 START_HINT = "start a mount with: burstfs mount MOUNTPOINT --cache DIR --remote URL"
 
 
@@ -419,8 +409,8 @@ def wait(paths: tuple[Path, ...], cache: Path | None, as_json: bool, timeout: fl
                 files = files_at(journal, target.rels)
             except BurstfsError as exc:
                 raise AdminError(str(exc)) from None
-            done = [(p, r) for p, r in files if r.state in DONE_STATES]
-            broken = [(p, r) for p, r in files if r.state in BROKEN_STATES]
+            done = [(p, r) for p, r in files if r.state in DONE]
+            broken = [(p, r) for p, r in files if r.state in BROKEN]
             if target.daemon is not None and time.monotonic() >= next_halt_check:
                 halted = target.daemon.call("status")["drain"]["halted"]
                 next_halt_check = time.monotonic() + HALT_POLL_S
@@ -434,7 +424,7 @@ def wait(paths: tuple[Path, ...], cache: Path | None, as_json: bool, timeout: fl
             time.sleep(WAIT_POLL_S)
     if show:
         click.echo("", err=True)
-    pending = [(p, r) for p, r in files if r.state not in DONE_STATES]
+    pending = [(p, r) for p, r in files if r.state not in DONE]
     result = "failed" if broken or halted else "durable" if not pending else "timeout"
     if as_json:
         emit_json({

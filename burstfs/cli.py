@@ -149,14 +149,13 @@ def _left_behind(cache_dir: Path) -> dict[str, tuple[int, int]]:
 
     journal = Journal(cache_dir, readonly=True)
     try:
-        rows = journal.query("SELECT state, COUNT(*), COALESCE(SUM(size), 0) FROM inodes "
-                             "WHERE kind='file' AND parent!=0 GROUP BY state")  # fmt: skip
+        counts = journal.state_counts()
     finally:
         journal.close()
     fate = {"staged": "drains", "draining": "drains", "failed": "failed", "incomplete": "incomplete",
             "writing": "incomplete"}  # fmt: skip
     left: dict[str, tuple[int, int]] = {}
-    for state, files, nbytes in rows:
+    for state, (files, nbytes) in counts.items():
         if state in fate:
             f, b = left.get(fate[state], (0, 0))
             left[fate[state]] = (f + int(files), b + int(nbytes))

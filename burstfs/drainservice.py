@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import trio
 
 from .errors import FsError
-from .journal import DURABLE, EVICTED, FAILED, INCOMPLETE, Journal
+from .journal import BROKEN, DONE, Journal
 from .mover import Mover
 
 log = logging.getLogger("burstfs.drain")
@@ -105,18 +105,13 @@ class DrainService:
         self.mover.drain_now()
         with trio.move_on_after(self._fsync_timeout):
             while True:
-                rows = await trio.to_thread.run_sync(
-                    self._journal.query,
-                    "SELECT state, durable_generation, error FROM inodes WHERE ino=?",
-                    (ino,),
-                )
-                if not rows:
+                row = await trio.to_thread.run_sync(self._journal.inode, ino)
+                if row is None:
                     return  # unlinked meanwhile: nothing left to make durable
-                state, durable_generation, error = rows[0]
-                if state in (DURABLE, EVICTED) and (durable_generation or 0) >= generation:
+                if row.state in DONE and (row.durable_generation or 0) >= generation:
                     return
-                if state in (FAILED, INCOMPLETE):
-                    raise FsError(errno.EIO, f"cannot become durable ({state}): {error}")
+                if row.state in BROKEN:
+                    raise FsError(errno.EIO, f"cannot become durable ({row.state}): {row.error}")
                 if self.crashed is not None:
                     raise FsError(errno.EIO, f"the mover stopped: {self.crashed}")
                 if self.mover.stats.halted is not None:

@@ -24,7 +24,7 @@ from .config import MountConfig
 from .core import BurstCore
 from .drainservice import DrainService
 from .errors import ConfigError
-from .journal import DRAINING, FILE_STATES, STAGED, Journal
+from .journal import FILE_STATES, QUEUED, Journal
 
 log = logging.getLogger("burstfs.metrics")
 
@@ -60,16 +60,13 @@ class BurstCollector(Collector):
         files = GaugeMetricFamily("burstfs_files", "Files by drain state.", labels=["state"])
         sizes = GaugeMetricFamily("burstfs_file_bytes", "Logical bytes of files by drain state.", labels=["state"])
         by_state = {state: (0, 0) for state in FILE_STATES}
-        for state, count, nbytes in self.journal.query(
-            "SELECT state, COUNT(*), COALESCE(SUM(size), 0) FROM inodes WHERE kind='file' AND parent!=0 GROUP BY state"
-        ):
-            by_state[state] = (int(count), int(nbytes))
+        by_state.update(self.journal.state_counts())
         for state, (count, nbytes) in by_state.items():
             files.add_metric([state], count)
             sizes.add_metric([state], nbytes)
         yield files
         yield sizes
-        queued = [by_state[STAGED], by_state[DRAINING]]
+        queued = [by_state[state] for state in sorted(QUEUED)]
         yield GaugeMetricFamily("burstfs_staged_bytes", "Bytes closed and not yet durable (staged + draining).",
                                 value=sum(b for _, b in queued))  # fmt: skip
         yield GaugeMetricFamily("burstfs_queue_depth", "Files waiting to drain or draining.",

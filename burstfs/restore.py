@@ -32,13 +32,12 @@ import errno
 import json
 import logging
 import os
-import time
 
 import xxhash
 
 from .errors import CorruptDataError, FsError, RemoteError
 from .fileio import pread_full, pwrite_full
-from .journal import DURABLE, EVICTED, REMOTE, InodeRow, Journal
+from .journal import InodeRow, Journal
 from .localtier import LocalTier
 from .objects import Manifest, ObjectStore
 from .remote.retry import RetryPolicy
@@ -414,15 +413,12 @@ class RestoreService:
         fetch.closed = True
         if fetch.fd_users == 0:
             self._close_fd(fetch)
-        fields: dict[str, object] = {"state": DURABLE, "local_bytes": fetch.size, "updated": time.time()}
-        if fetch.manifest is not None:
-            fields.update(digest=fetch.manifest.digest, chunk_size=fetch.manifest.chunk_size,
-                          chunks=json.dumps([c.xxh3 for c in fetch.manifest.chunks]))  # fmt: skip
-        assignments = ", ".join(f"{name}=?" for name in fields)
-        self.journal.execute(
-            f"UPDATE inodes SET {assignments}, durable_generation=generation WHERE ino=? AND state IN (?, ?)",
-            (*fields.values(), fetch.ino, EVICTED, REMOTE),
-        )
+        manifest = fetch.manifest
+        if manifest is None:
+            self.journal.finish_fetch(fetch.ino, fetch.size)
+        else:
+            self.journal.finish_fetch(fetch.ino, fetch.size, digest=manifest.digest, chunk_size=manifest.chunk_size,
+                                      chunks=[c.xxh3 for c in manifest.chunks])  # fmt: skip
         log.info("event=fetched key=%s bytes=%d verified=%s", fetch.key, fetch.size, fetch.verification)
         return fetch.size
 
