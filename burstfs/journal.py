@@ -83,7 +83,6 @@ CLOSED_UNDRAINED = UNDRAINED - {WRITING}
 QUEUED = frozenset({STAGED, DRAINING})
 #: No complete local copy: reads fetch from the remote.
 NOT_LOCAL = frozenset({EVICTED, REMOTE})
-NOT_LOCAL_STATES = NOT_LOCAL  # TODO(issue 14): until control.py and core.py use NOT_LOCAL
 
 
 def _marks(states: Iterable[FileState]) -> tuple[str, tuple[FileState, ...]]:
