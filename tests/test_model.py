@@ -683,7 +683,10 @@ BurstfsModel.TestCase.settings = settings(
     database=None,
     print_blob=True,
     suppress_health_check=list(HealthCheck),
-    phases=[p for p in Phase if p != Phase.shrink or os.environ.get("BURSTFS_MODEL_SHRINK", "1") == "1"],
+    # No explain phase: its report imports a module late, which trips a CPython 3.11.7 AST bug
+    # (SystemError "AST constructor recursion depth mismatch") and ends the whole pytest run.
+    phases=[p for p in Phase if p != Phase.explain
+            and (p != Phase.shrink or os.environ.get("BURSTFS_MODEL_SHRINK", "1") == "1")],
 )
 # The CI budget runs in ~2 minutes; the by-hand budgets take longer than the default per-test timeout.
 TestBurstfsModel = pytest.mark.timeout(int(os.environ.get("BURSTFS_MODEL_TIMEOUT", "900")))(BurstfsModel.TestCase)
