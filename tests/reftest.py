@@ -47,7 +47,7 @@ from burstfs.remote import FileRemote, RetryPolicy
 # Calls that only read the remote pass the gate: restores and listings are the
 # request path, which must work whatever the drain is doing.
 READ_CALLS = frozenset({"check", "get_object", "get_range", "head", "list_dir", "list_all",
-                        "list_multipart_uploads", "close", "is_temp_failure"})  # fmt: skip
+                        "list_multipart_uploads", "is_temp_failure"})  # fmt: skip
 # The mover's waits, shortened so that a sequence of drains takes milliseconds.
 FAST_MOVER_TIMING = {"IDLE_RESCAN_S": 0.02, "REQUEUE_BACKOFF_S": 0.005, "REQUEUE_BACKOFF_MAX_S": 0.02,
                      "HALT_PROBE_S": 0.02, "COALESCE_S": 0.001}  # fmt: skip
@@ -112,6 +112,9 @@ class FaultyRemote:
 
     def list_all(self, prefix: str = "") -> Any:
         return self._inner.list_all(prefix)
+
+    async def close(self) -> None:
+        await self._inner.close()  # even after a crash: the test process lives on
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._inner, name)
@@ -217,18 +220,18 @@ def drain_options(part_size: int, max_files: int) -> DrainOptions:
 class Node:
     """One daemon's core, journal and mover, in this process."""
 
-    def __init__(self, cache: Path, remote_dir: Path, options: NodeOptions, faults: Faults | None = None) -> None:
+    def __init__(self, cache: Path, remote: RemoteSide, options: NodeOptions, faults: Faults | None = None) -> None:
         self.cache = cache
-        self.remote_dir = remote_dir
+        self.side = remote
         self.options = options
         self.faults = faults or Faults()
         cache.mkdir(mode=0o700, exist_ok=True)
         self.journal = crashable_journal(cache, self.faults)
         self.core = BurstCore(cache, self.journal, digest_chunk_size=options.part_size, list_ttl=options.list_ttl)
-        url = RemoteURL("file", "", str(remote_dir))
-        self.remote = FaultyRemote(FileRemote(url), self.faults)
+        url = remote.url
+        self.remote = FaultyRemote(remote.open(), self.faults)
         _FAULTS_BY_CACHE[cache] = self.faults  # the mover opens its journal (again, after a restart) by path
-        self.mover = Mover(cache, url, S3Options(), drain_options(options.part_size, options.max_files),
+        self.mover = Mover(cache, url, remote.s3_options, drain_options(options.part_size, options.max_files),
                            remote=self.remote)  # type: ignore[arg-type]  # fmt: skip
         self.drain = DrainService(self.mover, self.journal)
         self.core.drain = self.drain
@@ -413,6 +416,106 @@ def fast_mover() -> Iterator[None]:
         asyncio_log.setLevel(level)
         for name, value in saved.items():
             setattr(mover_module, name, value)
+
+
+class RemoteSide:
+    """The remote as the test sees it, around burstfs: what it holds, and damage done behind its back."""
+
+    url: RemoteURL
+    s3_options: S3Options = S3Options()
+
+    def open(self) -> Any:
+        """A new client of this remote for a node."""
+        raise NotImplementedError
+
+    def objects(self) -> dict[str, bytes]:
+        """Every object outside ``.burstfs``, by key."""
+        raise NotImplementedError
+
+    def get(self, key: str) -> bytes | None:
+        raise NotImplementedError
+
+    def put(self, key: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def manifest_keys(self) -> set[str]:
+        """The keys that have a manifest under ``.burstfs/manifests``."""
+        raise NotImplementedError
+
+    def uploads_left(self) -> bool:
+        """True if a multipart upload was started and never completed or aborted."""
+        raise NotImplementedError
+
+
+class FileSide(RemoteSide):
+    """A ``file://`` remote: a directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.url = RemoteURL("file", "", str(root))
+
+    def open(self) -> Any:
+        return FileRemote(self.url)
+
+    def objects(self) -> dict[str, bytes]:
+        return remote_files(self.root)
+
+    def get(self, key: str) -> bytes | None:
+        path = self.root / key
+        return path.read_bytes() if path.is_file() else None
+
+    def put(self, key: str, data: bytes) -> None:
+        (self.root / key).write_bytes(data)
+
+    def manifest_keys(self) -> set[str]:
+        manifests = self.root / ".burstfs" / "manifests"
+        found = manifests.rglob("*.json") if manifests.exists() else ()
+        return {f.relative_to(manifests).as_posix()[: -len(".json")] for f in found}
+
+    def uploads_left(self) -> bool:
+        uploads = self.root / ".burstfs" / "uploads"
+        return uploads.exists() and any(uploads.iterdir())
+
+
+class S3Side(RemoteSide):
+    """An S3 prefix on the tests' moto server, read and damaged with plain boto3."""
+
+    def __init__(self, endpoint: str, bucket: str, prefix: str) -> None:
+        import boto3
+
+        self.url = RemoteURL("s3", bucket, prefix)
+        self.s3_options = S3Options(endpoint_url=endpoint)
+        self.bucket, self.prefix = bucket, prefix
+        self.client = boto3.client("s3", endpoint_url=endpoint)
+
+    def open(self) -> Any:
+        from burstfs.remote.s3 import S3Remote
+
+        return S3Remote(self.url, self.s3_options, max_connections=16)
+
+    def _keys(self, under: str = "") -> list[str]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=f"{self.prefix}/{under}")
+        return [obj["Key"][len(self.prefix) + 1:] for page in pages for obj in page.get("Contents", [])]
+
+    def objects(self) -> dict[str, bytes]:
+        return {key: self.get(key) or b"" for key in self._keys() if not key.startswith(".burstfs/")}
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            return bytes(self.client.get_object(Bucket=self.bucket, Key=f"{self.prefix}/{key}")["Body"].read())
+        except self.client.exceptions.NoSuchKey:
+            return None
+
+    def put(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=f"{self.prefix}/{key}", Body=data)
+
+    def manifest_keys(self) -> set[str]:
+        prefix = ".burstfs/manifests/"
+        return {k[len(prefix):-len(".json")] for k in self._keys(prefix) if k.endswith(".json")}
+
+    def uploads_left(self) -> bool:
+        listing = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=f"{self.prefix}/")
+        return bool(listing.get("Uploads"))
 
 
 def remote_files(remote_dir: Path) -> dict[str, bytes]:

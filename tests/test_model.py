@@ -19,9 +19,11 @@ drain: the remote holds exactly the model's files (plain bytes at their path,
 a manifest each, nothing else of ours), and a fresh node over the same remote
 (a cold mount) reads them all back.
 
-Budget: ``BURSTFS_MODEL_EXAMPLES`` sequences (default 200) of
-``BURSTFS_MODEL_STEPS`` steps (default 50), with a fixed seed unless
-``BURSTFS_MODEL_RANDOM=1``.  The large run by hand:
+The same machine runs over a file remote and over S3 (the tests' moto server,
+through aiobotocore as in production).  Budget: ``BURSTFS_MODEL_EXAMPLES``
+sequences (default 200) on the file remote and ``BURSTFS_MODEL_S3_EXAMPLES``
+(default 15) on S3, of ``BURSTFS_MODEL_STEPS`` steps (default 50), with a fixed
+seed unless ``BURSTFS_MODEL_RANDOM=1``.  The large run by hand:
 
     BURSTFS_MODEL_EXAMPLES=3000 BURSTFS_MODEL_RANDOM=1 .venv/bin/python -m pytest tests/test_model.py -x
 """
@@ -42,7 +44,8 @@ import xxhash
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from reftest import Crash, Node, NodeOptions, fast_mover, remote_files
+from s3server import fresh_bucket
+from reftest import Crash, FileSide, Node, NodeOptions, RemoteSide, S3Side, fast_mover
 
 from burstfs.config import DEFAULT_COMMIT_MARKERS, is_commit_marker
 from burstfs.errors import BurstfsError, FsError, to_errno
@@ -92,9 +95,8 @@ class BurstfsModel(RuleBasedStateMachine):
         self._timing = fast_mover()
         self._timing.__enter__()
         self.base = Path(tempfile.mkdtemp(prefix="burstfs-model-"))
-        self.remote_dir = self.base / "remote"
-        self.remote_dir.mkdir()
-        self.node = Node(self.base / "cache", self.remote_dir, NodeOptions())
+        self.side = self.make_remote()
+        self.node = Node(self.base / "cache", self.side, NodeOptions())
         self.other: Node | None = None
         self.dirs: set[str] = set()
         self.files: dict[str, int] = {}  # path -> inode number
@@ -105,6 +107,11 @@ class BurstfsModel(RuleBasedStateMachine):
         self.closes = 0
 
     # -- helpers ------------------------------------------------------------------
+
+    def make_remote(self) -> RemoteSide:
+        root = self.base / "remote"
+        root.mkdir()
+        return FileSide(root)
 
     def next_close(self) -> int:
         self.closes += 1
@@ -150,7 +157,7 @@ class BurstfsModel(RuleBasedStateMachine):
                 model.incomplete = True
                 model.dirty = model.unclosed = False
         self.held.clear()
-        self.node = Node(self.node.cache, self.remote_dir, self.node.options)
+        self.node = Node(self.node.cache, self.side, self.node.options)
 
     def write_whole(self, path: str, content: bytes, pieces: int) -> None:
         parent, name = self.node.parent_and_name(path)
@@ -426,19 +433,18 @@ class BurstfsModel(RuleBasedStateMachine):
                               "AND durable_generation=generation", (ino,))  # fmt: skip
         if not rows or rows[0][0] is None:
             return
-        target = self.remote_dir / rows[0][0]
-        data = bytearray(target.read_bytes())
+        data = bytearray(self.side.get(rows[0][0]) or b"")
         if not data:
             return
         data[where % len(data)] ^= 0x5A
-        target.write_bytes(bytes(data))
+        self.side.put(rows[0][0], bytes(data))
         self.data[ino].corrupt = True
 
     # -- a second node on the same prefix -------------------------------------------
 
     def other_node(self) -> Node:
         if self.other is None:
-            self.other = Node(self.base / "cache-other", self.remote_dir, NodeOptions())
+            self.other = Node(self.base / "cache-other", self.side, NodeOptions())
             parent, name = self.other.parent_and_name(FOREIGN_DIR)
             try:
                 self.other.call(self.other.core.mkdir, parent, name, 0o755, UID, GID)
@@ -560,15 +566,15 @@ class BurstfsModel(RuleBasedStateMachine):
             assert key is not None, ino
             if key.startswith(FOREIGN_DIR + "/"):
                 continue  # the other node's: it may delete it whenever it likes
-            target = self.remote_dir / key
-            assert target.is_file(), f"durable file {key} has no object"
+            data = self.side.get(key)
+            assert data is not None, f"durable file {key} has no object"
             model = self.data.get(ino)
             if digest and not (model and model.corrupt):
-                assert xxhash.xxh3_128_hexdigest(target.read_bytes()) == digest, f"object {key} is not its file"
+                assert xxhash.xxh3_128_hexdigest(data) == digest, f"object {key} is not its file"
 
     @invariant()
     def other_nodes_objects_untouched(self) -> None:
-        theirs = {k[len(FOREIGN_DIR) + 1:]: v for k, v in remote_files(self.remote_dir).items()
+        theirs = {k[len(FOREIGN_DIR) + 1:]: v for k, v in self.side.objects().items()
                   if k.startswith(FOREIGN_DIR + "/")}  # fmt: skip
         assert theirs == self.foreign
 
@@ -607,7 +613,7 @@ class BurstfsModel(RuleBasedStateMachine):
         self.node.mover.retry_failed()
         assert self.drain_step() == "idle", self.node.pending(self.blocked_markers())
         self.check_remote()
-        cold = Node(self.base / "cache-cold", self.remote_dir, NodeOptions())
+        cold = Node(self.base / "cache-cold", self.side, NodeOptions())
         try:
             self.check_cold(cold)
         finally:
@@ -618,7 +624,8 @@ class BurstfsModel(RuleBasedStateMachine):
         return {p for p, i in self.files.items() if self.data[i].incomplete} | self.blocked_markers()
 
     def check_remote(self) -> None:
-        objects = remote_files(self.remote_dir)
+        objects = self.side.objects()
+        every_key = set(objects)
         unpublished = self.unpublished()
         for path, ino in self.files.items():
             model = self.data[ino]
@@ -630,18 +637,15 @@ class BurstfsModel(RuleBasedStateMachine):
             data = objects.pop(path)
             if not model.corrupt:
                 assert data == model.content, f"{path}: the remote holds other bytes"
-            manifest = Manifest.from_json((self.remote_dir / manifest_key(path)).read_bytes())
+            manifest = Manifest.from_json(self.side.get(manifest_key(path)) or b"(no manifest)")
             if not model.corrupt:
                 assert manifest.digest == xxhash.xxh3_128_hexdigest(model.content), f"{path}: stale manifest"
         for name in self.foreign:
             objects.pop(f"{FOREIGN_DIR}/{name}")
         assert not objects, f"objects the model does not have: {sorted(objects)}"
-        manifests = self.remote_dir / ".burstfs" / "manifests"
-        for found in manifests.rglob("*.json") if manifests.exists() else ():
-            key = found.relative_to(manifests).as_posix()[: -len(".json")]
-            assert (self.remote_dir / key).is_file(), f"manifest without its object: {key}"
-        uploads = self.remote_dir / ".burstfs" / "uploads"
-        assert not uploads.exists() or not any(uploads.iterdir()), "multipart uploads left behind"
+        orphans = self.side.manifest_keys() - every_key
+        assert not orphans, f"manifests without their object: {sorted(orphans)}"
+        assert not self.side.uploads_left(), "multipart uploads left behind"
 
     def check_cold(self, cold: Node) -> None:
         """A fresh node over the same remote (a restore on a new machine) reads everything back."""
@@ -675,18 +679,44 @@ class BurstfsModel(RuleBasedStateMachine):
         self.check_foreign_view(cold, exact=True)
 
 
-BurstfsModel.TestCase.settings = settings(
-    max_examples=int(os.environ.get("BURSTFS_MODEL_EXAMPLES", "200")),
-    stateful_step_count=int(os.environ.get("BURSTFS_MODEL_STEPS", "50")),
-    deadline=None,
-    derandomize=os.environ.get("BURSTFS_MODEL_RANDOM") != "1",
-    database=None,
-    print_blob=True,
-    suppress_health_check=list(HealthCheck),
-    # No explain phase: its report imports a module late, which trips a CPython 3.11.7 AST bug
-    # (SystemError "AST constructor recursion depth mismatch") and ends the whole pytest run.
-    phases=[p for p in Phase if p != Phase.explain
-            and (p != Phase.shrink or os.environ.get("BURSTFS_MODEL_SHRINK", "1") == "1")],
+def model_settings(examples: str, steps: str) -> settings:
+    return settings(
+        max_examples=int(examples),
+        stateful_step_count=int(steps),
+        deadline=None,
+        derandomize=os.environ.get("BURSTFS_MODEL_RANDOM") != "1",
+        database=None,
+        print_blob=True,
+        suppress_health_check=list(HealthCheck),
+        # No explain phase: its report imports a module late, which trips a CPython 3.11.7 AST bug
+        # (SystemError "AST constructor recursion depth mismatch") and ends the whole pytest run.
+        phases=[p for p in Phase if p != Phase.explain
+                and (p != Phase.shrink or os.environ.get("BURSTFS_MODEL_SHRINK", "1") == "1")],
+    )
+
+
+class BurstfsModelS3(BurstfsModel):
+    """The same model over S3 (the tests' moto server, spoken to by aiobotocore as in production)."""
+
+    endpoint = ""  # set by the fixture below
+
+    def make_remote(self) -> RemoteSide:
+        return S3Side(self.endpoint, fresh_bucket(self.endpoint, "model"), "run")
+
+
+@pytest.fixture
+def model_s3_endpoint(s3_env: str) -> None:
+    BurstfsModelS3.endpoint = s3_env
+
+
+# CI budgets: ~2 minutes on the file remote, less on S3 (each step talks HTTP); the
+# by-hand budgets take longer than the default per-test timeout.
+TIMEOUT = pytest.mark.timeout(int(os.environ.get("BURSTFS_MODEL_TIMEOUT", "900")))
+BurstfsModel.TestCase.settings = model_settings(
+    os.environ.get("BURSTFS_MODEL_EXAMPLES", "200"), os.environ.get("BURSTFS_MODEL_STEPS", "50")
 )
-# The CI budget runs in ~2 minutes; the by-hand budgets take longer than the default per-test timeout.
-TestBurstfsModel = pytest.mark.timeout(int(os.environ.get("BURSTFS_MODEL_TIMEOUT", "900")))(BurstfsModel.TestCase)
+BurstfsModelS3.TestCase.settings = model_settings(
+    os.environ.get("BURSTFS_MODEL_S3_EXAMPLES", "15"), os.environ.get("BURSTFS_MODEL_STEPS", "50")
+)
+TestBurstfsModel = TIMEOUT(BurstfsModel.TestCase)
+TestBurstfsModelS3 = TIMEOUT(pytest.mark.usefixtures("model_s3_endpoint")(BurstfsModelS3.TestCase))

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from reftest import Node, NodeOptions, fast_mover, remote_files
+from reftest import FileSide, Node, NodeOptions, fast_mover, remote_files
 
 from burstfs.journal import ROOT_INO
 
@@ -24,7 +24,7 @@ UID, GID = os.getuid(), os.getgid()
 def node(tmp_path: Path) -> Iterator[Node]:
     with fast_mover():
         (tmp_path / "remote").mkdir()
-        node = Node(tmp_path / "cache", tmp_path / "remote", NodeOptions())
+        node = Node(tmp_path / "cache", FileSide(tmp_path / "remote"), NodeOptions())
         try:
             yield node
         finally:
@@ -57,7 +57,7 @@ def test_a_renamed_file_that_will_not_drain_leaves_no_object_at_its_old_name(nod
     node.call(node.core.write, fh, 0, b"half")
     node.faults.crashed = True
     node.stop()
-    node = Node(node.cache, node.remote_dir, node.options)
+    node = Node(node.cache, node.side, node.options)
     try:
         # ... then the marker is rewritten (held back by the torn shard) and renamed away.
         fh = node.call(node.core.open, node.resolve("a/latest"), os.O_WRONLY | os.O_TRUNC)
