@@ -310,15 +310,8 @@ class Journal:
 
     def path_of(self, ino: int) -> str | None:
         """The file's path relative to the mount root, or None if it is unlinked."""
-        parts: list[str] = []
         with self._lock:
-            while ino != ROOT_INO:
-                row = self._db.execute("SELECT parent, name FROM inodes WHERE ino=?", (ino,)).fetchone()
-                if row is None or row[0] == 0:
-                    return None
-                parts.append(os.fsdecode(row[1]))
-                ino = row[0]
-        return "/".join(reversed(parts))
+            return self._path_locked(ino)
 
     def max_close_seq(self) -> int:
         return int(self.query("SELECT COALESCE(MAX(close_seq), 0) FROM inodes")[0][0])
