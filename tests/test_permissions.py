@@ -67,9 +67,10 @@ def test_cache_dir_owned_by_another_user_is_refused(tmp_path: Path) -> None:
     assert "owned by uid 4242" in str(info.value)
     result = burstfs("drain", "--cache", str(cache), check=False)
     assert result.returncode != 0 and "owned by uid 4242" in result.stderr
-    mnt = tmp_path / "mnt"
+    mnt, remote = tmp_path / "mnt", tmp_path / "remote"
     mnt.mkdir()
-    result = burstfs("mount", str(mnt), "--cache", str(cache), "--remote", f"file://{tmp_path}", check=False)
+    remote.mkdir()
+    result = burstfs("mount", str(mnt), "--cache", str(cache), "--remote", f"file://{remote}", check=False)
     assert result.returncode != 0 and "owned by uid 4242" in result.stderr
     assert not (cache / "burstfs.log").exists()  # nothing written into it
 

@@ -252,7 +252,7 @@ FAST_RETRY = RetryPolicy(attempts=2, base_delay=0.01, max_delay=0.02)
 
 
 class FakeJournal:
-    """The two journal calls RestoreService makes."""
+    """The journal calls RestoreService makes."""
 
     def __init__(self) -> None:
         self.rows: dict[int, types.SimpleNamespace] = {}
@@ -268,8 +268,8 @@ class FakeJournal:
     def inode(self, ino: int) -> types.SimpleNamespace | None:
         return self.rows.get(ino)
 
-    def execute(self, sql: str, params: tuple[Any, ...] = ()) -> None:
-        self.updates.append((sql, params))
+    def finish_fetch(self, ino: int, size: int, **digests: Any) -> None:
+        self.updates.append(("durable", (ino, size, digests)))
 
 
 def chunk_digests(data: bytes, chunk: int = CHUNK) -> list[str]:
@@ -408,7 +408,7 @@ def test_object_without_manifest_is_verified_against_journal_digests(
         await svc.store.remote.put_object("ckpt.pt", content)  # repaired
         assert await svc.ensure_local(3, 0, len(content)) == len(content)
         assert svc.tier.path(3).read_bytes() == content
-        assert journal.updates and journal.updates[0][1][0] == "durable"
+        assert journal.updates and journal.updates[0][0] == "durable" and journal.updates[0][1][0] == 3
 
     run_async(body)
 
