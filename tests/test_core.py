@@ -29,9 +29,11 @@ UID, GID = os.getuid(), os.getgid()
 
 
 @asynccontextmanager
-async def open_core(cache: Path, capacity: CapacityPolicy | None = None) -> AsyncIterator[BurstCore]:
+async def open_core(
+    cache: Path, capacity: CapacityPolicy | None = None, journal: Journal | None = None
+) -> AsyncIterator[BurstCore]:
     """A core with its committer running, closed (not crashed) at exit."""
-    journal = Journal(cache)
+    journal = journal or Journal(cache)
     core = BurstCore(cache, journal, capacity=capacity or CapacityPolicy())
     try:
         async with trio.open_nursery() as nursery:

@@ -65,8 +65,8 @@ def test_streaming_digests_overwrite_among_pending_writes_is_not_an_error() -> N
 # -- #3: a failed journal commit leaves no ghost ---------------------------------------------
 
 import threading  # noqa: E402
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable  # noqa: E402
-from contextlib import asynccontextmanager  # noqa: E402
+from collections.abc import Awaitable, Callable, Iterable  # noqa: E402
+from contextlib import AbstractAsyncContextManager  # noqa: E402
 from typing import Any  # noqa: E402
 
 import trio  # noqa: E402
@@ -74,6 +74,7 @@ import trio  # noqa: E402
 from burstfs.core import BurstCore, Inode  # noqa: E402
 from burstfs.errors import BurstfsError  # noqa: E402
 from burstfs.journal import ROOT_INO, Journal, Op  # noqa: E402
+from test_core import open_core  # noqa: E402
 
 UID, GID = os.getuid(), os.getgid()
 DISK_FULL = "database or disk is full"
@@ -105,18 +106,8 @@ class FlakyJournal(Journal):
         super().apply(ops)
 
 
-@asynccontextmanager
-async def flaky_core(cache: Path) -> AsyncIterator[BurstCore]:
-    journal = FlakyJournal(cache)
-    core = BurstCore(cache, journal)
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(core.committer.run)
-            yield core
-            nursery.cancel_scope.cancel()
-    finally:
-        core.close()
-        journal.close()
+def flaky_core(cache: Path) -> AbstractAsyncContextManager[BurstCore]:
+    return open_core(cache, journal=FlakyJournal(cache))
 
 
 def run_flaky(cache: Path, body: Callable[[BurstCore], Awaitable[Any]]) -> Any:
