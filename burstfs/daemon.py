@@ -39,6 +39,7 @@ from .remote import open_remote
 from .log import setup_logging
 from .metrics import parse_metrics_addr, start_metrics
 from .mountinfo import FSNAME_PREFIX, device_of, find_burstfs_mount, is_mounted
+from .sdnotify import SystemdNotifier
 
 log = logging.getLogger("burstfs.daemon")
 
@@ -217,6 +218,7 @@ async def serve(config: MountConfig, core: BurstCore, on_ready: Callable[[], Non
     """Run the mount until it is unmounted or the daemon is told to stop."""
     drain = core.drain if isinstance(core.drain, DrainService) else None
     metrics = start_metrics(config, core, drain)  # outside the nursery: a busy port fails with a plain message
+    systemd = SystemdNotifier.from_environment()  # a no-op outside a Type=notify unit
     async with trio.open_nursery() as nursery:
         if metrics is not None:
             nursery.start_soon(metrics.run)
@@ -225,8 +227,11 @@ async def serve(config: MountConfig, core: BurstCore, on_ready: Callable[[], Non
         nursery.start_soon(_stop_on_signals, nursery.cancel_scope)
         nursery.start_soon(set_read_ahead, config.mountpoint, config.read_ahead)
         on_ready()
+        systemd.ready(f"mounted at {config.mountpoint}")
+        nursery.start_soon(systemd.keep_alive)
         log.info("event=mounted mountpoint=%s cache=%s remote=%s", config.mountpoint, config.cache_dir, config.remote)
         await pyfuse3.main(min_tasks=4, max_tasks=64)
+        systemd.stopping(f"unmounted {config.mountpoint}; files not yet durable stay staged in {config.cache_dir}")
         nursery.cancel_scope.cancel()
 
 
