@@ -188,18 +188,18 @@ def test_manifest_parsing_is_bounded_and_raises_one_error_type(data: bytes, name
 
 
 def test_manifest_chunk_count_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    from burstfs import objects
+    from burstfs import manifest
 
-    monkeypatch.setattr(objects, "MAX_MANIFEST_CHUNKS", 2)
+    monkeypatch.setattr(manifest, "MAX_MANIFEST_CHUNKS", 2)
     with pytest.raises(ManifestError) as info:
         Manifest.from_json(doc_bytes(manifest_doc()))
     assert "'chunks' has more than 2 entries" in str(info.value)
 
 
 def test_oversized_manifest_object_is_not_read_whole(store: ObjectStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    from burstfs import objects
+    from burstfs import manifest
 
-    monkeypatch.setattr(objects, "MAX_MANIFEST_BYTES", 1000)
+    monkeypatch.setattr(manifest, "MAX_MANIFEST_BYTES", 1000)
 
     async def body() -> None:
         await store.remote.put_object(manifest_key("k"), doc_bytes(manifest_doc(key="k")) + b" " * 5000)
