@@ -42,7 +42,7 @@ from .control import (
     verify,
 )
 from .errors import BurstfsError
-from .journal import BROKEN, DONE, FILE_STATES, Journal
+from .journal import BROKEN, DONE, FILE_STATES, InodeRow, Journal
 from .mountinfo import FSNAME_PREFIX, find_burstfs_mount, mounts
 
 EXIT_OK = 0
@@ -67,6 +67,10 @@ class AdminError(click.ClickException):
 
     def show(self, file: Any = None) -> None:
         click.echo(f"burstfs-admin: {self.message}", err=True)
+
+
+class DaemonLost(AdminError):
+    """The daemon went away (or never answered) in the middle of a request."""
 
 
 # -- talking to the daemon -------------------------------------------------------------------
@@ -125,8 +129,8 @@ class Daemon:
                         continue
                     return message
         except (ConnectionError, FileNotFoundError, TimeoutError) as exc:
-            raise AdminError(f"lost the daemon at {self.path}: {exc}") from None
-        raise AdminError(f"the daemon at {self.path} closed the connection without answering {op}")
+            raise DaemonLost(f"lost the daemon at {self.path}: {exc}") from None
+        raise DaemonLost(f"the daemon at {self.path} closed the connection without answering {op}")
 
 
 # -- finding the mount -----------------------------------------------------------------------
@@ -387,6 +391,54 @@ def ls_command(path: Path, cache: Path | None, as_json: bool) -> None:
             click.echo(f"{f['path']}: {f['error']}")
 
 
+@dataclasses.dataclass
+class WaitOutcome:
+    """Where a wait for durability stands: the files, which are done, which are broken."""
+
+    files: list[tuple[str, InodeRow]]
+    halted: str | None  # the drain's halt reason, when it is halted
+
+    @property
+    def done(self) -> list[tuple[str, InodeRow]]:
+        return [(p, r) for p, r in self.files if r.state in DONE]
+
+    @property
+    def broken(self) -> list[tuple[str, InodeRow]]:
+        return [(p, r) for p, r in self.files if r.state in BROKEN]
+
+    @property
+    def pending(self) -> list[tuple[str, InodeRow]]:
+        return [(p, r) for p, r in self.files if r.state not in DONE]
+
+    @property
+    def result(self) -> str:
+        """durable, failed (a file broken or the drain halted: waiting longer will not help) or waiting."""
+        return "failed" if self.broken or self.halted else "durable" if not self.pending else "waiting"
+
+
+def wait_durable(target: Target, timeout: float | None,
+                 on_poll: Callable[[WaitOutcome], None] | None = None) -> WaitOutcome:  # fmt: skip
+    """Poll the journal (read-only) until the files at ``target.rels`` are durable, one is
+    broken, the drain is halted, or ``timeout`` passes; the last poll's outcome."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    halted: str | None = None
+    next_halt_check = 0.0
+    with target.journal() as journal:
+        while True:
+            try:
+                outcome = WaitOutcome(files_at(journal, target.rels), halted)
+            except BurstfsError as exc:
+                raise AdminError(str(exc)) from None
+            if target.daemon is not None and time.monotonic() >= next_halt_check:
+                outcome.halted = halted = target.daemon.call("status")["drain"]["halted"]
+                next_halt_check = time.monotonic() + HALT_POLL_S
+            if on_poll is not None:
+                on_poll(outcome)
+            if outcome.result != "waiting" or (deadline is not None and time.monotonic() > deadline):
+                return outcome
+            time.sleep(WAIT_POLL_S)
+
+
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
 @cache_option
@@ -399,33 +451,20 @@ def wait(paths: tuple[Path, ...], cache: Path | None, as_json: bool, timeout: fl
     or the drain is halted.  Polls the journal read-only.
     """
     target = resolve(paths, cache)
-    deadline = None if timeout is None else time.monotonic() + timeout
     show = not as_json and sys.stderr.isatty()
-    halted: str | None = None
-    next_halt_check = 0.0
-    with target.journal() as journal:
-        while True:
-            try:
-                files = files_at(journal, target.rels)
-            except BurstfsError as exc:
-                raise AdminError(str(exc)) from None
-            done = [(p, r) for p, r in files if r.state in DONE]
-            broken = [(p, r) for p, r in files if r.state in BROKEN]
-            if target.daemon is not None and time.monotonic() >= next_halt_check:
-                halted = target.daemon.call("status")["drain"]["halted"]
-                next_halt_check = time.monotonic() + HALT_POLL_S
-            if show:
-                total = sum(r.size for _, r in files)
-                click.echo(f"\r{len(done)}/{len(files)} files durable, "
-                           f"{fmt_bytes(sum(r.size for _, r in done))} of {fmt_bytes(total)}  ", nl=False, err=True)  # fmt: skip
-            timed_out = deadline is not None and time.monotonic() > deadline
-            if broken or halted or len(done) == len(files) or timed_out:
-                break
-            time.sleep(WAIT_POLL_S)
+
+    def progress(outcome: WaitOutcome) -> None:
+        if show:
+            total = sum(r.size for _, r in outcome.files)
+            click.echo(f"\r{len(outcome.done)}/{len(outcome.files)} files durable, "
+                       f"{fmt_bytes(sum(r.size for _, r in outcome.done))} of {fmt_bytes(total)}  ", nl=False, err=True)  # fmt: skip
+
+    outcome = wait_durable(target, timeout, progress)
     if show:
         click.echo("", err=True)
-    pending = [(p, r) for p, r in files if r.state not in DONE]
-    result = "failed" if broken or halted else "durable" if not pending else "timeout"
+    files, done, broken, halted = outcome.files, outcome.done, outcome.broken, outcome.halted
+    pending = outcome.pending
+    result = "timeout" if outcome.result == "waiting" else outcome.result
     if as_json:
         emit_json({
             "schema": SCHEMA, "result": result, "files": len(files), "durable": len(done), "halted": halted,

@@ -1,0 +1,238 @@
+"""``burstfs.client``: ask a live mount from a training script, without shelling out.
+
+    from burstfs import client
+    client.wait_durable("/mnt/ckpt/step_1000", timeout=600)   # raises unless durable
+    print(client.status("/mnt/ckpt").undrained.bytes)
+    client.prefetch("/mnt/ckpt/step_1000")                    # before a restart reads it
+
+It talks to the mount's control socket and reads its journal read-only, exactly
+as ``burstfs-admin`` does (it reuses admin.py's finding of the mount and its
+socket client).  No torch import: safe in any process.  Every failure is a
+``ClientError``: ``NotAMountError``, ``DaemonGoneError``, ``DurableTimeoutError``,
+``DrainFailedError``, ``PrefetchError``, or ``ClientError`` itself for the rest
+(e.g. the daemon refused a request).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .admin import EXIT_USAGE, AdminError, DaemonLost, Target, resolve, wait_durable as _wait_durable
+from .journal import DONE
+
+PathLike = str | os.PathLike[str]
+
+
+class ClientError(Exception):
+    """Anything that went wrong talking to a mount."""
+
+
+class NotAMountError(ClientError):
+    """The path is in no live burstfs mount."""
+
+
+class DaemonGoneError(ClientError):
+    """The mount is there but its daemon does not answer (crashed, or stopped meanwhile)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingFile:
+    """A file that is not durable (yet): its path under the mount, state and error."""
+
+    path: str
+    state: str
+    error: str | None
+
+
+class DurableTimeoutError(ClientError, TimeoutError):
+    """``wait_durable`` ran out of time; ``pending`` says which files were not durable."""
+
+    def __init__(self, message: str, pending: list[PendingFile]) -> None:
+        super().__init__(message)
+        self.pending = pending
+
+
+class DrainFailedError(ClientError):
+    """A file failed to drain or is incomplete, or the drain is halted: waiting will not help."""
+
+    def __init__(self, message: str, failed: list[PendingFile], halted: str | None) -> None:
+        super().__init__(message)
+        self.failed = failed
+        self.halted = halted
+
+
+@dataclasses.dataclass(frozen=True)
+class FileCount:
+    files: int
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+    """A live mount's status (docs/ADMIN.md "status"; ``document`` holds all of it)."""
+
+    mountpoint: Path
+    cache_dir: Path
+    remote: str
+    pid: int
+    states: dict[str, FileCount]
+    undrained: FileCount  # closed but not durable: staged, draining, failed
+    oldest_undrained_age_s: float | None
+    throughput_bps: float | None
+    eta_s: float | None
+    halted: str | None
+    outage: str | None  # the reason the remote has not taken data lately, if it has not
+    document: dict[str, Any]
+
+    @property
+    def all_durable(self) -> bool:
+        """Every file in the mount is on the remote (none open for writing, staged, failed...)."""
+        return all(count.files == 0 for state, count in self.states.items() if state not in DONE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Durable:
+    """What ``wait_durable`` waited for: all of it is on the remote now."""
+
+    files: int
+    bytes: int
+    waited_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchedFile:
+    path: str
+    ok: bool
+    bytes: int
+    error: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefetched:
+    files: list[FetchedFile]
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefetchProgress:
+    done_files: int
+    total_files: int
+    done_bytes: int
+    total_bytes: int
+    file: FetchedFile
+
+
+class PrefetchError(ClientError):
+    """Some files could not be fetched; ``result`` has every file's outcome."""
+
+    def __init__(self, message: str, result: Prefetched) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+def _live(paths: Sequence[PathLike]) -> Target:
+    """The live mount the paths are in (all in one), with an answering daemon."""
+    try:
+        target = resolve([Path(p) for p in paths], None)
+    except AdminError as exc:
+        raise (NotAMountError if exc.exit_code == EXIT_USAGE else ClientError)(exc.message) from None
+    if target.mountpoint is None:
+        raise NotAMountError(f"{paths[0]} is not in a mounted burstfs (its cache {target.cache_dir} is not mounted)")
+    if target.daemon is None:
+        raise DaemonGoneError(f"{target.mountpoint} is mounted but its daemon does not answer; "
+                              f"clean up with: burstfs unmount {target.mountpoint}")  # fmt: skip
+    return target
+
+
+def _call(target: Target, op: str, **args: Any) -> dict[str, Any]:
+    """One control-socket request; the daemon's refusal or loss as a ClientError."""
+    assert target.daemon is not None
+    try:
+        return target.daemon.call(op, **args)
+    except DaemonLost as exc:
+        raise DaemonGoneError(exc.message) from None
+    except AdminError as exc:
+        raise ClientError(exc.message) from None
+
+
+def _paths(path: PathLike | Sequence[PathLike]) -> list[PathLike]:
+    return [path] if isinstance(path, (str, os.PathLike)) else list(path)
+
+
+def status(mountpoint: PathLike) -> Status:
+    """The status of the live mount that ``mountpoint`` (or any path in it) is in."""
+    target = _live([mountpoint])
+    doc = _call(target, "status")
+    drain = doc["drain"]
+    outage = drain.get("outage")
+    return Status(
+        mountpoint=Path(doc["mountpoint"]),
+        cache_dir=Path(doc["cache_dir"]),
+        remote=doc["remote"],
+        pid=doc["pid"],
+        states={state: FileCount(c["files"], c["bytes"]) for state, c in doc["states"].items()},
+        undrained=FileCount(doc["undrained"]["files"], doc["undrained"]["bytes"]),
+        oldest_undrained_age_s=doc["undrained"]["oldest_age_s"],
+        throughput_bps=drain["throughput_bps"],
+        eta_s=drain["eta_s"],
+        halted=drain["halted"],
+        outage=outage["reason"] if outage else None,
+        document=doc,
+    )
+
+
+def wait_durable(path: PathLike | Sequence[PathLike], timeout: float | None = None) -> Durable:
+    """Block until the file at ``path``, or everything under the directory, is on the remote.
+
+    Raises DurableTimeoutError after ``timeout`` seconds, DrainFailedError at once
+    when a file failed or is incomplete or the drain is halted, DaemonGoneError
+    if the daemon goes away.  Files created under a directory while this waits
+    are waited for too.
+    """
+    target = _live(_paths(path))
+    started = time.monotonic()
+    try:
+        outcome = _wait_durable(target, timeout)
+    except DaemonLost as exc:
+        raise DaemonGoneError(exc.message) from None
+    except AdminError as exc:
+        raise ClientError(exc.message) from None
+    if outcome.result == "durable":
+        return Durable(len(outcome.files), sum(r.size for _, r in outcome.files), time.monotonic() - started)
+    if outcome.result == "failed":
+        failed = [PendingFile(p, r.state, r.error) for p, r in outcome.broken]
+        reasons = [f"{f.path}: {f.state}" + (f" ({f.error})" if f.error else "") for f in failed]
+        if outcome.halted:
+            reasons.append(f"the drain is halted: {outcome.halted}")
+        raise DrainFailedError("not durable: " + "; ".join(reasons), failed, outcome.halted)
+    pending = [PendingFile(p, r.state, r.error) for p, r in outcome.pending]
+    raise DurableTimeoutError(f"{len(pending)} of {len(outcome.files)} files not durable after {timeout:g}s", pending)
+
+
+def prefetch(path: PathLike | Sequence[PathLike],
+             on_progress: Callable[[PrefetchProgress], None] | None = None) -> Prefetched:  # fmt: skip
+    """Fetch files only on the remote to the local tier (a restart's checkpoint, before
+    it is read); ``on_progress`` is called after each file.  Raises PrefetchError if any
+    file could not be fetched."""
+    target = _live(_paths(path))
+
+    def fetched(file: dict[str, Any]) -> FetchedFile:
+        return FetchedFile(file["path"], file["ok"], file["bytes"], file.get("error"))
+
+    def progress(message: dict[str, Any]) -> None:
+        if on_progress is not None:
+            on_progress(PrefetchProgress(message["done_files"], message["total_files"], message["done_bytes"],
+                                         message["total_bytes"], fetched(message["file"])))  # fmt: skip
+
+    doc = _call(target, "prefetch", paths=target.rels, timeout=None, progress=progress)
+    result = Prefetched([fetched(f) for f in doc["files"]], doc["bytes"])
+    failed = [f for f in result.files if not f.ok]
+    if failed:
+        raise PrefetchError(f"{len(failed)} of {len(result.files)} files not fetched: "
+                            + "; ".join(f"{f.path}: {f.error}" for f in failed[:5]), result)  # fmt: skip
+    return result

@@ -1,0 +1,118 @@
+"""``burstfs.client`` through real mounts: typed results and its exceptions."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import BIN, FUSE_OK, MountedFS, wait_for
+
+from burstfs import client
+
+pytestmark = [pytest.mark.fuse, pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse, fusermount3 and root")]
+
+WRITER = ("import sys; f = open(sys.argv[1], 'wb'); f.write(b'partial'); f.flush(); print('ready', flush=True); "
+          "sys.stdin.readline(); f.close()")
+
+
+@pytest.fixture
+def fs(mounted_factory: type[MountedFS]) -> MountedFS:
+    mounted = mounted_factory()
+    mounted.mount()
+    return mounted
+
+
+def admin(*args: str | Path) -> None:
+    subprocess.run([str(BIN / "burstfs-admin"), *map(str, args)], check=True, capture_output=True, timeout=60)
+
+
+def test_importing_the_client_does_not_import_torch() -> None:
+    code = "import sys, burstfs.client; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_status_and_wait_durable(fs: MountedFS) -> None:
+    data = os.urandom(300_000)
+    (fs.path / "step_1").mkdir()
+    (fs.path / "step_1" / "model.pt").write_bytes(data)
+    (fs.path / "step_1" / "optim.pt").write_bytes(b"optim")
+    durable = client.wait_durable(fs.path / "step_1", timeout=60)
+    assert (durable.files, durable.bytes) == (2, 300_005)
+    assert (fs.remote_dir / "step_1" / "model.pt").read_bytes() == data
+    status = client.status(str(fs.path / "step_1"))  # any path in the mount
+    assert status.mountpoint == fs.path and status.cache_dir == fs.cache and status.remote == fs.remote_url
+    assert status.pid == fs.daemon_pid()
+    assert status.states["durable"] == client.FileCount(2, 300_005)
+    assert status.all_durable and status.undrained == client.FileCount(0, 0)
+    assert status.halted is None and status.outage is None
+    assert client.wait_durable([fs.path / "step_1" / "optim.pt", fs.path]).files == 2
+
+
+def test_wait_durable_times_out_on_a_file_open_for_writing(fs: MountedFS) -> None:
+    path = fs.path / "open.bin"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+        with pytest.raises(client.DurableTimeoutError) as caught:
+            client.wait_durable(fs.path, timeout=0.3)
+        assert isinstance(caught.value, TimeoutError)
+        assert caught.value.pending == [client.PendingFile("open.bin", "writing", None)]
+        status = client.status(fs.path)
+        assert not status.all_durable and status.states["writing"].files == 1
+    finally:
+        writer.communicate("close\n", timeout=30)
+    assert client.wait_durable(path, timeout=60).files == 1
+
+
+def test_wait_durable_raises_at_once_when_a_file_failed(fs: MountedFS) -> None:
+    (fs.path / "a").write_bytes(b"abc")
+    client.wait_durable(fs.path / "a", timeout=60)
+    with sqlite3.connect(fs.cache / "journal.db", timeout=30) as db:  # a permanent failure, as the mover records it
+        db.execute("UPDATE inodes SET state='failed', error='injected' WHERE name=?", (b"a",))
+    with pytest.raises(client.DrainFailedError) as caught:
+        client.wait_durable(fs.path / "a")  # no timeout: it must not wait forever
+    assert caught.value.failed == [client.PendingFile("a", "failed", "injected")]
+    assert client.status(fs.path).undrained.files == 1
+    admin("retry", fs.path)
+    client.wait_durable(fs.path / "a", timeout=60)
+
+
+def test_prefetch_on_a_restore_node(fs: MountedFS, mounted_factory: type[MountedFS]) -> None:
+    data = os.urandom(400_000)
+    (fs.path / "ck").mkdir()
+    (fs.path / "ck" / "w.pt").write_bytes(data)
+    (fs.path / "ck" / "meta").write_bytes(b"m")
+    client.wait_durable(fs.path / "ck", timeout=60)
+    fs.unmount()
+    node = mounted_factory("restore", remote_url=fs.remote_url)  # a fresh cache over the same remote
+    node.mount()
+    seen: list[client.PrefetchProgress] = []
+    result = client.prefetch(node.path / "ck", on_progress=seen.append)
+    assert result.bytes == 400_001 and sorted(f.path for f in result.files) == ["ck/meta", "ck/w.pt"]
+    assert all(f.ok for f in result.files)
+    assert sorted(p.file.path for p in seen) == ["ck/meta", "ck/w.pt"]
+    assert seen[-1].done_files == seen[-1].total_files == 2 and seen[-1].done_bytes == seen[-1].total_bytes == 400_001
+    assert client.status(node.path).states["durable"].files == 2  # on the local tier now
+    assert (node.path / "ck" / "w.pt").read_bytes() == data
+    with pytest.raises(client.ClientError, match="No such file"):
+        client.prefetch(node.path / "nope")
+
+
+def test_not_a_mount_and_daemon_gone(fs: MountedFS, tmp_path: Path) -> None:
+    with pytest.raises(client.NotAMountError):
+        client.status(tmp_path)
+    pid = fs.daemon_pid()
+    os.kill(pid, signal.SIGKILL)  # the daemon dies; the kernel keeps a dead mount
+    wait_for(lambda: not Path(f"/proc/{pid}").exists(), what="the daemon to die")
+    with pytest.raises(client.DaemonGoneError, match="burstfs unmount"):
+        client.status(fs.path)
+    subprocess.run(["fusermount3", "-u", "-z", str(fs.path)], check=True)
+    with pytest.raises(client.NotAMountError):  # a stopped mount's cache dir is not a live mount
+        client.wait_durable(fs.cache)
