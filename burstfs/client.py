@@ -236,3 +236,13 @@ def prefetch(path: PathLike | Sequence[PathLike],
         raise PrefetchError(f"{len(failed)} of {len(result.files)} files not fetched: "
                             + "; ".join(f"{f.path}: {f.error}" for f in failed[:5]), result)  # fmt: skip
     return result
+
+
+def is_durable(path: PathLike | Sequence[PathLike]) -> bool:
+    """Whether the file at ``path``, or everything under the directory, is on the remote
+    now (no waiting).  Raises DrainFailedError when a file failed or is incomplete."""
+    try:
+        wait_durable(path, timeout=0)
+    except DurableTimeoutError:
+        return False
+    return True

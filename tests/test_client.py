@@ -116,3 +116,27 @@ def test_not_a_mount_and_daemon_gone(fs: MountedFS, tmp_path: Path) -> None:
     subprocess.run(["fusermount3", "-u", "-z", str(fs.path)], check=True)
     with pytest.raises(client.NotAMountError):  # a stopped mount's cache dir is not a live mount
         client.wait_durable(fs.cache)
+
+
+def test_prune_checkpoints_keeps_newer_ones_until_they_are_durable(fs: MountedFS) -> None:
+    from burstfs.retention import checkpoints_in, prune_checkpoints
+
+    run = fs.path / "run"
+    for step in (1, 2):
+        (run / f"step_{step}").mkdir(parents=True)
+        (run / f"step_{step}" / "shard0").write_bytes(os.urandom(10_000))
+    client.wait_durable(run, timeout=60)
+    (run / "step_3").mkdir()
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(run / "step_3" / "shard0")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+        deleted = prune_checkpoints(checkpoints_in(run, "step_*"), keep_last=1)
+        assert deleted == [run / "step_1"]  # step_3 is still being written: step_2 stays
+        assert sorted(p.name for p in run.iterdir()) == ["step_2", "step_3"]
+    finally:
+        writer.communicate("close\n", timeout=30)
+    client.wait_durable(run, timeout=60)
+    assert prune_checkpoints(checkpoints_in(run, "step_*"), keep_last=1) == [run / "step_2"]
+    fs.unmount("--wait", "--wait-timeout", "60")
+    assert sorted(p.name for p in (fs.remote_dir / "run").iterdir()) == ["step_3"]
