@@ -1,0 +1,69 @@
+"""A tiny training loop for packaging/slurm/train.sbatch: resumes from the newest
+complete DCP checkpoint in --checkpoint-dir, saves one every --every steps, keeps the
+last two durable ones (burstfs.retention), and waits for the last to be durable."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from burstfs import client
+from burstfs.retention import checkpoints_in, prune_checkpoints
+
+
+def newest_complete(run: Path) -> Path | None:
+    """The newest step_* directory whose DCP .metadata (written last) exists."""
+    complete = [d for d in checkpoints_in(run, "step_*") if (d / ".metadata").exists()]
+    return max(complete, key=lambda d: d.name, default=None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--checkpoint-dir", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--every", type=int, default=5)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, local_rank = dist.get_rank(), int(os.environ["LOCAL_RANK"])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = {"model": model.state_dict(), "step": torch.tensor(0)}
+    run = args.checkpoint_dir
+    if local_rank == 0:
+        run.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    resume = newest_complete(run)
+    if resume is not None:
+        dcp.load(state, checkpoint_id=resume)
+        model.load_state_dict(state["model"])
+        print(f"rank {rank}: resumed from {resume}", flush=True)
+    step = int(state["step"])
+    while step < args.steps:
+        loss = model(torch.randn(32, 64)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        step += 1
+        if step % args.every == 0 or step == args.steps:
+            last = run / f"step_{step:06d}"
+            dcp.save({"model": model.state_dict(), "step": torch.tensor(step)}, checkpoint_id=last)
+            if rank == 0:
+                prune_checkpoints(checkpoints_in(run, "step_*"), keep_last=2)
+            print(f"rank {rank}: step {step} loss {loss.item():.4f} saved {last}", flush=True)
+    if local_rank == 0:
+        durable = client.wait_durable(run / f"step_{step:06d}", timeout=600)
+        print(f"rank {rank}: step_{step:06d} durable ({durable.files} files, {durable.bytes} bytes)", flush=True)
+    dist.barrier()
+    if rank == 0:  # now that the last one is durable, the older ones beyond two may go
+        prune_checkpoints(checkpoints_in(run, "step_*"), keep_last=2)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""packaging/slurm end to end on a one-node Slurm cluster started by the test.
+
+munged, slurmctld and slurmd (Debian's slurm-wlm and munge) run in the
+foreground on 127.0.0.1 with a generated slurm.conf in a temp dir whose Prolog
+and Epilog are packaging/slurm/prolog.sh and epilog.sh.  A job runs
+packaging/slurm/train.sbatch (torchrun, DCP checkpoints into the job's mount);
+the epilog must leave the checkpoints durable on the remote (a file:// remote
+in the temp dir), unmount, and remove the job's cache.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import BIN, FUSE_OK, force_unmount, is_mounted, wait_for
+
+REPO = Path(__file__).resolve().parent.parent
+SLURM = REPO / "packaging" / "slurm"
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol")
+MISSING = [name for name in DAEMONS if shutil.which(name) is None and not Path(f"/usr/sbin/{name}").exists()]
+
+pytestmark = [
+    pytest.mark.fuse, pytest.mark.slow,
+    pytest.mark.skipif(bool(MISSING), reason=f"Slurm/munge not installed ({', '.join(MISSING)} missing): "
+                                             "apt-get install slurm-wlm munge (tools/setup.sh does)"),
+    pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse, fusermount3 and root"),
+]  # fmt: skip
+
+
+def binary(name: str) -> str:
+    return shutil.which(name) or f"/usr/sbin/{name}"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Cluster:
+    """A one-node Slurm cluster in ``root``; burstfs' prolog/epilog read ``site_env``."""
+
+    def __init__(self, root: Path, burstfs_opts: str = "", epilog_timeout: int = 60) -> None:
+        self.root = root
+        self.burstfs_opts, self.epilog_timeout = burstfs_opts, epilog_timeout
+        self.node = socket.gethostname().split(".")[0]
+        self.conf = root / "slurm.conf"
+        self.mount_root = root / "mnt"
+        self.cache_root = root / "cache"
+        self.remote = root / "remote"
+        self.site_env = root / "burstfs-slurm.env"
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def write_config(self) -> None:
+        munge = self.root / "munge"
+        munge.mkdir(mode=0o700)
+        (munge / "munge.key").write_bytes(os.urandom(1024))
+        os.chmod(munge / "munge.key", 0o600)
+        for sub in ("state", "spool"):
+            (self.root / sub).mkdir()
+        self.site_env.write_text(textwrap.dedent(f"""\
+            BURSTFS={BIN / "burstfs"}
+            BURSTFS_ADMIN={BIN / "burstfs-admin"}
+            BURSTFS_REMOTE="file://{self.remote}/{{user}}"
+            BURSTFS_MOUNT_ROOT={self.mount_root}
+            BURSTFS_CACHE_ROOT={self.cache_root}
+            BURSTFS_OPTS="{self.burstfs_opts}"
+            BURSTFS_EPILOG_DRAIN_TIMEOUT={self.epilog_timeout}
+            """))  # fmt: skip
+        hooks = {}
+        for hook in ("prolog", "epilog"):  # the packaged scripts, pointed at this site's settings
+            wrapper = self.root / f"{hook}.sh"
+            wrapper.write_text(f"#!/bin/sh\nBURSTFS_SLURM_CONF={self.site_env} exec {SLURM / f'{hook}.sh'}\n")
+            wrapper.chmod(0o755)
+            hooks[hook] = wrapper
+        self.conf.write_text(textwrap.dedent(f"""\
+            ClusterName=burstfstest
+            SlurmctldHost={self.node}(127.0.0.1)
+            SlurmctldPort={free_port()}
+            SlurmdPort={free_port()}
+            SlurmUser=root
+            SlurmdUser=root
+            AuthType=auth/munge
+            CredType=cred/munge
+            AuthInfo=socket={munge / "munge.sock"}
+            StateSaveLocation={self.root / "state"}
+            SlurmdSpoolDir={self.root / "spool"}
+            SlurmctldPidFile={self.root / "slurmctld.pid"}
+            SlurmdPidFile={self.root / "slurmd.pid"}
+            SlurmctldLogFile={self.root / "slurmctld.log"}
+            SlurmdLogFile={self.root / "slurmd.log"}
+            ProctrackType=proctrack/linuxproc
+            TaskPlugin=task/none
+            SelectType=select/cons_tres
+            SelectTypeParameters=CR_CPU
+            SchedulerType=sched/builtin
+            JobCompType=jobcomp/none
+            AccountingStorageType=accounting_storage/none
+            MpiDefault=none
+            ReturnToService=2
+            Prolog={hooks["prolog"]}
+            Epilog={hooks["epilog"]}
+            PrologFlags=Alloc
+            NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count() or 1} State=UNKNOWN
+            PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+            """))  # fmt: skip
+
+    def start(self) -> None:
+        munge = self.root / "munge"
+        self._spawn(binary("munged"), "-F", "--force", "--num-threads=4", f"--key-file={munge / 'munge.key'}",
+                    f"--socket={munge / 'munge.sock'}", f"--pid-file={munge / 'munged.pid'}",
+                    f"--log-file={munge / 'munged.log'}", f"--seed-file={munge / 'seed'}")  # fmt: skip
+        wait_for(lambda: (munge / "munge.sock").exists(), timeout=30, what="munged")
+        self._spawn(binary("slurmctld"), "-D", "-i", "-f", str(self.conf))
+        self._spawn(binary("slurmd"), "-D", "-f", str(self.conf))
+        wait_for(lambda: self.slurm("sinfo", "-h", "-o", "%T", check=False).strip() == "idle", timeout=60,
+                 what="the node to be idle")  # fmt: skip
+
+    def _spawn(self, *argv: str) -> None:
+        log = open(self.root / f"{Path(argv[0]).name}.out", "wb")
+        self.processes.append(subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT))
+        log.close()
+
+    def slurm(self, *argv: str, check: bool = True) -> str:
+        result = subprocess.run([binary(argv[0]), *argv[1:]], env=self.env, capture_output=True, text=True,
+                                timeout=60)  # fmt: skip
+        if check and result.returncode != 0:
+            raise AssertionError(f"{' '.join(argv)}: {result.stderr}")
+        return result.stdout
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            process.terminate()
+        for process in reversed(self.processes):
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if self.mount_root.exists():
+            for mnt in self.mount_root.iterdir():
+                force_unmount(mnt)
+
+    def diagnostics(self) -> str:
+        parts = []
+        for name in ("slurm.log",):
+            path = self.cache_root / name
+            parts.append(f"--- {path}\n{path.read_text() if path.exists() else '(none)'}")
+        for name in ("slurmd.log", "slurmctld.log", "job.out"):
+            path = self.root / name
+            parts.append(f"--- {path}\n{path.read_text()[-4000:] if path.exists() else '(none)'}")
+        return "\n".join(parts)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path, **getattr(request, "param", {}))
+    cluster.write_config()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_job_checkpoints_are_durable_after_the_epilog(cluster: Cluster) -> None:
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    out = cluster.root / "job.out"
+    env = {"PYTHON": sys.executable, "TRAIN": str(SLURM / "train_example.py"), "STEPS": "12", "EVERY": "4",
+           "RDZV_HOST": "127.0.0.1", "RDZV_PORT": str(free_port()), "BURSTFS_MOUNT_ROOT": str(cluster.mount_root),
+           "PYTHONPATH": os.environ.get("PYTHONPATH", "")}  # fmt: skip
+    submitted = cluster.slurm("sbatch", "--parsable", "--wait", f"--output={out}", "--chdir", str(cluster.root),
+                              "--export=ALL," + ",".join(f"{k}={v}" for k, v in env.items()),
+                              str(SLURM / "train.sbatch"), check=False)  # fmt: skip
+    job = submitted.strip().split(";")[0]
+    assert job.isdigit() and out.exists(), cluster.diagnostics()
+    assert "step_000012 durable" in out.read_text(), cluster.diagnostics()
+    mnt, cache = cluster.mount_root / job, cluster.cache_root / f"job-{job}"
+    wait_for(lambda: "event=durable" in (cluster.cache_root / "slurm.log").read_text(), timeout=90,
+             what="the epilog to report the checkpoints durable")  # fmt: skip
+    assert not is_mounted(mnt) and not mnt.exists() and not cache.exists(), cluster.diagnostics()
+    run = cluster.remote / "root" / "run"  # the file remote, read without burstfs
+    assert sorted(p.name for p in run.iterdir()) == ["step_000008", "step_000012"]  # the last two kept
+    state = {"model": torch.nn.Linear(64, 64).state_dict(), "step": torch.tensor(0)}
+    dcp.load(state, checkpoint_id=run / "step_000012")
+    assert int(state["step"]) == 12
+    assert cluster.slurm("sinfo", "-h", "-o", "%T").strip() == "idle"  # neither hook drained the node
+
+
+@pytest.mark.parametrize("cluster", [{"burstfs_opts": "--drain-delay 3600", "epilog_timeout": 2}], indirect=True)
+def test_epilog_reports_what_is_staged_and_drains_it_after_the_job(cluster: Cluster) -> None:
+    """The remote is too slow for the epilog's bound (here: files drain an hour after
+    their close): the epilog reports, unmounts, and `burstfs drain` finishes the job."""
+    mount_root = cluster.mount_root
+    script = f'set -e; d={mount_root}/$SLURM_JOB_ID/run/step_1; mkdir -p $d; head -c 300000 /dev/urandom > $d/shard0'
+    submitted = cluster.slurm("sbatch", "--parsable", "--wait", f"--output={cluster.root / 'job.out'}",
+                              "--wrap", script)  # fmt: skip
+    job = submitted.strip().split(";")[0]
+    log = cluster.cache_root / "slurm.log"
+    wait_for(lambda: "event=draining_in_background" in log.read_text(), timeout=90, what="the epilog to give up waiting")
+    text = log.read_text()
+    assert "event=not_durable" in text and "not durable" in text, cluster.diagnostics()
+    assert "staged" in text  # burstfs-admin status of the mount: what is still staged
+    assert not is_mounted(mount_root / job)
+    cache = cluster.cache_root / f"job-{job}"
+    wait_for(lambda: not cache.exists(), timeout=60, what="the background drain to finish and remove the cache")
+    assert (cluster.remote / "root" / "run" / "step_1" / "shard0").stat().st_size == 300_000
+    assert "drained 1 files" in log.read_text()
+    assert cluster.slurm("sinfo", "-h", "-o", "%T").strip() == "idle"
