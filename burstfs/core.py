@@ -21,7 +21,6 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -43,7 +42,6 @@ from .journal import (
     close_ops,
     drop_unlinked_ops,
     event_op,
-    forget_listed_ops,
     insert_inode_op,
     mark_writing_op,
     recovered_incomplete_ops,
@@ -53,31 +51,13 @@ from .journal import (
     unlink_ops,
     update_inode_op,
 )
+from .listings import LISTING_WAIT, RemoteListings
 from .localtier import LocalTier
+from .nodes import NAME_MAX, RESERVED_ROOT_NAME, Handle, Inode, Undo
 from .objects import StreamingDigests
 
 log = logging.getLogger("burstfs.core")
 
-NAME_MAX = 255
-#: The remote's own directory (manifests, layout) at the root of the prefix: no
-#: file, directory or symlink of that name can be made at the root of the mount.
-RESERVED_ROOT_NAME = b".burstfs"
-#: How long this mount remembers a key it deleted: a listing that started before
-#: the delete may still show it, and must not bring the file back.
-TOMBSTONE_SECONDS = 600.0
-#: The longest a lookup miss or an opendir waits for a remote listing; a slower
-#: listing goes on in the background and the request is answered from what is local.
-LISTING_WAIT = 1.0
-#: The first listing of a directory this node has never listed may take this long:
-#: until it lands, a restore node would not see what the remote holds at all.
-#: A hung remote costs this once (then ``LISTING_BACKOFF`` applies).
-FIRST_LISTING_WAIT = 10.0
-#: ``Inode.listed_at`` of a directory whose remote listing was never merged.
-NEVER_LISTED = -1e9
-#: A background listing is abandoned after this long (retried after the TTL).
-LISTING_TIMEOUT = 30.0
-#: After a listing failed or was slow, requests wait for none for this long.
-LISTING_BACKOFF = 30.0
 XATTR_USER = b"user."
 XATTR_RESERVED = b"user.burstfs."  # computed, read-only attributes (drain state)
 # Reads of a file being fetched go straight to the tier while they stay this far
@@ -145,60 +125,6 @@ class CapacityPolicy:
     full_timeout: float = 60.0
 
 
-@dataclasses.dataclass(slots=True, eq=False)
-class Inode:
-    """In-memory state of one file, directory or symlink."""
-
-    ino: int
-    kind: str  # "file" | "dir" | "symlink" | "special" (a FIFO or socket: local only)
-    mode: int  # full st_mode, type bits included
-    uid: int
-    gid: int
-    parent: int  # 0 once unlinked
-    name: bytes
-    size: int = 0
-    atime_ns: int = 0
-    mtime_ns: int = 0
-    ctime_ns: int = 0
-    target: bytes | None = None
-    children: dict[bytes, int] | None = None
-    subdirs: int = 0
-    xattrs: dict[bytes, bytes] = dataclasses.field(default_factory=dict)
-    generation: int = 0
-    dirty: bool = False  # changed since its last journaled close
-    new: bool = False  # created here and not yet journaled as closed (its row says writing)
-    local: bool = True  # data complete on the local tier
-    lookups: int = 0  # kernel references (lookup/forget)
-    handles: int = 0  # open file handles
-    last_access: float = 0.0  # monotonic time of the last open/read/write (eviction order)
-    listed: bool = False  # known only from a remote listing (state remote)
-    listed_at: float = NEVER_LISTED  # directories: monotonic time of the last remote listing merge
-    accounted: int = 0  # bytes of this file counted in BurstCore.local_bytes
-    digests: StreamingDigests | None = None  # computed as written; None: the drain hashes the file
-    local_prefix: int = 0  # a file being fetched: bytes from its start known to be local
-    incomplete: str = ""  # why bytes may be missing (a lost write, a crash); cleared when emptied
-    backing_id: int = 0  # passthrough backing file registered with the kernel while opened direct
-    direct_handles: int = 0  # open handles whose I/O bypasses the daemon
-    direct_writers: int = 0  # ... of which writable
-    backing_seen: tuple[int, int] = (0, 0)  # (size, mtime_ns) of the data file when last adopted
-    reopened_clean: bool = False  # marked writing by a direct open, and nothing changed since
-    marking: trio.Event | None = None  # set while the `writing` record of a first change commits
-    pending: int = 0  # namespace changes of this inode in flight (not destroyed meanwhile)
-
-    @property
-    def nlink(self) -> int:
-        if self.kind == "dir":
-            return 2 + self.subdirs
-        return 1 if self.parent else 0
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class Handle:
-    inode: Inode
-    writable: bool
-    direct: bool = False  # FUSE passthrough: the kernel does this handle's I/O on the tier itself
-
-
 @dataclasses.dataclass(frozen=True)
 class StatFs:
     block_size: int
@@ -236,23 +162,6 @@ def _check_new_name(parent: Inode, name: bytes) -> None:
         raise FsError(errno.EPERM, ".burstfs is reserved at the root of the mount")
 
 
-class _Undo:
-    """Steps that restore memory changed ahead of a journal commit, run newest
-    first if the commit fails (the committer calls it)."""
-
-    __slots__ = ("_steps",)
-
-    def __init__(self) -> None:
-        self._steps: list[Callable[[], None]] = []
-
-    def add(self, step: Callable[[], None]) -> None:
-        self._steps.append(step)
-
-    def __call__(self) -> None:
-        for step in reversed(self._steps):
-            step()
-
-
 class BurstCore:
     """The namespace and data of one mount, journaled."""
 
@@ -266,33 +175,27 @@ class BurstCore:
         digest_chunk_size: int = 8 << 20,
         capacity: CapacityPolicy = CapacityPolicy(),
         list_ttl: float = 30.0,
+        listing_wait: float = LISTING_WAIT,
         backing: BackingFiles | None = None,
+        drain: DrainHooks | None = None,
+        fetcher: Fetcher | None = None,
     ) -> None:
         self.cache_dir = Path(cache_dir)
         self.journal = journal
         self.tier = LocalTier(self.cache_dir)
         self.committer = GroupCommitter(journal)
-        self.drain: DrainHooks | None = None
-        self.fetcher: Fetcher | None = None
+        self.drain = drain  # wakes the mover; None: nothing drains (tests, read-only tools)
+        self.fetcher = fetcher  # remote listings and bytes; None: local only
         self.fsync_remote = fsync_remote
         self.offload_writes = offload_writes
         self.digest_chunk_size = digest_chunk_size
         self.capacity = capacity
-        self.list_ttl = list_ttl
+        self.listings = RemoteListings(self, ttl=list_ttl, wait=listing_wait)
         self.backing = backing
         self.daemon_written_bytes = 0  # bytes clients wrote through the daemon (passthrough bypasses it)
         self.inodes: dict[int, Inode] = {}
         self.handles: dict[int, Handle] = {}
         self.dir_handles: dict[int, list[tuple[bytes, int]]] = {}
-        self._tombstones: dict[str, float] = {}  # key -> monotonic time this mount removed it
-        self._skipped_logged: set[str] = set()  # listed keys already logged as skipped
-        self.listing_wait = LISTING_WAIT
-        self.listing_timeout = LISTING_TIMEOUT
-        self.listing_backoff = LISTING_BACKOFF
-        self._remote_slow_until = 0.0  # until then, requests wait for no listing (the last one failed or was slow)
-        self.first_listing_wait = FIRST_LISTING_WAIT
-        # directory -> listing in flight: (done, [merged], trio time it started, how long requests wait)
-        self._listings: dict[int, tuple[trio.Event, list[bool], float, float]] = {}
         self._next_fh = itertools.count(1)
         self._recover()
         self._next_ino = itertools.count(max(self.inodes) + 1)
@@ -389,217 +292,17 @@ class BurstCore:
         try:
             inode = self.child(parent, name)
         except FsError as exc:  # maybe another node drained it: look at the remote
-            if exc.errno != errno.ENOENT or not await self._refresh_bounded(self._dir(parent)):
+            if exc.errno != errno.ENOENT or not await self.listings.refresh_bounded(self._dir(parent)):
                 raise
             inode = self.child(parent, name)
         inode.lookups += 1
         self._adopt_direct_writes(inode)
         return inode
 
-    # -- remote listings (what other nodes drained) --------------------------------------
-
-    async def _refresh_bounded(self, directory: Inode) -> bool:
-        """refresh_listing for a request: wait at most ``listing_wait`` for it.
-
-        The listing runs in its own task, so a slow or hung remote never holds a
-        lookup or an opendir for long: past the bound, the request is answered
-        from what is local and the merge lands when the listing does.  The bound
-        counts from the listing's start, so requests that arrive while a slow
-        listing is in flight do not wait again; and after a listing failed or was
-        slow, requests wait for none until one answers in time again
-        (``_remote_slow_until``): a hung remote costs one wait, not one per name.
-        """
-        if self.fetcher is None:
-            return False
-        pending = self._listings.get(directory.ino)
-        now = time.monotonic()
-        if pending is None:
-            if now - directory.listed_at < self.list_ttl:
-                return False
-            never_listed = directory.listed_at == NEVER_LISTED
-            wait = max(self.listing_wait, self.first_listing_wait) if never_listed else self.listing_wait
-            pending = (trio.Event(), [False], trio.current_time(), wait)  # trio's clock: move_on_at below
-            self._listings[directory.ino] = pending
-            trio.lowlevel.spawn_system_task(self._list_in_background, directory, pending)
-        done, merged, started, wait = pending
-        if now < self._remote_slow_until:
-            return False  # the remote is slow or down: local work does not wait for it
-        with trio.move_on_at(started + wait):
-            await done.wait()
-            return merged[0]
-        if now >= self._remote_slow_until:
-            log.info("event=listing_slow dir_ino=%d waited=%.1f note=answered from local entries",
-                     directory.ino, time.monotonic() - now)  # fmt: skip
-        self._remote_slow_until = max(self._remote_slow_until, time.monotonic() + self.listing_backoff)
-        return False
-
-    async def _list_in_background(self, directory: Inode,
-                                  pending: tuple[trio.Event, list[bool], float, float]) -> None:  # fmt: skip
-        """Run one listing, bounded by ``listing_timeout`` (the remote's own retries may take minutes)."""
-        done, merged, started, _ = pending
-        try:
-            with trio.move_on_after(self.listing_timeout) as scope:
-                merged[0] = await self.refresh_listing(directory)
-            if scope.cancelled_caught:
-                log.warning("event=list_failed dir_ino=%d error=no answer within %.0fs note=retried after the TTL",
-                            directory.ino, self.listing_timeout)  # fmt: skip
-            if scope.cancelled_caught:
-                self._remote_slow_until = time.monotonic() + self.listing_backoff
-            elif merged[0] and trio.current_time() - started <= self.listing_wait:
-                self._remote_slow_until = 0.0  # the remote answers in time again
-        except Exception as exc:  # a failed merge commit: retried after the TTL
-            log.warning("event=listing_merge_failed dir_ino=%d error=%s", directory.ino, exc)
-        finally:
-            self._listings.pop(directory.ino, None)
-            done.set()
-
     async def refresh_listing(self, directory: Inode) -> bool:
-        """Merge the remote listing of ``directory`` if it is older than the TTL.
-
-        Returns True if a listing was merged.  A remote that cannot be listed
-        does not block local work: the failure is logged and retried after the TTL.
-
-        The keys this mount owns or is deleting are read *before* the listing:
-        a delete that completes while the remote is listed would otherwise make
-        this mount's own just-deleted file look like another node's.  Keys this
-        mount deleted after that (tombstones) are ignored too.  Names that cannot
-        be a file name here are skipped (logged once).  Entries that vanished
-        from the remote are forgotten, never deleted: the object may be another
-        node's new one.  The merge is one commit, applied to memory with it.
-        """
-        now = time.monotonic()
-        if self.fetcher is None or now - directory.listed_at < self.list_ttl:
-            return False
-        directory.listed_at = now
-        dir_key = self.path_of(directory)
-        if dir_key is None:
-            return False
-        try:
-            known_keys = await trio.to_thread.run_sync(self._keys_owned_under, dir_key)
-            files, subdirs = await self.fetcher.list_dir(dir_key)
-        except Exception as exc:
-            log.warning("event=list_failed dir=%s error=%s", dir_key or "/", exc)
-            self._remote_slow_until = time.monotonic() + self.listing_backoff
-            return False
-        prefix = f"{dir_key}/" if dir_key else ""
-        at_root = directory.ino == ROOT_INO
-        # Filter first (yielding on huge listings), then apply in one synchronous pass.
-        wanted_files: list[tuple[bytes, int, int, str]] = []
-        remote_names: set[bytes] = set()
-        for count, entry in enumerate(files, 1):
-            if count % 1000 == 0:
-                await trio.sleep(0)  # a 100,000-object listing must not stall other requests
-            try:
-                name, size, mtime = entry
-                raw = self._listed_name(dir_key, name, at_root)
-                size, mtime_ns = int(size), int(mtime * 1e9)
-                if size < 0:
-                    raise ValueError(f"negative size {size}")
-            except (TypeError, ValueError, OverflowError) as exc:
-                self._skip_listed(dir_key, entry, exc)
-                continue
-            if raw is None:
-                continue
-            remote_names.add(raw)
-            if prefix + name not in known_keys:
-                wanted_files.append((raw, size, mtime_ns, prefix + name))
-        # A remote directory holding keys this node owns is its own layout from before
-        # a rename whose objects have not moved yet: not another node's directory.
-        owned_dirs = {key[len(prefix):].split("/", 1)[0] for key in known_keys if "/" in key[len(prefix):]}
-        wanted_dirs: list[bytes] = []
-        for name in subdirs:
-            try:
-                raw = self._listed_name(dir_key, name, at_root)
-            except (TypeError, ValueError) as exc:
-                self._skip_listed(dir_key, name, exc)
-                continue
-            if raw is not None and name not in owned_dirs:
-                wanted_dirs.append(raw)
-        return await self._merge_listing(directory, prefix, now, wanted_files, wanted_dirs, remote_names)
-
-    async def _merge_listing(self, directory: Inode, prefix: str, started: float,
-                             wanted_files: list[tuple[bytes, int, int, str]], wanted_dirs: list[bytes],
-                             remote_names: set[bytes]) -> bool:  # fmt: skip
-        """Apply a filtered listing: no await from the checks to the commit's enqueue."""
-        self._prune_tombstones()
-        if directory.children is None or (directory.parent == 0 and directory.ino != ROOT_INO):
-            return False  # removed while it was listed
-        undo = _Undo()
-        ops: list[Op] = []
-        recent = {key for key, when in self._tombstones.items() if when >= started - 1.0}
-        for raw, size, mtime_ns, key in wanted_files:
-            if raw in directory.children or key in recent:
-                continue  # made, renamed or deleted here meanwhile: local state wins
-            ops += self._add_listed(directory, raw, "file", size, mtime_ns, key, undo)
-        for raw in wanted_dirs:
-            if raw in directory.children or prefix + os.fsdecode(raw) in recent:
-                continue
-            ops += self._add_listed(directory, raw, "dir", 0, time.time_ns(), None, undo)
-        forgotten = []
-        for raw, ino in list(directory.children.items()):
-            gone = self.inodes[ino]
-            if gone.listed and raw not in remote_names and not gone.handles and not gone.pending:
-                ops += self._forget_listed_ops(directory, gone, undo)
-                forgotten.append(gone)
-        if ops:
-            for gone in forgotten:
-                gone.pending += 1
-            try:
-                await self.committer.commit(ops, undo=undo)
-            finally:
-                for gone in forgotten:
-                    gone.pending -= 1
-            for gone in forgotten:
-                self._maybe_destroy(gone)
-        return True
-
-    def _listed_name(self, dir_key: str, name: str, at_root: bool) -> bytes | None:
-        """The file name a listed key stands for; None for the remote's own ``.burstfs``.
-        Raises ValueError for a name no file here can have."""
-        if not isinstance(name, str):
-            raise TypeError(f"not a name: {name!r}")
-        raw = os.fsencode(name)
-        if not raw or raw in (b".", b"..") or b"/" in raw or b"\0" in raw:
-            raise ValueError("not a valid file name")
-        if len(raw) > NAME_MAX:
-            raise ValueError(f"longer than {NAME_MAX} bytes")
-        if at_root and raw == RESERVED_ROOT_NAME:
-            return None
-        return raw
-
-    def _skip_listed(self, dir_key: str, entry: object, exc: Exception) -> None:
-        """A listed key that cannot be shown: skipped, logged once per mount."""
-        what = f"{dir_key}:{entry!r}"
-        if what in self._skipped_logged:
-            return
-        if len(self._skipped_logged) < 10000:
-            self._skipped_logged.add(what)
-        log.warning("event=listing_entry_skipped dir=%s key=%r reason=%s", dir_key or "/", entry, exc)
-
-    def _prune_tombstones(self) -> None:
-        horizon = time.monotonic() - TOMBSTONE_SECONDS
-        if self._tombstones and next(iter(self._tombstones.values())) < horizon:
-            self._tombstones = {k: t for k, t in self._tombstones.items() if t >= horizon}
-
-    def _forget_listed_ops(self, directory: Inode, inode: Inode, undo: _Undo) -> list[Op]:
-        """A listed file that vanished from the remote: drop it here, delete nothing there."""
-        return forget_listed_ops(inode.ino, inode.name, self._detach(directory, inode, undo))
-
-    def _keys_owned_under(self, dir_key: str) -> set[str]:
-        """Keys this node owns or is deleting: a listing must not resurrect them."""
-        return self.journal.keys_owned_under(dir_key)
-
-    def _add_listed(self, directory: Inode, name: bytes, kind: str, size: int, mtime_ns: int,
-                    key: str | None, undo: _Undo) -> list[Op]:  # fmt: skip
-        mode = stat.S_IFDIR | 0o755 if kind == "dir" else stat.S_IFREG | 0o644
-        inode = self._new_inode(directory, name, kind, mode, directory.uid, directory.gid)
-        inode.size, inode.mtime_ns, inode.ctime_ns = size, mtime_ns, mtime_ns
-        if kind == "file":
-            inode.local, inode.listed = False, True
-        self._link(directory, inode, undo)
-        row = self._row(inode, REMOTE if kind == "file" else META)
-        row.remote_key = key
-        return [insert_inode_op(row)]
+        """Merge the remote listing of ``directory`` if it is older than the TTL
+        (see :meth:`RemoteListings.refresh`); True if one was merged."""
+        return await self.listings.refresh(directory)
 
     def forget(self, ino: int, count: int) -> None:
         inode = self.inodes.get(ino)
@@ -642,7 +345,7 @@ class BurstCore:
                         mtime_ns=inode.mtime_ns, ctime_ns=inode.ctime_ns, target=inode.target, state=state,
                         generation=inode.generation, updated=time.time())  # fmt: skip
 
-    def _link(self, parent: Inode, inode: Inode, undo: _Undo) -> None:
+    def _link(self, parent: Inode, inode: Inode, undo: Undo) -> None:
         """Give ``inode`` its name in ``parent``; ``undo`` takes it back."""
         times = (parent.mtime_ns, parent.ctime_ns)
         self.inodes[inode.ino] = inode
@@ -664,7 +367,7 @@ class BurstCore:
     def _touch_parent_op(self, parent: Inode) -> Op:
         return update_inode_op(parent.ino, mtime_ns=parent.mtime_ns, ctime_ns=parent.ctime_ns)
 
-    async def _commit_new(self, parent: Inode, inode: Inode, state: FileState, undo: _Undo) -> None:
+    async def _commit_new(self, parent: Inode, inode: Inode, state: FileState, undo: Undo) -> None:
         """Journal a name just made; on failure it is gone again (no ghost in memory)."""
         await self.committer.commit([insert_inode_op(self._row(inode, state)), self._touch_parent_op(parent)],
                                     undo=undo)  # fmt: skip
@@ -673,7 +376,7 @@ class BurstCore:
         parent = self._dir(parent_ino)
         inode = self._new_inode(parent, name, "dir", stat.S_IFDIR | stat.S_IMODE(mode), uid, gid)
         inode.listed_at = time.monotonic()  # just created here: nothing remote to merge yet
-        undo = _Undo()
+        undo = Undo()
         self._link(parent, inode, undo)
         await self._commit_new(parent, inode, META, undo)
         inode.lookups += 1
@@ -684,7 +387,7 @@ class BurstCore:
         inode = self._new_inode(parent, name, "symlink", stat.S_IFLNK | 0o777, uid, gid)
         inode.target = target
         inode.size = len(target)
-        undo = _Undo()
+        undo = Undo()
         self._link(parent, inode, undo)
         await self._commit_new(parent, inode, META, undo)
         inode.lookups += 1
@@ -702,7 +405,7 @@ class BurstCore:
         if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
             raise FsError(errno.EPERM, "device nodes are not supported")
         inode = self._new_inode(parent, name, "special", stat.S_IFMT(mode) | stat.S_IMODE(mode), uid, gid)
-        undo = _Undo()
+        undo = Undo()
         self._link(parent, inode, undo)
         await self._commit_new(parent, inode, META, undo)
         inode.lookups += 1
@@ -725,7 +428,7 @@ class BurstCore:
         inode.new = True
         inode.digests = StreamingDigests(self.digest_chunk_size)
         self.tier.create(inode.ino)
-        undo = _Undo()
+        undo = Undo()
         undo.add(lambda: self.tier.remove(inode.ino))
         self._link(parent, inode, undo)
         await self._commit_new(parent, inode, WRITING, undo)
@@ -752,7 +455,7 @@ class BurstCore:
         await self._remove(parent, inode)
 
     async def _remove(self, parent: Inode, inode: Inode) -> None:
-        undo = _Undo()
+        undo = Undo()
         ops = self._unlink_ops(parent, inode, undo) + [self._touch_parent_op(parent)]
         inode.pending += 1
         try:
@@ -761,7 +464,7 @@ class BurstCore:
             inode.pending -= 1
         self._maybe_destroy(inode)
 
-    def _detach(self, parent: Inode, inode: Inode, undo: _Undo) -> int:
+    def _detach(self, parent: Inode, inode: Inode, undo: Undo) -> int:
         """Take ``inode``'s name away in memory; ``undo`` gives it back.  Returns the time."""
         times = (parent.mtime_ns, parent.ctime_ns, inode.ctime_ns)
         name = inode.name
@@ -782,27 +485,9 @@ class BurstCore:
         undo.add(relink)
         return now
 
-    def _tombstone(self, parent: Inode, name: bytes, undo: _Undo) -> None:
-        """Remember that this mount removed the object at ``parent/name`` (if any), so a
-        listing taken before the remote delete completes does not bring it back."""
-        dir_key = self.path_of(parent)
-        if dir_key is None:
-            return
-        key = f"{dir_key}/{os.fsdecode(name)}" if dir_key else os.fsdecode(name)
-        before = self._tombstones.get(key)
-        self._tombstones[key] = time.monotonic()
-
-        def restore() -> None:
-            if before is None:
-                self._tombstones.pop(key, None)
-            else:
-                self._tombstones[key] = before
-
-        undo.add(restore)
-
-    def _unlink_ops(self, parent: Inode, inode: Inode, undo: _Undo) -> list[Op]:
+    def _unlink_ops(self, parent: Inode, inode: Inode, undo: Undo) -> list[Op]:
         """Detach ``inode`` from its name; the journal queues its remote object for deletion."""
-        self._tombstone(parent, inode.name, undo)
+        self.listings.remember_removed(parent, inode.name, undo)
         return unlink_ops(inode.ino, inode.name, self._detach(parent, inode, undo))
 
     def _maybe_destroy(self, inode: Inode) -> None:
@@ -854,11 +539,11 @@ class BurstCore:
                 if ancestor is inode:
                     raise FsError(errno.EINVAL)
                 ancestor = self.inodes[ancestor.parent]
-        undo = _Undo()
+        undo = Undo()
         if target is not None:
             ops += self._unlink_ops(new_parent, target, undo)
             target.pending += 1
-        self._tombstone(old_parent, old_name, undo)
+        self.listings.remember_removed(old_parent, old_name, undo)
         self._detach(old_parent, inode, undo)  # restores the old name and times on failure
         new_times = (new_parent.mtime_ns, new_parent.ctime_ns)
         new_parent.children[new_name] = inode.ino  # type: ignore[index]
@@ -948,7 +633,7 @@ class BurstCore:
         # Attributes change in memory with the commit: a failed commit restores them.
         now = _now_ns()
         before = (inode.mode, inode.uid, inode.gid, inode.atime_ns, inode.mtime_ns, inode.ctime_ns)
-        undo = _Undo()
+        undo = Undo()
 
         def restore() -> None:
             inode.mode, inode.uid, inode.gid, inode.atime_ns, inode.mtime_ns, inode.ctime_ns = before
@@ -1186,7 +871,7 @@ class BurstCore:
         inode.mtime_ns = inode.ctime_ns = _now_ns()
         return written
 
-    def _close_ops(self, inode: Inode, undo: _Undo) -> list[Op]:
+    def _close_ops(self, inode: Inode, undo: Undo) -> list[Op]:
         """Journal a changed file as closed: a new generation, queued to drain.
 
         A file that may lack bytes (a lost write, a crash) is journaled
@@ -1214,7 +899,7 @@ class BurstCore:
             incomplete=inode.incomplete or None,
         )  # fmt: skip
 
-    def _publish_ops(self, inode: Inode, undo: _Undo) -> list[Op]:
+    def _publish_ops(self, inode: Inode, undo: Undo) -> list[Op]:
         """What a close journals: a new generation, or, for a file opened for
         writing through passthrough and left unchanged, its state from before."""
         if not inode.reopened_clean:
@@ -1256,7 +941,7 @@ class BurstCore:
         if inode.parent == 0:  # unlinked while open: nothing to publish
             inode.dirty = inode.new = False
             return
-        undo = _Undo()
+        undo = Undo()
         await self.committer.commit(self._publish_ops(inode, undo), undo=undo)
         self._file_closed()
 
@@ -1270,7 +955,7 @@ class BurstCore:
             self._close_io_path(inode, handle)
             if handle.writable and not self._has_writer(inode):
                 if self._unpublished(inode) and inode.parent:
-                    undo = _Undo()
+                    undo = Undo()
                     await self.committer.commit(self._publish_ops(inode, undo), undo=undo)
                     self._file_closed()
                 inode.digests = None  # the last writer is gone (kept if the commit failed)
@@ -1287,7 +972,7 @@ class BurstCore:
         await trio.to_thread.run_sync(os.fdatasync if datasync else os.fsync, fd)
         self._adopt_direct_writes(inode)
         publish = inode.dirty or (handle.writable and self._unpublished(inode))
-        undo = _Undo()
+        undo = Undo()
         ops = self._publish_ops(inode, undo) if publish and inode.parent else []
         await self.committer.commit(ops, sync=True, undo=undo)
         if ops:
@@ -1457,7 +1142,7 @@ class BurstCore:
 
     async def opendir(self, ino: int) -> int:
         inode = self._dir(ino)
-        await self._refresh_bounded(inode)
+        await self.listings.refresh_bounded(inode)
         fh = next(self._next_fh)
         self.dir_handles[fh] = list(inode.children.items())  # type: ignore[union-attr]
         return fh

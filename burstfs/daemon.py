@@ -265,13 +265,11 @@ def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
         capacity = CapacityPolicy(limit=config.cache_size, min_free=config.min_free,
                                   evict=config.evict_policy, full_timeout=config.full_timeout)  # fmt: skip
         backing = passthrough_backing(config)
-        core = BurstCore(config.cache_dir, journal, fsync_remote=config.fsync_remote, capacity=capacity,
-                         list_ttl=config.list_ttl, digest_chunk_size=config.drain.part_size,
-                         backing=backing)  # fmt: skip
-        core.listing_wait = config.remote_wait  # the longest a request waits for a remote listing
         drain = DrainService(Mover(config.cache_dir, config.remote, config.s3, config.drain), journal)
-        core.drain = drain
-        core.fetcher = drain
+        core = BurstCore(config.cache_dir, journal, fsync_remote=config.fsync_remote, capacity=capacity,
+                         list_ttl=config.list_ttl, listing_wait=config.remote_wait,
+                         digest_chunk_size=config.drain.part_size, backing=backing,
+                         drain=drain, fetcher=drain)  # fmt: skip
         ops = BurstOperations(core, writeback_cache=config.writeback_cache, backing=backing)
         try:
             pyfuse3.init(ops, str(config.mountpoint), fuse_options(config))

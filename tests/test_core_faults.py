@@ -325,7 +325,7 @@ def rows(cache: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any,
 
 def listed(core: BurstCore, remote: FakeRemote) -> None:
     core.fetcher = remote
-    core.list_ttl = 0
+    core.listings.ttl = 0
 
 
 def test_burstfs_is_reserved_at_the_root(tmp_path: Path) -> None:
@@ -399,7 +399,7 @@ def test_odd_keys_are_skipped_and_the_rest_is_listed(tmp_path: Path, caplog: pyt
         fh = await core.open(core.child(ckpt.ino, b"good").ino, os.O_RDONLY)  # linked and usable
         await core.release(fh)
 
-    with caplog.at_level("WARNING", logger="burstfs.core"):
+    with caplog.at_level("WARNING", logger="burstfs.listings"):
         run_flaky(tmp_path, body)
     skipped = [r.getMessage() for r in caplog.records if "event=listing_entry_skipped" in r.getMessage()]
     assert len(skipped) == len(bad_files) + len(bad_dirs) + 1  # each logged once, over two refreshes
@@ -511,8 +511,8 @@ def test_a_slow_listing_does_not_hold_a_lookup(tmp_path: Path) -> None:
         release = trio.Event()
         remote.during_list = release.wait  # a remote that does not answer
         listed(core, remote)
-        core.list_ttl = 60
-        core.listing_wait = core.first_listing_wait = 0.05
+        core.listings.ttl = 60
+        core.listings.wait = core.listings.first_wait = 0.05
         with trio.fail_after(10):  # without the bound this hangs until the remote answers
             try:
                 await core.lookup(ROOT_INO, b"late")
@@ -532,8 +532,8 @@ def test_a_slow_listing_does_not_hold_a_lookup(tmp_path: Path) -> None:
 
 def test_the_first_listing_of_a_directory_may_take_longer(tmp_path: Path) -> None:
     """A restore node must see what the remote holds: the first listing of a directory
-    this node never listed is waited for up to ``first_listing_wait``, later ones only
-    up to ``listing_wait``."""
+    this node never listed is waited for up to ``listings.first_wait``, later ones only
+    up to ``listings.wait``."""
 
     async def body(core: BurstCore) -> None:
         remote = FakeRemote({"": ([("ckpt.pt", 4, 1.0)], [])})
@@ -543,8 +543,8 @@ def test_the_first_listing_of_a_directory_may_take_longer(tmp_path: Path) -> Non
 
         remote.during_list = slow
         listed(core, remote)
-        core.list_ttl = 0
-        core.listing_wait, core.first_listing_wait = 0.01, 5.0
+        core.listings.ttl = 0
+        core.listings.wait, core.listings.first_wait = 0.01, 5.0
         with trio.fail_after(10):
             assert (await core.lookup(ROOT_INO, b"ckpt.pt")).size == 4  # the first listing is waited for
             with pytest.raises(BurstfsError) as missing:  # a later one is not: answered from local entries

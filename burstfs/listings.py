@@ -1,0 +1,277 @@
+"""Remote listings: what other nodes drained, merged into this mount's namespace.
+
+A lookup miss or an opendir asks for the remote listing of its directory, at most
+once per TTL, and waits for it only a short bound (a slow or hung remote never
+holds a request); the merge is one journal commit, applied to memory with it.
+Keys this mount owns, is deleting or recently removed (tombstones) are never
+brought back; entries that vanished from the remote are forgotten, never deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+from typing import TYPE_CHECKING
+
+import trio
+
+from .journal import META, REMOTE, ROOT_INO, Op, forget_listed_ops, insert_inode_op
+from .nodes import NAME_MAX, NEVER_LISTED, RESERVED_ROOT_NAME, Inode, Undo
+
+if TYPE_CHECKING:
+    from .core import BurstCore
+
+log = logging.getLogger("burstfs.listings")
+
+#: How long this mount remembers a key it deleted: a listing that started before
+#: the delete may still show it, and must not bring the file back.
+TOMBSTONE_SECONDS = 600.0
+#: The longest a lookup miss or an opendir waits for a remote listing; a slower
+#: listing goes on in the background and the request is answered from what is local.
+LISTING_WAIT = 1.0
+#: The first listing of a directory this node has never listed may take this long:
+#: until it lands, a restore node would not see what the remote holds at all.
+#: A hung remote costs this once (then ``LISTING_BACKOFF`` applies).
+FIRST_LISTING_WAIT = 10.0
+#: A background listing is abandoned after this long (retried after the TTL).
+LISTING_TIMEOUT = 30.0
+#: After a listing failed or was slow, requests wait for none for this long.
+LISTING_BACKOFF = 30.0
+
+
+class RemoteListings:
+    """Merges remote directory listings into the core's namespace (through its
+    ``_new_inode``/``_link``/``_detach``), and remembers what this mount removed."""
+
+    def __init__(self, core: BurstCore, *, ttl: float, wait: float = LISTING_WAIT) -> None:
+        self.core = core
+        self.ttl = ttl  # seconds a directory's listing stays fresh
+        self.wait = wait  # the longest a request waits for a listing (--remote-wait)
+        self.first_wait = FIRST_LISTING_WAIT
+        self.timeout = LISTING_TIMEOUT
+        self.backoff = LISTING_BACKOFF
+        self._slow_until = 0.0  # until then, requests wait for no listing (the last one failed or was slow)
+        # directory -> listing in flight: (done, [merged], trio time it started, how long requests wait)
+        self._in_flight: dict[int, tuple[trio.Event, list[bool], float, float]] = {}
+        self._tombstones: dict[str, float] = {}  # key -> monotonic time this mount removed it
+        self._skipped_logged: set[str] = set()  # listed keys already logged as skipped
+
+    async def refresh_bounded(self, directory: Inode) -> bool:
+        """:meth:`refresh` for a request: wait at most ``wait`` for it.
+
+        The listing runs in its own task, so a slow or hung remote never holds a
+        lookup or an opendir for long: past the bound, the request is answered
+        from what is local and the merge lands when the listing does.  The bound
+        counts from the listing's start, so requests that arrive while a slow
+        listing is in flight do not wait again; and after a listing failed or was
+        slow, requests wait for none until one answers in time again
+        (``_slow_until``): a hung remote costs one wait, not one per name.
+        """
+        if self.core.fetcher is None:
+            return False
+        pending = self._in_flight.get(directory.ino)
+        now = time.monotonic()
+        if pending is None:
+            if now - directory.listed_at < self.ttl:
+                return False
+            never_listed = directory.listed_at == NEVER_LISTED
+            wait = max(self.wait, self.first_wait) if never_listed else self.wait
+            pending = (trio.Event(), [False], trio.current_time(), wait)  # trio's clock: move_on_at below
+            self._in_flight[directory.ino] = pending
+            trio.lowlevel.spawn_system_task(self._list_in_background, directory, pending)
+        done, merged, started, wait = pending
+        if now < self._slow_until:
+            return False  # the remote is slow or down: local work does not wait for it
+        with trio.move_on_at(started + wait):
+            await done.wait()
+            return merged[0]
+        if now >= self._slow_until:
+            log.info("event=listing_slow dir_ino=%d waited=%.1f note=answered from local entries",
+                     directory.ino, time.monotonic() - now)  # fmt: skip
+        self._slow_until = max(self._slow_until, time.monotonic() + self.backoff)
+        return False
+
+    async def _list_in_background(self, directory: Inode,
+                                  pending: tuple[trio.Event, list[bool], float, float]) -> None:  # fmt: skip
+        """Run one listing, bounded by ``timeout`` (the remote's own retries may take minutes)."""
+        done, merged, started, _ = pending
+        try:
+            with trio.move_on_after(self.timeout) as scope:
+                merged[0] = await self.refresh(directory)
+            if scope.cancelled_caught:
+                log.warning("event=list_failed dir_ino=%d error=no answer within %.0fs note=retried after the TTL",
+                            directory.ino, self.timeout)  # fmt: skip
+            if scope.cancelled_caught:
+                self._slow_until = time.monotonic() + self.backoff
+            elif merged[0] and trio.current_time() - started <= self.wait:
+                self._slow_until = 0.0  # the remote answers in time again
+        except Exception as exc:  # a failed merge commit: retried after the TTL
+            log.warning("event=listing_merge_failed dir_ino=%d error=%s", directory.ino, exc)
+        finally:
+            self._in_flight.pop(directory.ino, None)
+            done.set()
+
+    async def refresh(self, directory: Inode) -> bool:
+        """Merge the remote listing of ``directory`` if it is older than the TTL.
+
+        Returns True if a listing was merged.  A remote that cannot be listed
+        does not block local work: the failure is logged and retried after the TTL.
+
+        The keys this mount owns or is deleting are read *before* the listing:
+        a delete that completes while the remote is listed would otherwise make
+        this mount's own just-deleted file look like another node's.  Keys this
+        mount deleted after that (tombstones) are ignored too.  Names that cannot
+        be a file name here are skipped (logged once).  Entries that vanished
+        from the remote are forgotten, never deleted: the object may be another
+        node's new one.  The merge is one commit, applied to memory with it.
+        """
+        now = time.monotonic()
+        if self.core.fetcher is None or now - directory.listed_at < self.ttl:
+            return False
+        directory.listed_at = now
+        dir_key = self.core.path_of(directory)
+        if dir_key is None:
+            return False
+        try:
+            known_keys = await trio.to_thread.run_sync(self.core.journal.keys_owned_under, dir_key)
+            files, subdirs = await self.core.fetcher.list_dir(dir_key)
+        except Exception as exc:
+            log.warning("event=list_failed dir=%s error=%s", dir_key or "/", exc)
+            self._slow_until = time.monotonic() + self.backoff
+            return False
+        prefix = f"{dir_key}/" if dir_key else ""
+        at_root = directory.ino == ROOT_INO
+        # Filter first (yielding on huge listings), then apply in one synchronous pass.
+        wanted_files: list[tuple[bytes, int, int, str]] = []
+        remote_names: set[bytes] = set()
+        for count, entry in enumerate(files, 1):
+            if count % 1000 == 0:
+                await trio.sleep(0)  # a 100,000-object listing must not stall other requests
+            try:
+                name, size, mtime = entry
+                raw = self._listed_name(dir_key, name, at_root)
+                size, mtime_ns = int(size), int(mtime * 1e9)
+                if size < 0:
+                    raise ValueError(f"negative size {size}")
+            except (TypeError, ValueError, OverflowError) as exc:
+                self._skip_listed(dir_key, entry, exc)
+                continue
+            if raw is None:
+                continue
+            remote_names.add(raw)
+            if prefix + name not in known_keys:
+                wanted_files.append((raw, size, mtime_ns, prefix + name))
+        # A remote directory holding keys this node owns is its own layout from before
+        # a rename whose objects have not moved yet: not another node's directory.
+        owned_dirs = {key[len(prefix):].split("/", 1)[0] for key in known_keys if "/" in key[len(prefix):]}
+        wanted_dirs: list[bytes] = []
+        for name in subdirs:
+            try:
+                raw = self._listed_name(dir_key, name, at_root)
+            except (TypeError, ValueError) as exc:
+                self._skip_listed(dir_key, name, exc)
+                continue
+            if raw is not None and name not in owned_dirs:
+                wanted_dirs.append(raw)
+        return await self._merge(directory, prefix, now, wanted_files, wanted_dirs, remote_names)
+
+    async def _merge(self, directory: Inode, prefix: str, started: float,
+                     wanted_files: list[tuple[bytes, int, int, str]], wanted_dirs: list[bytes],
+                     remote_names: set[bytes]) -> bool:  # fmt: skip
+        """Apply a filtered listing: no await from the checks to the commit's enqueue."""
+        self._prune_tombstones()
+        if directory.children is None or (directory.parent == 0 and directory.ino != ROOT_INO):
+            return False  # removed while it was listed
+        undo = Undo()
+        ops: list[Op] = []
+        recent = {key for key, when in self._tombstones.items() if when >= started - 1.0}
+        for raw, size, mtime_ns, key in wanted_files:
+            if raw in directory.children or key in recent:
+                continue  # made, renamed or deleted here meanwhile: local state wins
+            ops += self._add_listed(directory, raw, "file", size, mtime_ns, key, undo)
+        for raw in wanted_dirs:
+            if raw in directory.children or prefix + os.fsdecode(raw) in recent:
+                continue
+            ops += self._add_listed(directory, raw, "dir", 0, time.time_ns(), None, undo)
+        forgotten = []
+        for raw, ino in list(directory.children.items()):
+            gone = self.core.inodes[ino]
+            if gone.listed and raw not in remote_names and not gone.handles and not gone.pending:
+                ops += self._forget_listed_ops(directory, gone, undo)
+                forgotten.append(gone)
+        if ops:
+            for gone in forgotten:
+                gone.pending += 1
+            try:
+                await self.core.committer.commit(ops, undo=undo)
+            finally:
+                for gone in forgotten:
+                    gone.pending -= 1
+            for gone in forgotten:
+                self.core._maybe_destroy(gone)
+        return True
+
+    def _listed_name(self, dir_key: str, name: str, at_root: bool) -> bytes | None:
+        """The file name a listed key stands for; None for the remote's own ``.burstfs``.
+        Raises ValueError for a name no file here can have."""
+        if not isinstance(name, str):
+            raise TypeError(f"not a name: {name!r}")
+        raw = os.fsencode(name)
+        if not raw or raw in (b".", b"..") or b"/" in raw or b"\0" in raw:
+            raise ValueError("not a valid file name")
+        if len(raw) > NAME_MAX:
+            raise ValueError(f"longer than {NAME_MAX} bytes")
+        if at_root and raw == RESERVED_ROOT_NAME:
+            return None
+        return raw
+
+    def _skip_listed(self, dir_key: str, entry: object, exc: Exception) -> None:
+        """A listed key that cannot be shown: skipped, logged once per mount."""
+        what = f"{dir_key}:{entry!r}"
+        if what in self._skipped_logged:
+            return
+        if len(self._skipped_logged) < 10000:
+            self._skipped_logged.add(what)
+        log.warning("event=listing_entry_skipped dir=%s key=%r reason=%s", dir_key or "/", entry, exc)
+
+    def _prune_tombstones(self) -> None:
+        horizon = time.monotonic() - TOMBSTONE_SECONDS
+        if self._tombstones and next(iter(self._tombstones.values())) < horizon:
+            self._tombstones = {k: t for k, t in self._tombstones.items() if t >= horizon}
+
+    def _forget_listed_ops(self, directory: Inode, inode: Inode, undo: Undo) -> list[Op]:
+        """A listed file that vanished from the remote: drop it here, delete nothing there."""
+        return forget_listed_ops(inode.ino, inode.name, self.core._detach(directory, inode, undo))
+
+    def _add_listed(self, directory: Inode, name: bytes, kind: str, size: int, mtime_ns: int,
+                    key: str | None, undo: Undo) -> list[Op]:  # fmt: skip
+        mode = stat.S_IFDIR | 0o755 if kind == "dir" else stat.S_IFREG | 0o644
+        inode = self.core._new_inode(directory, name, kind, mode, directory.uid, directory.gid)
+        inode.size, inode.mtime_ns, inode.ctime_ns = size, mtime_ns, mtime_ns
+        if kind == "file":
+            inode.local, inode.listed = False, True
+        self.core._link(directory, inode, undo)
+        row = self.core._row(inode, REMOTE if kind == "file" else META)
+        row.remote_key = key
+        return [insert_inode_op(row)]
+
+    def remember_removed(self, parent: Inode, name: bytes, undo: Undo) -> None:
+        """Remember that this mount removed the object at ``parent/name`` (if any), so a
+        listing taken before the remote delete completes does not bring it back."""
+        dir_key = self.core.path_of(parent)
+        if dir_key is None:
+            return
+        key = f"{dir_key}/{os.fsdecode(name)}" if dir_key else os.fsdecode(name)
+        before = self._tombstones.get(key)
+        self._tombstones[key] = time.monotonic()
+
+        def restore() -> None:
+            if before is None:
+                self._tombstones.pop(key, None)
+            else:
+                self._tombstones[key] = before
+
+        undo.add(restore)
+
