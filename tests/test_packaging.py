@@ -8,6 +8,7 @@ The notify tests play systemd: an AF_UNIX datagram socket in a temp dir is the
 from __future__ import annotations
 
 import configparser
+import copy
 import os
 import re
 import shlex
@@ -15,11 +16,13 @@ import shutil
 import signal
 import socket
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import BIN, FUSE_OK, MountedFS, burstfs, file_state, is_mounted
+from conftest import BIN, FUSE_OK, MountedFS, burstfs, file_state, is_mounted, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "packaging" / "burstfs@.service"
@@ -216,3 +219,110 @@ def test_unit_stop_waits_for_the_drain_then_leaves_undrained_files_staged(
     fs.mount("--drain-delay", "0")  # the next start drains it
     fs.unmount("--wait", "--wait-timeout", "60")
     assert (fs.remote_dir / "step1" / "model.pt").read_bytes() == data
+
+
+# -- Kubernetes ----------------------------------------------------------------------------------
+
+DAEMONSET = REPO / "packaging" / "kubernetes-daemonset.yaml"
+SIDECAR = REPO / "packaging" / "kubernetes-sidecar.yaml"
+
+
+def manifests(path: Path) -> list[dict[str, Any]]:
+    yaml = pytest.importorskip("yaml")
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def burstfs_container(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(pod spec, the burstfs container) of the DaemonSet or the sidecar pod."""
+    for doc in manifests(path):
+        spec = doc["spec"]["template"]["spec"] if doc["kind"] == "DaemonSet" else doc["spec"] if doc["kind"] == "Pod" else None
+        if spec is not None:
+            containers = spec.get("initContainers", []) + spec["containers"]
+            return spec, next(c for c in containers if c["name"] == "burstfs")
+    raise AssertionError(f"no pod spec in {path}")
+
+
+@pytest.mark.parametrize("path", [DAEMONSET, SIDECAR], ids=["daemonset", "sidecar"])
+def test_kubernetes_manifests_validate_against_the_api_schema(path: Path) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    version = kubernetes_validate.latest_version()
+    for doc in manifests(path):
+        kubernetes_validate.validate(doc, version, strict=True)  # raises on any schema error
+    broken = copy.deepcopy(doc)  # the DaemonSet or the Pod
+    pod_spec = broken["spec"]["template"]["spec"] if broken["kind"] == "DaemonSet" else broken["spec"]
+    pod_spec["terminationGracePeriodSeconds"] = "ten minutes"
+    with pytest.raises(kubernetes_validate.ValidationError):  # the check above can fail
+        kubernetes_validate.validate(broken, version, strict=True)
+
+
+@pytest.mark.parametrize("path", [DAEMONSET, SIDECAR], ids=["daemonset", "sidecar"])
+def test_kubernetes_fields_that_matter(path: Path) -> None:
+    spec, container = burstfs_container(path)
+    assert container["securityContext"]["privileged"] is True  # /dev/fuse, mount(2)
+    mount_volume = next(m for m in container["volumeMounts"] if m.get("mountPropagation") == "Bidirectional")
+    command = " ".join(container["command"])
+    mountpoint = mount_volume["mountPath"]
+    assert f"burstfs mount {mountpoint} --cache" in command and "--foreground" in command
+    cache_mount = next(m for m in container["volumeMounts"] if re.search(rf"--cache {m['mountPath']}\b", command))
+    cache_volume = next(v for v in spec["volumes"] if v["name"] == cache_mount["name"])
+    assert "hostPath" in cache_volume or "persistentVolumeClaim" in cache_volume  # survives the pod
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[:3] == ["burstfs", "unmount", "--wait"] and pre_stop[-1] == mountpoint
+    drain_wait = int(pre_stop[pre_stop.index("--wait-timeout") + 1])
+    assert spec["terminationGracePeriodSeconds"] >= drain_wait + 30, "the kubelet would kill the drain wait"
+    assert "burstfs-admin status" in " ".join(container["readinessProbe"]["exec"]["command"])
+    metrics_port = int(re.search(r"--metrics-addr \S+:(\d+)", command).group(1))  # type: ignore[union-attr]
+    assert {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"} in container["ports"]
+    annotations = next(doc for doc in manifests(path) if doc["kind"] in ("DaemonSet", "Pod"))
+    annotations = (annotations["spec"]["template"]["metadata"] if annotations["kind"] == "DaemonSet"
+                   else annotations["metadata"])["annotations"]  # fmt: skip
+    assert annotations["prometheus.io/scrape"] == "true" and int(annotations["prometheus.io/port"]) == metrics_port
+
+
+def on_this_node(text: str, fs: MountedFS, port: int) -> str:
+    """A manifest's shell command with the test mount's paths and a loopback metrics port."""
+    text = text.replace("/mnt/burstfs", str(fs.path)).replace("0.0.0.0:9400", f"127.0.0.1:{port}")
+    return re.sub(r"(?<=--cache )/cache\b", str(fs.cache), text)
+
+
+@needs_fuse
+@pytest.mark.fuse
+def test_daemonset_commands_start_probe_restart_and_stop_a_real_mount(mounted_factory: type[MountedFS]) -> None:
+    """The DaemonSet's own start command, readiness probe and preStop hook, run here:
+    ready when live, not ready when the daemon died, a restart over the dead mount,
+    and a stop that leaves the checkpoint durable."""
+    _, container = burstfs_container(DAEMONSET)
+    fs = mounted_factory()
+    with socket.socket() as probe_port:
+        probe_port.bind(("127.0.0.1", 0))
+        port = probe_port.getsockname()[1]
+    start = [on_this_node(word, fs, port) for word in container["command"]]
+    ready = [on_this_node(word, fs, port) for word in container["readinessProbe"]["exec"]["command"]]
+    pre_stop = [on_this_node(word, fs, port) for word in container["lifecycle"]["preStop"]["exec"]["command"]]
+    env = {**os.environ, "BURSTFS_REMOTE": fs.remote_url, "BURSTFS_OPTS": "--drain-delay 0",
+           "PATH": f"{BIN}:{os.environ['PATH']}"}  # fmt: skip
+
+    def probe() -> bool:
+        return subprocess.run(ready, env=env, capture_output=True, timeout=60).returncode == 0
+
+    assert not probe()  # nothing mounted yet
+    daemon = subprocess.Popen(start, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(probe, what="the readiness probe")
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert "burstfs_" in text  # the port the Prometheus annotations name
+        os.kill(fs.daemon_pid(), signal.SIGKILL)  # the container dies; its FUSE mount stays, dead
+        daemon.wait(timeout=30)
+        assert is_mounted(fs.path) and not probe()
+        daemon = subprocess.Popen(start, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(probe, what="the restarted container to be ready over the dead mount")
+        (fs.path / "step_1").mkdir()
+        (fs.path / "step_1" / "model.pt").write_bytes(b"weights" * 1000)
+        stop = subprocess.run(pre_stop, env=env, capture_output=True, text=True, timeout=120)
+        assert stop.returncode == 0, stop.stderr
+        assert daemon.wait(timeout=60) == 0
+        assert (fs.remote_dir / "step_1" / "model.pt").read_bytes() == b"weights" * 1000
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
