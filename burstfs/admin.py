@@ -30,19 +30,12 @@ import click
 
 from .cachelock import CacheLock
 from .config import S3Options, parse_remote_url
-from .control import (
-    SCHEMA,
-    SOCKET_NAME,
-    files_at,
-    short_reason,
-    journal_events,
-    journal_status,
-    list_files,
-    socket_address,
-    verify,
-)
+from .control import SOCKET_NAME, socket_address
 from .errors import BurstfsError
-from .journal import BROKEN, DONE, FILE_STATES, InodeRow, Journal
+from .journal import FILE_STATES, FileState, Journal
+from .status import SCHEMA, Durability, journal_events, journal_status, list_files, short_reason
+from .status import wait_durable as wait_in_journal
+from .verify import verify_stopped
 from .mountinfo import FSNAME_PREFIX, find_burstfs_mount, mounts
 
 EXIT_OK = 0
@@ -51,8 +44,6 @@ EXIT_USAGE = 2
 EXIT_TIMEOUT = 3
 EXIT_FAILED = 4
 
-WAIT_POLL_S = 0.1  # journal reads are cheap (WAL readers never block the daemon)
-HALT_POLL_S = 1.0  # asking the daemon whether the drain is halted costs a socket round trip
 WATCH_INTERVAL_S = 1.0
 REQUEST_TIMEOUT_S = 60.0  # quick ops; prefetch and verify wait as long as they take
 START_HINT = "start a mount with: burstfs mount MOUNTPOINT --cache DIR --remote URL"
@@ -391,52 +382,17 @@ def ls_command(path: Path, cache: Path | None, as_json: bool) -> None:
             click.echo(f"{f['path']}: {f['error']}")
 
 
-@dataclasses.dataclass
-class WaitOutcome:
-    """Where a wait for durability stands: the files, which are done, which are broken."""
-
-    files: list[tuple[str, InodeRow]]
-    halted: str | None  # the drain's halt reason, when it is halted
-
-    @property
-    def done(self) -> list[tuple[str, InodeRow]]:
-        return [(p, r) for p, r in self.files if r.state in DONE]
-
-    @property
-    def broken(self) -> list[tuple[str, InodeRow]]:
-        return [(p, r) for p, r in self.files if r.state in BROKEN]
-
-    @property
-    def pending(self) -> list[tuple[str, InodeRow]]:
-        return [(p, r) for p, r in self.files if r.state not in DONE]
-
-    @property
-    def result(self) -> str:
-        """durable, failed (a file broken or the drain halted: waiting longer will not help) or waiting."""
-        return "failed" if self.broken or self.halted else "durable" if not self.pending else "waiting"
-
-
-def wait_durable(target: Target, timeout: float | None,
-                 on_poll: Callable[[WaitOutcome], None] | None = None) -> WaitOutcome:  # fmt: skip
-    """Poll the journal (read-only) until the files at ``target.rels`` are durable, one is
-    broken, the drain is halted, or ``timeout`` passes; the last poll's outcome."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    halted: str | None = None
-    next_halt_check = 0.0
+def wait_durable(target: Target, timeout: float | None, on_poll: Callable[[Durability], None] | None = None,
+                 ignore: frozenset[FileState] = frozenset()) -> Durability:  # fmt: skip
+    """status.wait_durable on the target's journal (read-only), asking its daemon, if one runs,
+    whether the drain is halted; the last poll's outcome (``result`` "waiting": timed out)."""
+    daemon = target.daemon
     with target.journal() as journal:
-        while True:
-            try:
-                outcome = WaitOutcome(files_at(journal, target.rels), halted)
-            except BurstfsError as exc:
-                raise AdminError(str(exc)) from None
-            if target.daemon is not None and time.monotonic() >= next_halt_check:
-                outcome.halted = halted = target.daemon.call("status")["drain"]["halted"]
-                next_halt_check = time.monotonic() + HALT_POLL_S
-            if on_poll is not None:
-                on_poll(outcome)
-            if outcome.result != "waiting" or (deadline is not None and time.monotonic() > deadline):
-                return outcome
-            time.sleep(WAIT_POLL_S)
+        try:
+            return wait_in_journal(journal, target.rels, timeout=timeout, on_poll=on_poll, ignore=ignore,
+                                   halted=None if daemon is None else lambda: daemon.call("status")["drain"]["halted"])  # fmt: skip
+        except BurstfsError as exc:
+            raise AdminError(str(exc)) from None
 
 
 @main.command()
@@ -453,7 +409,7 @@ def wait(paths: tuple[Path, ...], cache: Path | None, as_json: bool, timeout: fl
     target = resolve(paths, cache)
     show = not as_json and sys.stderr.isatty()
 
-    def progress(outcome: WaitOutcome) -> None:
+    def progress(outcome: Durability) -> None:
         if show:
             total = sum(r.size for _, r in outcome.files)
             click.echo(f"\r{len(outcome.done)}/{len(outcome.files)} files durable, "
@@ -577,7 +533,7 @@ def verify_command(paths: tuple[Path, ...], cache: Path | None, as_json: bool, c
         with target.journal() as journal:
             remote, s3 = _remote_of(journal) if check_remote else (None, None)
             try:
-                doc = verify(target.cache_dir, journal, target.rels, remote, s3)
+                doc = verify_stopped(target.cache_dir, journal, target.rels, remote, s3)
             except BurstfsError as exc:
                 raise AdminError(str(exc)) from None
     if as_json:

@@ -128,38 +128,31 @@ def mount(mountpoint: Path, cache_dir: Path, remote: str, foreground: bool, log_
         _fail(exc)
 
 
-def _undrained(cache_dir: Path) -> dict[str, tuple[int, int]]:
-    from .journal import Journal
-
-    journal = Journal(cache_dir, readonly=True)
-    try:
-        return journal.undrained()
-    finally:
-        journal.close()
-
-
 def _left_behind(cache_dir: Path) -> dict[str, tuple[int, int]]:
-    """What a stopped mount leaves undrained, by fate: {"drains": staged + draining,
-    "failed": failed, "incomplete": incomplete + writing} -> (files, bytes).
-
-    A file still ``writing`` in the journal of a stopped daemon becomes
-    ``incomplete`` at the next start: it never drains on its own.
-    """
+    """What a stopped mount leaves undrained, by fate (status.left_behind)."""
     from .journal import Journal
+    from .status import left_behind
 
     journal = Journal(cache_dir, readonly=True)
     try:
-        counts = journal.state_counts()
+        return left_behind(journal)
     finally:
         journal.close()
-    fate = {"staged": "drains", "draining": "drains", "failed": "failed", "incomplete": "incomplete",
-            "writing": "incomplete"}  # fmt: skip
-    left: dict[str, tuple[int, int]] = {}
-    for state, (files, nbytes) in counts.items():
-        if state in fate:
-            f, b = left.get(fate[state], (0, 0))
-            left[fate[state]] = (f + int(files), b + int(nbytes))
-    return left
+
+
+def _wait_durable(point: Path, timeout: float | None) -> None:
+    """Block until every file of the mount is durable, as ``burstfs-admin wait`` does;
+    incomplete files never drain, so they are left out (unmount reports them)."""
+    from .admin import resolve, wait_durable
+    from .journal import INCOMPLETE
+
+    outcome = wait_durable(resolve([point], None), timeout, ignore=frozenset({INCOMPLETE}))
+    if outcome.result == "failed":
+        why = f"the drain is halted ({outcome.halted})" if outcome.halted else f"{len(outcome.broken)} files failed to drain"
+        _fail(BurstfsError(f"{why}; not unmounting (see: burstfs-admin status {point}; burstfs-admin retry {point})"))
+    if outcome.result == "waiting":
+        _fail(BurstfsError(f"{len(outcome.pending)} files still not durable after {timeout:.0f}s; "
+                           f"not unmounting (see: burstfs-admin status {point})"))  # fmt: skip
 
 
 @main.command()
@@ -180,16 +173,7 @@ def unmount(mountpoint: Path, wait_drain: bool, timeout: float, wait_timeout: fl
         return
     point, cache_dir = found
     if wait_drain:
-        deadline = None if wait_timeout is None else time.monotonic() + wait_timeout
-        while pending := _undrained(cache_dir):
-            if set(pending) == {"failed"}:
-                _fail(BurstfsError(f"{pending['failed'][0]} files failed to drain; not unmounting "
-                                   f"(see: burstfs-admin status {point}; burstfs-admin retry {point})"))  # fmt: skip
-            if deadline is not None and time.monotonic() > deadline:
-                files = sum(f for f, _ in pending.values())
-                _fail(BurstfsError(f"{files} files still not durable after {wait_timeout:.0f}s; "
-                                   f"not unmounting (see: burstfs-admin status {point})"))  # fmt: skip
-            time.sleep(0.1)
+        _wait_durable(point, wait_timeout)
     lock = CacheLock(cache_dir)
     pid = lock.owner_pid()
     result = subprocess.run(["fusermount3", "-u", str(point)], capture_output=True, text=True)

@@ -13,46 +13,34 @@ the file's mode.
 
 The server runs in the daemon's trio nursery.  Anything that touches SQLite or
 the local tier's files runs in a worker thread on a read-only journal
-connection of its own, so a slow query never stalls a FUSE request.  The query
-functions at module level are shared with ``burstfs-admin``, which runs them
-against the journal of a stopped mount.
+connection of its own, so a slow query never stalls a FUSE request; the
+queries themselves are :mod:`burstfs.status` (shared with ``burstfs-admin``,
+which runs them against the journal of a stopped mount) and
+:mod:`burstfs.verify`, whose remote check runs on the mover's loop with the
+mover's client.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import json
 import logging
 import os
-import re
 import socket
 import stat
 import struct
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
-import xxhash
 
-from .config import MountConfig, RemoteURL, S3Options
-from .errors import BurstfsError, CorruptDataError, FsError, RemoteNotFound
-from .journal import (
-    CLOSED_UNDRAINED,
-    FILE_STATES,
-    NOT_LOCAL,
-    QUEUED,
-    REMOTE,
-    ROOT_INO,
-    WRITING,
-    InodeRow,
-    Journal,
-    set_meta_op,
-)
-from .localtier import LocalTier
+from .config import MountConfig
+from .errors import BurstfsError, FsError
+from .journal import QUEUED, ROOT_INO, Journal, set_meta_op
+from .status import SCHEMA, journal_events, journal_status, list_files, outage_of
+from .verify import check_local_all, check_remote_all, files_to_verify, report
 
 if TYPE_CHECKING:  # burstfs-admin imports this module: keep the mover (aiobotocore) out of its start-up
     from .core import BurstCore, Inode
@@ -61,288 +49,9 @@ if TYPE_CHECKING:  # burstfs-admin imports this module: keep the mover (aiobotoc
 log = logging.getLogger("burstfs.control")
 
 SOCKET_NAME = "control.sock"
-SCHEMA = 1  # version of the JSON documents (docs/ADMIN.md); bump on incompatible change
 MAX_LINE = 1 << 20  # longest request accepted: a path list of a few thousand files
 PREFETCH_FILES_AT_ONCE = 4  # each core.prefetch is parallel inside; a few files hide per-file latency
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the NUL
-
-
-# -- journal queries (live daemon and stopped mount alike) -----------------------------------
-
-
-def lookup(journal: Journal, rel: str) -> InodeRow | None:
-    """The inode at ``rel`` (relative to the file-system root, "" = root), or None."""
-    row = journal.inode(ROOT_INO)
-    for part in filter(None, rel.split("/")):
-        if row is None:
-            return None
-        row = journal.child(row.ino, os.fsencode(part))
-    return row
-
-
-def files_under(journal: Journal, rel: str) -> list[tuple[str, InodeRow]]:
-    """(path, row) of the file at ``rel``, or of every file below the directory ``rel``.
-
-    Raises FsError(ENOENT) when nothing is there, so a typo is an error, not an empty result.
-    """
-    top = lookup(journal, rel)
-    if top is None:
-        raise FsError(errno.ENOENT, f"/{rel}: {os.strerror(errno.ENOENT)}")
-    if top.kind != "dir":
-        return [(rel, top)] if top.kind == "file" else []
-    rows = journal.subtree(top.ino)
-    by_ino = {row.ino: row for row in rows}
-    paths: dict[int, str] = {top.ino: rel}
-
-    def path(row: InodeRow) -> str:
-        if row.ino not in paths:
-            parent = path(by_ino[row.parent])
-            paths[row.ino] = f"{parent}/{os.fsdecode(row.name)}" if parent else os.fsdecode(row.name)
-        return paths[row.ino]
-
-    found = [(path(row), row) for row in rows if row.kind == "file"]
-    return sorted(found, key=lambda item: item[0])
-
-
-def files_at(journal: Journal, rels: list[str]) -> list[tuple[str, InodeRow]]:
-    """files_under for several paths, each file once."""
-    seen: dict[int, tuple[str, InodeRow]] = {}
-    for rel in rels:
-        for path, row in files_under(journal, rel):
-            seen.setdefault(row.ino, (path, row))
-    return list(seen.values())
-
-
-def file_info(path: str, row: InodeRow) -> dict[str, Any]:
-    """One file of ``ls`` (docs/ADMIN.md: ls)."""
-    return {
-        "path": path,
-        "ino": row.ino,
-        "state": row.state,
-        "size": row.size,
-        "generation": row.generation,
-        "durable_generation": row.durable_generation,
-        "digest": row.digest,
-        "remote_key": row.remote_key,
-        "local_bytes": row.local_bytes,
-        "mtime": row.mtime_ns / 1e9,
-        "error": row.error,
-    }
-
-
-def list_files(journal: Journal, rel: str) -> dict[str, Any]:
-    return {"schema": SCHEMA, "files": [file_info(path, row) for path, row in files_under(journal, rel)]}
-
-
-def _closed_at(journal: Journal, ino: int, fallback: float) -> float:
-    # Newest 'closed' event of the file, scanning back from the end of the log: the
-    # oldest undrained file is usually recent, so the scan stays short.
-    closed = journal.last_closed_at(ino)
-    return fallback if closed is None else closed
-
-
-#: Error kinds that say the remote cannot be reached or is not answering (vs. a refusal
-#: or a per-file problem): temporary failures after retries, a failed start-up probe.
-UNREACHABLE_KINDS = frozenset({"unavailable", "unreachable"})
-#: An outage is reported while its latest error is at most this old.
-OUTAGE_FRESH_S = 300.0
-
-
-def short_reason(message: str) -> str:
-    """An error message for a headline: URLs cut to their host (no upload ids, no keys), bounded."""
-    text = re.sub(r"https?://([^/\s'\"]+)[^\s'\"]*", r"\1", " ".join(message.split()))
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
-def outage_of(stats: Any, now: float | None = None) -> dict[str, Any] | None:
-    """The drain's trouble since its last progress: ``{"since", "reason", "kind", "errors",
-    "unreachable"}``, or None while files drain (or nothing failed).
-
-    Errors recorded after the newest durable file, the latest within
-    OUTAGE_FRESH_S, make an outage.  It started at the first failed attempt the
-    mover noted for them (``MoverStats.trouble_since``), else at the first of them.
-    ``unreachable`` comes from the error's kind, never from its message text.
-    """
-    now = time.time() if now is None else now
-    last_progress = max((t for t, _ in list(stats.bytes_drained_recent)), default=0.0)
-    errors = [(t, k, m) for t, k, m in list(stats.recent_errors) if t > last_progress]
-    if not errors or now - errors[-1][0] > OUTAGE_FRESH_S:
-        return None
-    _, kind, reason = errors[-1]
-    since = getattr(stats, "trouble_since", None)
-    if since is None or since <= last_progress or since > errors[0][0]:
-        since = errors[0][0]
-    return {"since": since, "reason": short_reason(reason), "kind": kind, "errors": len(errors),
-            "unreachable": kind in UNREACHABLE_KINDS}  # fmt: skip
-
-
-def _held_bytes(journal: Journal, data_dir: Path) -> int:
-    """Bytes the local tier holds for files: each file's journaled local bytes, but no
-    more than its data file has allocated (``st_blocks * 512``), so a sparse file
-    (an ``incomplete`` one a write failed in, a hole-punched one) counts what it
-    takes, not its logical size."""
-    total = 0
-    for ino, local in journal.local_bytes_by_file():
-        try:
-            allocated = os.stat(data_dir / f"{int(ino):016x}").st_blocks * 512  # LocalTier.path; no LocalTier: it mkdirs
-        except OSError:  # removed meanwhile (evicted, unlinked): holds nothing
-            continue
-        total += min(int(local), allocated)
-    return total
-
-
-def journal_status(journal: Journal, cache_dir: Path) -> dict[str, Any]:
-    """Everything status can tell from the journal and the cache dir alone (no daemon)."""
-    states = {state: {"files": 0, "bytes": 0} for state in FILE_STATES}
-    for state, (files, nbytes) in journal.state_counts().items():
-        states.setdefault(state, {"files": 0, "bytes": 0}).update(files=files, bytes=nbytes)
-    local_bytes = _held_bytes(journal, cache_dir / "data")
-    oldest = journal.oldest_closed_undrained()
-    oldest_closed = _closed_at(journal, *oldest) if oldest else None
-    tier = os.statvfs(LocalTier(cache_dir).data_dir) if (cache_dir / "data").is_dir() else None
-    return {
-        "schema": SCHEMA,
-        "live": False,
-        "mountpoint": journal.get_meta("mountpoint"),
-        "cache_dir": str(cache_dir),
-        "remote": journal.get_meta("remote"),
-        "pid": None,
-        "data_path": None,
-        "daemon_written_bytes": None,
-        "states": states,
-        "undrained": {
-            "files": sum(states[s]["files"] for s in CLOSED_UNDRAINED),
-            "bytes": sum(states[s]["bytes"] for s in CLOSED_UNDRAINED),
-            "oldest_closed_at": oldest_closed,
-            "oldest_age_s": None if oldest_closed is None else max(0.0, time.time() - oldest_closed),
-        },
-        "drain": {
-            "throughput_bps": None,
-            "eta_s": 0.0 if not sum(states[s]["bytes"] for s in QUEUED) else None,
-            "files_drained": None,
-            "bytes_drained": None,
-            "outage": None,
-            "halted": None,
-            "mover_crashed": None,
-            "errors_by_kind": {},
-            "recent_errors": [],
-        },
-        "local_tier": {
-            "path": str(cache_dir / "data"),
-            "used_bytes": local_bytes,
-            "fs_total_bytes": tier.f_blocks * tier.f_frsize if tier else None,
-            "fs_free_bytes": tier.f_bavail * tier.f_frsize if tier else None,
-            "limit_bytes": None,
-            "mount_total_bytes": None,
-            "mount_free_bytes": None,
-        },
-    }
-
-
-def journal_events(journal: Journal, since: float, rel: str = "", limit: int = 1000) -> dict[str, Any]:
-    """Events since ``since`` (epoch seconds), only those of files under ``rel`` when given."""
-    wanted = None if not rel else {row.ino for _, row in files_under(journal, rel)}
-    events = []
-    for when, ino, event, detail in journal.events(since, limit):
-        if wanted is not None and ino not in wanted:
-            continue
-        path = journal.path_of(ino) if ino is not None else None
-        events.append({"time": when, "ino": ino, "path": path, "event": event, "detail": detail})
-    return {"schema": SCHEMA, "events": events}
-
-
-# -- verify -----------------------------------------------------------------------------------
-
-
-def _verify_local(cache_dir: Path, journal: Journal, row: InodeRow) -> tuple[str, str]:
-    """('ok' | 'mismatch' | 'skipped', detail): the staged bytes against the journaled digest."""
-    from .objects import compute_digests
-
-    if row.state in NOT_LOCAL:
-        return "skipped", "not on the local tier"
-    if row.state == WRITING:
-        return "skipped", "open for writing"
-    if not row.digest or not row.chunk_size:
-        return "skipped", f"no digest recorded yet (state {row.state})"
-    digests = compute_digests(LocalTier(cache_dir).path(row.ino), row.chunk_size)
-    current = journal.inode(row.ino)
-    if current is None or current.generation != row.generation:
-        return "skipped", "changed while it was being verified"
-    if digests.digest == row.digest and digests.size == row.size:
-        return "ok", f"generation {row.generation}"
-    if digests.size != row.size:
-        return "mismatch", f"local data is {digests.size} bytes, journal says {row.size}"
-    expected = row.chunk_digests()
-    bad = next((i for i, (a, b) in enumerate(zip(digests.chunks, expected)) if a != b), None)
-    where = f"bytes {bad * row.chunk_size}-{min((bad + 1) * row.chunk_size, row.size)}" if bad is not None else "data"
-    return "mismatch", f"{where} differ from the checksum taken at close (generation {row.generation})"
-
-
-async def _verify_remote(store: Any, row: InodeRow) -> tuple[str, str]:
-    """('ok' | 'mismatch' | 'skipped', detail): the remote object against its manifest and the journal.
-
-    A ``remote`` file (listed, another node drained it) has no journaled digest
-    here: its object is checked against its manifest alone, chunk by chunk.
-    """
-    listed = row.state == REMOTE
-    if not row.remote_key or (row.durable_generation is None and not listed):
-        return "skipped", "not on the remote yet"
-    key = row.remote_key
-    try:
-        manifest = await store.fetch_manifest(key)
-        if manifest is None:
-            return "mismatch", f"no burstfs manifest for {key}: the object cannot be verified"
-        if not listed and manifest.generation == row.generation and row.digest and manifest.digest != row.digest:
-            return "mismatch", f"manifest of {key} has digest {manifest.digest}, journal {row.digest}"
-        whole = xxhash.xxh3_128()
-        for start in range(0, manifest.size, manifest.chunk_size):
-            whole.update(await store.read_range(key, manifest, start, start + manifest.chunk_size))
-    except CorruptDataError as exc:
-        return "mismatch", str(exc)
-    except RemoteNotFound:
-        return "mismatch", f"object {key} is missing on the remote"
-    if whole.hexdigest() != manifest.digest:
-        return "mismatch", f"object {key} hashes to {whole.hexdigest()}, manifest says {manifest.digest}"
-    if listed:
-        return "ok", f"generation {manifest.generation} (against its manifest)"
-    older = "" if manifest.generation == row.generation else f" (local has generation {row.generation})"
-    return "ok", f"generation {manifest.generation}{older}"
-
-
-async def _verify_remote_all(remote: RemoteURL, s3: S3Options | None, rows: list[InodeRow]) -> list[tuple[str, str]]:
-    from .objects import ObjectStore
-    from .remote import open_remote
-
-    store = ObjectStore(open_remote(remote, s3, max_connections=8))
-    try:
-        return [await _verify_remote(store, row) for row in rows]
-    finally:
-        await store.remote.close()
-
-
-def verify(
-    cache_dir: Path, journal: Journal, rels: list[str], remote: RemoteURL | None = None, s3: S3Options | None = None
-) -> dict[str, Any]:
-    """Re-hash files (blocking; run in a thread).  With ``remote`` also read their objects back."""
-    files = sorted(files_at(journal, rels), key=lambda item: item[0])
-    local = [_verify_local(cache_dir, journal, row) for _, row in files]
-    checked_remote = asyncio.run(_verify_remote_all(remote, s3, [row for _, row in files])) if remote else None
-    results = []
-    for index, (path, _) in enumerate(files):
-        checks = {"local": local[index]}
-        if checked_remote is not None:
-            checks["remote"] = checked_remote[index]
-        verdicts = [verdict for verdict, _ in checks.values()]
-        result = "MISMATCH" if "mismatch" in verdicts else "OK" if "ok" in verdicts else "SKIPPED"
-        entry: dict[str, Any] = {"path": path, "result": result}
-        for name, (verdict, detail) in checks.items():
-            entry[name] = {"result": verdict, "detail": detail}
-        results.append(entry)
-    mismatches = sum(r["result"] == "MISMATCH" for r in results)
-    if mismatches:
-        log.error("event=verify_mismatch files=%d", mismatches)
-    skipped = sum(r["result"] == "SKIPPED" for r in results)
-    return {"schema": SCHEMA, "files": results, "mismatches": mismatches, "skipped": skipped}
 
 
 # -- the socket ------------------------------------------------------------------------------
@@ -527,10 +236,13 @@ class ControlServer:
                 seen.setdefault(inode.ino, (path, inode))
         return sorted(seen.values(), key=lambda item: item[0])
 
-    def _mover(self) -> Any:
+    def _drain(self) -> DrainService:
         if self.drain is None:
             raise FsError(errno.ENOTSUP, "this mount has no mover")
-        return self.drain.mover
+        return self.drain
+
+    def _mover(self) -> Any:
+        return self._drain().mover
 
     # -- ops ---------------------------------------------------------------------------
 
@@ -631,10 +343,20 @@ class ControlServer:
 
     async def _verify(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:
         rels = self._rels(request)
-        remote = self.config.remote if request.get("remote") else None
-        return await trio.to_thread.run_sync(
-            verify, self.config.cache_dir, self.journal, rels, remote, self.config.s3
-        )
+        drain = self._drain() if request.get("remote") else None  # refuse before hashing anything
+        files = await trio.to_thread.run_sync(files_to_verify, self.journal, rels)
+        local = await trio.to_thread.run_sync(check_local_all, self.config.cache_dir, self.journal, files)
+        remote = None
+        if drain is not None:
+            mover = drain.mover
+
+            async def check_on_mover_loop() -> list[tuple[str, str]]:
+                if mover.store is None:
+                    raise FsError(errno.EIO, "the mover is not running")
+                return await check_remote_all(mover.store, [row for _, row in files])
+
+            remote = await drain.on_mover_loop(check_on_mover_loop())
+        return report(files, local, remote)
 
 
 def _error_fields(exc: BaseException) -> dict[str, Any]:

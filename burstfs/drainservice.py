@@ -2,7 +2,8 @@
 
 The mover lives on its own asyncio loop in a thread, so uploads, fetches,
 hashing and compression never run on the trio request loop.  The core only ever
-calls the thread-safe methods below; :func:`_on_mover_loop` runs a coroutine on
+calls the thread-safe methods below; :meth:`DrainService.on_mover_loop` (the
+one path from trio into the mover's loop) runs a coroutine on
 the mover's loop and wakes the waiting trio task when it is done, without
 parking a thread per request.
 """
@@ -123,11 +124,11 @@ class DrainService:
 
     async def ensure_local(self, ino: int, offset: int, size: int) -> int:
         assert self.mover.restore is not None
-        return await self._on_mover_loop(self.mover.restore.ensure_local(ino, offset, size))
+        return await self.on_mover_loop(self.mover.restore.ensure_local(ino, offset, size))
 
     async def list_dir(self, dir_key: str) -> tuple[list[tuple[str, int, float]], list[str]]:
         assert self.mover.restore is not None
-        return await self._on_mover_loop(self.mover.restore.list_dir(dir_key))
+        return await self.on_mover_loop(self.mover.restore.list_dir(dir_key))
 
     def forget(self, ino: int) -> None:
         loop, restore = self.mover.loop, self.mover.restore
@@ -141,7 +142,8 @@ class DrainService:
     def fetched_bytes(self) -> int:
         return self.mover.restore.fetched_bytes if self.mover.restore else 0
 
-    async def _on_mover_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+    async def on_mover_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the mover's loop and wait for it from trio (EIO while the mover is down)."""
         loop = self.mover.loop
         if loop is None or self.crashed is not None:
             coro.close()

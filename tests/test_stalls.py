@@ -178,7 +178,7 @@ def test_outage_headline_uses_the_error_kind_and_the_first_failed_attempt() -> N
     """Issue 11 leftover (c): the headline says "unreachable" from the error's kind, not by
     matching words in its message, and dates the outage from its first failed attempt
     (before the retries that preceded the recorded error)."""
-    from burstfs.control import outage_of
+    from burstfs.status import outage_of
     from burstfs.mover import MoverStats
 
     stats = MoverStats()

@@ -1,0 +1,301 @@
+"""What a mount's journal says: the status queries behind ``burstfs-admin`` and the control socket.
+
+Pure functions of a :class:`~burstfs.journal.Journal` (and the cache dir's
+files), blocking: the daemon runs them in worker threads on a read-only
+connection of its own, ``burstfs-admin`` and ``burstfs`` against the journal of
+a stopped mount.  One function answers each question (status, which files,
+what is left behind, is it durable yet), so the tools never count twice.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import FsError
+from .journal import (
+    BROKEN,
+    CLOSED_UNDRAINED,
+    DONE,
+    FAILED,
+    FILE_STATES,
+    INCOMPLETE,
+    QUEUED,
+    ROOT_INO,
+    WRITING,
+    FileState,
+    InodeRow,
+    Journal,
+)
+from .localtier import LocalTier
+
+SCHEMA = 1  # version of the JSON documents (docs/ADMIN.md); bump on incompatible change
+WAIT_POLL_S = 0.1  # journal reads are cheap (WAL readers never block the daemon)
+HALT_POLL_S = 1.0  # asking the daemon whether the drain is halted costs a socket round trip
+
+
+def lookup(journal: Journal, rel: str) -> InodeRow | None:
+    """The inode at ``rel`` (relative to the file-system root, "" = root), or None."""
+    row = journal.inode(ROOT_INO)
+    for part in filter(None, rel.split("/")):
+        if row is None:
+            return None
+        row = journal.child(row.ino, os.fsencode(part))
+    return row
+
+
+def files_under(journal: Journal, rel: str) -> list[tuple[str, InodeRow]]:
+    """(path, row) of the file at ``rel``, or of every file below the directory ``rel``.
+
+    Raises FsError(ENOENT) when nothing is there, so a typo is an error, not an empty result.
+    """
+    top = lookup(journal, rel)
+    if top is None:
+        raise FsError(errno.ENOENT, f"/{rel}: {os.strerror(errno.ENOENT)}")
+    if top.kind != "dir":
+        return [(rel, top)] if top.kind == "file" else []
+    rows = journal.subtree(top.ino)
+    by_ino = {row.ino: row for row in rows}
+    paths: dict[int, str] = {top.ino: rel}
+
+    def path(row: InodeRow) -> str:
+        if row.ino not in paths:
+            parent = path(by_ino[row.parent])
+            paths[row.ino] = f"{parent}/{os.fsdecode(row.name)}" if parent else os.fsdecode(row.name)
+        return paths[row.ino]
+
+    found = [(path(row), row) for row in rows if row.kind == "file"]
+    return sorted(found, key=lambda item: item[0])
+
+
+def files_at(journal: Journal, rels: list[str]) -> list[tuple[str, InodeRow]]:
+    """files_under for several paths, each file once."""
+    seen: dict[int, tuple[str, InodeRow]] = {}
+    for rel in rels:
+        for path, row in files_under(journal, rel):
+            seen.setdefault(row.ino, (path, row))
+    return list(seen.values())
+
+
+def file_info(path: str, row: InodeRow) -> dict[str, Any]:
+    """One file of ``ls`` (docs/ADMIN.md: ls)."""
+    return {
+        "path": path,
+        "ino": row.ino,
+        "state": row.state,
+        "size": row.size,
+        "generation": row.generation,
+        "durable_generation": row.durable_generation,
+        "digest": row.digest,
+        "remote_key": row.remote_key,
+        "local_bytes": row.local_bytes,
+        "mtime": row.mtime_ns / 1e9,
+        "error": row.error,
+    }
+
+
+def list_files(journal: Journal, rel: str) -> dict[str, Any]:
+    return {"schema": SCHEMA, "files": [file_info(path, row) for path, row in files_under(journal, rel)]}
+
+
+def _closed_at(journal: Journal, ino: int, fallback: float) -> float:
+    # Newest 'closed' event of the file, scanning back from the end of the log: the
+    # oldest undrained file is usually recent, so the scan stays short.
+    closed = journal.last_closed_at(ino)
+    return fallback if closed is None else closed
+
+
+#: Error kinds that say the remote cannot be reached or is not answering (vs. a refusal
+#: or a per-file problem): temporary failures after retries, a failed start-up probe.
+UNREACHABLE_KINDS = frozenset({"unavailable", "unreachable"})
+#: An outage is reported while its latest error is at most this old.
+OUTAGE_FRESH_S = 300.0
+
+
+def short_reason(message: str) -> str:
+    """An error message for a headline: URLs cut to their host (no upload ids, no keys), bounded."""
+    text = re.sub(r"https?://([^/\s'\"]+)[^\s'\"]*", r"\1", " ".join(message.split()))
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def outage_of(stats: Any, now: float | None = None) -> dict[str, Any] | None:
+    """The drain's trouble since its last progress: ``{"since", "reason", "kind", "errors",
+    "unreachable"}``, or None while files drain (or nothing failed).
+
+    Errors recorded after the newest durable file, the latest within
+    OUTAGE_FRESH_S, make an outage.  It started at the first failed attempt the
+    mover noted for them (``MoverStats.trouble_since``), else at the first of them.
+    ``unreachable`` comes from the error's kind, never from its message text.
+    """
+    now = time.time() if now is None else now
+    last_progress = max((t for t, _ in list(stats.bytes_drained_recent)), default=0.0)
+    errors = [(t, k, m) for t, k, m in list(stats.recent_errors) if t > last_progress]
+    if not errors or now - errors[-1][0] > OUTAGE_FRESH_S:
+        return None
+    _, kind, reason = errors[-1]
+    since = getattr(stats, "trouble_since", None)
+    if since is None or since <= last_progress or since > errors[0][0]:
+        since = errors[0][0]
+    return {"since": since, "reason": short_reason(reason), "kind": kind, "errors": len(errors),
+            "unreachable": kind in UNREACHABLE_KINDS}  # fmt: skip
+
+
+def _held_bytes(journal: Journal, data_dir: Path) -> int:
+    """Bytes the local tier holds for files: each file's journaled local bytes, but no
+    more than its data file has allocated (``st_blocks * 512``), so a sparse file
+    (an ``incomplete`` one a write failed in, a hole-punched one) counts what it
+    takes, not its logical size."""
+    total = 0
+    for ino, local in journal.local_bytes_by_file():
+        try:
+            allocated = os.stat(data_dir / f"{int(ino):016x}").st_blocks * 512  # LocalTier.path; no LocalTier: it mkdirs
+        except OSError:  # removed meanwhile (evicted, unlinked): holds nothing
+            continue
+        total += min(int(local), allocated)
+    return total
+
+
+def journal_status(journal: Journal, cache_dir: Path) -> dict[str, Any]:
+    """Everything status can tell from the journal and the cache dir alone (no daemon)."""
+    states = {state: {"files": 0, "bytes": 0} for state in FILE_STATES}
+    for state, (files, nbytes) in journal.state_counts().items():
+        states.setdefault(state, {"files": 0, "bytes": 0}).update(files=files, bytes=nbytes)
+    local_bytes = _held_bytes(journal, cache_dir / "data")
+    oldest = journal.oldest_closed_undrained()
+    oldest_closed = _closed_at(journal, *oldest) if oldest else None
+    tier = os.statvfs(LocalTier(cache_dir).data_dir) if (cache_dir / "data").is_dir() else None
+    return {
+        "schema": SCHEMA,
+        "live": False,
+        "mountpoint": journal.get_meta("mountpoint"),
+        "cache_dir": str(cache_dir),
+        "remote": journal.get_meta("remote"),
+        "pid": None,
+        "data_path": None,
+        "daemon_written_bytes": None,
+        "states": states,
+        "undrained": {
+            "files": sum(states[s]["files"] for s in CLOSED_UNDRAINED),
+            "bytes": sum(states[s]["bytes"] for s in CLOSED_UNDRAINED),
+            "oldest_closed_at": oldest_closed,
+            "oldest_age_s": None if oldest_closed is None else max(0.0, time.time() - oldest_closed),
+        },
+        "drain": {
+            "throughput_bps": None,
+            "eta_s": 0.0 if not sum(states[s]["bytes"] for s in QUEUED) else None,
+            "files_drained": None,
+            "bytes_drained": None,
+            "outage": None,
+            "halted": None,
+            "mover_crashed": None,
+            "errors_by_kind": {},
+            "recent_errors": [],
+        },
+        "local_tier": {
+            "path": str(cache_dir / "data"),
+            "used_bytes": local_bytes,
+            "fs_total_bytes": tier.f_blocks * tier.f_frsize if tier else None,
+            "fs_free_bytes": tier.f_bavail * tier.f_frsize if tier else None,
+            "limit_bytes": None,
+            "mount_total_bytes": None,
+            "mount_free_bytes": None,
+        },
+    }
+
+
+def journal_events(journal: Journal, since: float, rel: str = "", limit: int = 1000) -> dict[str, Any]:
+    """Events since ``since`` (epoch seconds), only those of files under ``rel`` when given."""
+    wanted = None if not rel else {row.ino for _, row in files_under(journal, rel)}
+    events = []
+    for when, ino, event, detail in journal.events(since, limit):
+        if wanted is not None and ino not in wanted:
+            continue
+        path = journal.path_of(ino) if ino is not None else None
+        events.append({"time": when, "ino": ino, "path": path, "event": event, "detail": detail})
+    return {"schema": SCHEMA, "events": events}
+
+
+#: What a stopped mount leaves behind, by fate: it drains at the next start, it waits for
+#: ``burstfs-admin retry``, or it never drains (a file still ``writing`` in the journal of a
+#: stopped daemon becomes ``incomplete`` at the next start).
+LEFT_BEHIND_FATES: dict[str, frozenset[FileState]] = {
+    "drains": QUEUED,
+    "failed": frozenset({FAILED}),
+    "incomplete": frozenset({INCOMPLETE, WRITING}),
+}
+
+
+def left_behind(journal: Journal) -> dict[str, tuple[int, int]]:
+    """(files, bytes) per fate of LEFT_BEHIND_FATES, for the fates that have any."""
+    counts = journal.state_counts()
+    left = {}
+    for fate, states in LEFT_BEHIND_FATES.items():
+        files = sum(counts[s][0] for s in states if s in counts)
+        if files:
+            left[fate] = (files, sum(counts[s][1] for s in states if s in counts))
+    return left
+
+
+@dataclass(frozen=True)
+class Durability:
+    """Where the files of a wait stand: all of them, the durable ones, the ones that will
+    not drain by themselves, and why the drain is halted (None: it is not)."""
+
+    files: list[tuple[str, InodeRow]]
+    done: list[tuple[str, InodeRow]]
+    broken: list[tuple[str, InodeRow]]
+    halted: str | None = None
+
+    @property
+    def pending(self) -> list[tuple[str, InodeRow]]:
+        return [(path, row) for path, row in self.files if row.state not in DONE]
+
+    @property
+    def result(self) -> str:
+        """durable, failed (a file broken or the drain halted: waiting longer will not help) or waiting."""
+        return "failed" if self.broken or self.halted else "durable" if not self.pending else "waiting"
+
+
+def durability(
+    journal: Journal, rels: list[str], ignore: frozenset[FileState] = frozenset(), halted: str | None = None
+) -> Durability:
+    """The files at or under ``rels`` (those in ``ignore`` states left out) and how far they are."""
+    files = [(path, row) for path, row in files_at(journal, rels) if row.state not in ignore]
+    done = [(path, row) for path, row in files if row.state in DONE]
+    return Durability(files, done, [(path, row) for path, row in files if row.state in BROKEN], halted)
+
+
+def wait_durable(
+    journal: Journal,
+    rels: list[str],
+    *,
+    timeout: float | None,
+    halted: Callable[[], str | None] | None = None,
+    on_poll: Callable[[Durability], None] | None = None,
+    ignore: frozenset[FileState] = frozenset(),
+) -> Durability:
+    """Block until the files at or under ``rels`` are durable, one of them will not drain by
+    itself (failed, incomplete), ``halted()`` (asked every HALT_POLL_S: a socket round trip)
+    names why the drain is halted, or ``timeout`` passes (``result`` "waiting"); returns the
+    last poll, which ``on_poll`` sees too (progress).  The one wait behind
+    ``burstfs-admin wait``, ``burstfs unmount --wait`` and ``burstfs.client.wait_durable``.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    halted_reason: str | None = None
+    next_halt_check = 0.0
+    while True:
+        if halted is not None and time.monotonic() >= next_halt_check:
+            halted_reason = halted()
+            next_halt_check = time.monotonic() + HALT_POLL_S
+        state = durability(journal, rels, ignore, halted_reason)
+        if on_poll is not None:
+            on_poll(state)
+        if state.result != "waiting" or (deadline is not None and time.monotonic() > deadline):
+            return state
+        time.sleep(WAIT_POLL_S)
