@@ -29,7 +29,7 @@ from typing import Any
 import click
 
 from .cachelock import CacheLock
-from .config import S3Options, parse_remote_url
+from .config import RemoteURL, S3Options, config_from_meta
 from .control import SOCKET_NAME, socket_address
 from .errors import BurstfsError
 from .journal import FILE_STATES, FileState, Journal
@@ -512,11 +512,11 @@ def prefetch(paths: tuple[Path, ...], cache: Path | None, as_json: bool) -> None
     _per_file_failures(doc, "fetched")
 
 
-def _remote_of(journal: Journal) -> tuple[Any, S3Options]:
-    url = journal.get_meta("remote")
-    if url is None:
+def _remote_of(journal: Journal, cache_dir: Path) -> tuple[RemoteURL, S3Options]:
+    config = config_from_meta(journal.get_meta, cache_dir)
+    if config is None:
         raise AdminError("the journal records no remote: this cache was never mounted")
-    return parse_remote_url(url), S3Options(**json.loads(journal.get_meta("s3") or "{}"))
+    return config.remote, config.s3
 
 
 @main.command(name="verify")
@@ -531,7 +531,7 @@ def verify_command(paths: tuple[Path, ...], cache: Path | None, as_json: bool, c
         doc = target.daemon.call("verify", paths=target.rels, remote=check_remote, timeout=None)
     else:
         with target.journal() as journal:
-            remote, s3 = _remote_of(journal) if check_remote else (None, None)
+            remote, s3 = _remote_of(journal, target.cache_dir) if check_remote else (None, None)
             try:
                 doc = verify_stopped(target.cache_dir, journal, target.rels, remote, s3)
             except BurstfsError as exc:

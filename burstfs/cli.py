@@ -6,36 +6,24 @@ Exit codes: 0 success, 1 runtime failure, 2 bad input (click's usage errors too)
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from .cachelock import CacheLock
-from .config import DEFAULT_COMMIT_MARKERS, DrainOptions, MountConfig, S3Options, parse_remote_url
+from . import configfile
+from .config import DEFAULT_COMMIT_MARKERS, config_from_meta
 from .errors import BurstfsError, ConfigError
 from .mountinfo import find_burstfs_mount
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
-
-_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """'8M', '512MiB', '20G' -> bytes."""
-    value = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = value[-1:] if value[-1:] in _SIZE_UNITS and not value[-1:].isdigit() else ""
-    number = value[: len(value) - len(unit)]
-    try:
-        return int(float(number) * _SIZE_UNITS[unit])
-    except ValueError:
-        raise ConfigError(f"not a size: {text!r} (examples: 8M, 512MiB, 20G)") from None
-
 
 def _fail(exc: BurstfsError) -> None:
     click.echo(f"burstfs: {exc}", err=True)
@@ -49,10 +37,12 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("mountpoint", type=click.Path(path_type=Path))
-@click.option("--cache", "cache_dir", required=True, type=click.Path(path_type=Path),
-              help="Local tier directory (tmpfs or NVMe); holds staged data and the journal.")
-@click.option("--remote", required=True, help="s3://BUCKET/PREFIX or file:///DIR")
+@click.argument("mountpoint", required=False, type=click.Path(path_type=Path))
+@click.option("--config", "config_file", type=click.Path(path_type=Path, dir_okay=False),
+              help="TOML file of these options (docs/CONFIGURATION.md); the command line overrides it.")
+@click.option("--cache", "cache_dir", type=click.Path(path_type=Path),
+              help="Local tier directory (tmpfs or NVMe); holds staged data and the journal. Required.")
+@click.option("--remote", help="s3://BUCKET/PREFIX or file:///DIR. Required.")
 @click.option("--foreground", "-f", is_flag=True, help="Do not daemonize (systemd, Kubernetes).")
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
@@ -79,53 +69,52 @@ def main() -> None:
 @click.option("--compress", type=click.Choice(["none", "lz4"]), default="none", show_default=True)
 @click.option("--drain-delay", default=0.0, show_default=True,
               help="Seconds a closed file waits before it drains (coalesces quick rewrites).")
-@click.option("--commit-marker", "commit_markers", multiple=True,
-              help=f"Pattern of files that publish a checkpoint (repeatable). Default: {', '.join(DEFAULT_COMMIT_MARKERS)}")
+@click.option("--commit-marker", "commit_markers", multiple=True, default=DEFAULT_COMMIT_MARKERS, show_default=True,
+              help="Pattern of files that publish a checkpoint (repeatable; replaces the defaults).")
 @click.option("--metrics-addr", default=None, help="Serve Prometheus metrics on HOST:PORT.")
 @click.option("--nonempty", is_flag=True, help="Mount over a mount point that holds files (they are hidden while mounted).")
 @click.option("--remote-wait", default=1.0, show_default=True,
               help="Seconds a lookup or a directory listing waits for the remote; then it is answered from local entries.")
-def mount(mountpoint: Path, cache_dir: Path, remote: str, foreground: bool, log_level: str, fsync_mode: str,
-          allow_other: bool, no_writeback_cache: bool, no_passthrough: bool, cache_size: str | None, min_free: str, evict_policy: str,
-          full_timeout: float, list_ttl: float, endpoint_url: str | None,
-          region: str | None, part_size: str, concurrency: int, max_files: int, compress: str, drain_delay: float, read_ahead: str,
-          commit_markers: tuple[str, ...], metrics_addr: str | None, nonempty: bool,
-          remote_wait: float) -> None:  # fmt: skip
-    """Mount burstfs at MOUNTPOINT; returns once the mount is live."""
+@click.pass_context
+def mount(ctx: click.Context, config_file: Path | None, **options: Any) -> None:
+    """Mount burstfs at MOUNTPOINT; returns once the mount is live.
+
+    MOUNTPOINT, --cache and --remote are required, on the command line or in
+    the --config file.
+    """
     from .daemon import mount as run
 
     try:
-        config = MountConfig(
-            mountpoint=Path(os.path.realpath(mountpoint)),  # as /proc/self/mountinfo will show it
-            cache_dir=cache_dir.absolute(),
-            remote=parse_remote_url(remote),
-            s3=S3Options(endpoint_url=endpoint_url, region=region),
-            drain=DrainOptions(
-                part_size=parse_size(part_size),
-                concurrency=concurrency,
-                max_files=max_files,
-                compress=None if compress == "none" else compress,
-                delay=drain_delay,
-                commit_markers=commit_markers or DEFAULT_COMMIT_MARKERS,
-            ),
-            fsync_remote=fsync_mode == "remote",
-            allow_other=allow_other,
-            writeback_cache=not no_writeback_cache,
-            passthrough=not no_passthrough,
-            cache_size=parse_size(cache_size) if cache_size else None,
-            min_free=parse_size(min_free),
-            evict_policy=evict_policy,
-            full_timeout=full_timeout,
-            list_ttl=list_ttl,
-            read_ahead=parse_size(read_ahead),
-            log_level=log_level.upper(),
-            metrics_addr=metrics_addr,
-            nonempty=nonempty,
-            remote_wait=remote_wait,
-        )
-        sys.exit(run(config, foreground=foreground))
+        file = configfile.load(config_file, ctx.command) if config_file is not None else None
+        given = {name for name in ctx.params if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE}
+        values = configfile.merge(options, file, given)
+        config = configfile.build_with_file(values, file, ctx.command)
+        sys.exit(run(config, foreground=values["foreground"]))
     except BurstfsError as exc:
         _fail(exc)
+
+
+@main.group(name="config")
+def config_group() -> None:
+    """Config files of burstfs mount (docs/CONFIGURATION.md)."""
+
+
+@config_group.command(name="check")
+@click.argument("file", type=click.Path(path_type=Path, dir_okay=False))
+def config_check(file: Path) -> None:
+    """Validate FILE and print the settings a mount with it would use (exit 2 if it is wrong).
+
+    Secrets (a password in an endpoint URL) are never printed.
+    """
+    try:
+        loaded = configfile.load(file, mount)
+        values = configfile.merge(configfile.defaults(mount), loaded, set())
+        configfile.build_with_file(values, loaded, mount)
+    except BurstfsError as exc:
+        _fail(exc)
+    click.echo(f"# {file}: valid; the settings of `burstfs mount --config {file}`")
+    for line in configfile.format_settings(values, mount):
+        click.echo(line)
 
 
 def _left_behind(cache_dir: Path) -> dict[str, tuple[int, int]]:
@@ -230,27 +219,23 @@ def drain(cache_dir: Path, endpoint_url: str | None, now: bool) -> None:
         if not (cache_dir / "journal.db").exists():
             raise ConfigError(f"{cache_dir} is not a burstfs cache dir (no journal.db)")
         lock.acquire()
-        config = Journal(cache_dir)
+        journal = Journal(cache_dir)
         try:
-            remote = config.get_meta("remote")
-            if remote is None:
-                raise ConfigError(f"{cache_dir} is not a burstfs cache dir (no journal)")
-            s3 = S3Options(**json.loads(config.get_meta("s3") or "{}"))
-            options = json.loads(config.get_meta("drain") or "{}")
+            config = config_from_meta(journal.get_meta, cache_dir)
         finally:
-            config.close()
-        if endpoint_url:
-            s3 = dataclasses.replace(s3, endpoint_url=endpoint_url)
-        options["commit_markers"] = tuple(options.get("commit_markers", DEFAULT_COMMIT_MARKERS))
-        delay = float(options.get("delay", 0.0))
+            journal.close()
+        if config is None:
+            raise ConfigError(f"{cache_dir} is not a burstfs cache dir (no journal)")
+        s3 = dataclasses.replace(config.s3, endpoint_url=endpoint_url) if endpoint_url else config.s3
+        options = config.drain
         if now:
-            options["delay"] = 0.0
-        elif delay > 0:
-            click.echo(f"burstfs: files drain {delay:.0f}s after their close, the --drain-delay of the last mount "
+            options = dataclasses.replace(options, delay=0.0)
+        elif options.delay > 0:
+            click.echo(f"burstfs: files drain {options.delay:.0f}s after their close, the --drain-delay of the last mount "
                        "(a crash or an unmount does not shorten it); pass --now to drain at once", err=True)  # fmt: skip
-        mover = Mover(cache_dir, parse_remote_url(remote), s3, DrainOptions(**options))
+        mover = Mover(cache_dir, config.remote, s3, options)
         asyncio.run(mover.run(until_idle=True))
-        click.echo(f"drained {mover.stats.files_drained} files ({mover.stats.bytes_drained} bytes) to {remote}")
+        click.echo(f"drained {mover.stats.files_drained} files ({mover.stats.bytes_drained} bytes) to {config.remote}")
     except BurstfsError as exc:
         _fail(exc)
     finally:

@@ -1,16 +1,25 @@
 """Validated configuration values: the remote URL and the mount options.
 
-Everything here is a frozen value object built from user input, so a bad value
-fails at start-up with a message that names it, never later inside a request.
+One tree: :class:`MountConfig` holds the mount's own options and its
+:class:`S3Options`, :class:`DrainOptions` and :class:`TierOptions`; the core,
+the mover and the control server take their part of it.  Everything here is a
+frozen value object built from user input (the command line, a config file:
+``configfile.py``), so a bad value fails at start-up with a message that names
+it, never later inside a request.  A mount journals its config
+(:meth:`MountConfig.to_json`), and ``burstfs drain`` and ``burstfs-admin`` read
+it back (:func:`config_from_meta`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import json
 import re
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from .errors import ConfigError
 
@@ -18,6 +27,19 @@ from .errors import ConfigError
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 
 DEFAULT_COMMIT_MARKERS = (".metadata", "latest", "*.index.json", "latest_checkpointed_iteration.txt")
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'8M', '512MiB', '20G' -> bytes."""
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = value[-1:] if value[-1:] in _SIZE_UNITS and not value[-1:].isdigit() else ""
+    number = value[: len(value) - len(unit)]
+    try:
+        return int(float(number) * _SIZE_UNITS[unit])
+    except ValueError:
+        raise ConfigError(f"not a size: {text!r} (examples: 8M, 512MiB, 20G)") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,11 +125,46 @@ class DrainOptions:
 
     def __post_init__(self) -> None:
         if self.part_size < 5 * 1024 * 1024 or self.part_size > 5 * 1024**3:
-            raise ConfigError("part size must be between 5 MiB and 5 GiB (S3 multipart limits)")
-        if self.concurrency < 1 or self.max_files < 1:
-            raise ConfigError("concurrency and max-files must be at least 1")
+            raise ConfigError("part size must be between 5 MiB and 5 GiB (S3 multipart limits)", "part-size")
+        if self.concurrency < 1:
+            raise ConfigError(f"--concurrency must be at least 1, not {self.concurrency}", "concurrency")
+        if self.max_files < 1:
+            raise ConfigError(f"--max-files must be at least 1, not {self.max_files}", "max-files")
         if self.compress not in (None, "lz4"):
-            raise ConfigError(f"unknown compression {self.compress!r}; supported: lz4")
+            raise ConfigError(f"unknown compression {self.compress!r}; supported: lz4", "compress")
+        if self.delay < 0:
+            raise ConfigError(f"--drain-delay must not be negative, not {self.delay}", "drain-delay")
+
+
+EVICT_POLICIES = ("lru", "fifo", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class TierOptions:
+    """How the local tier is kept from overflowing (the core's capacity policy).
+
+    cache_size: bytes of file data the tier may hold (None: bounded by the file system only).
+    min_free: bytes the tier's file system must keep free.
+    evict: "lru" (least recently used durable files first: the newest checkpoint
+        stays hot), "fifo" (oldest closed first) or "none".
+    full_timeout: seconds a write waits for the drain when the tier is full of
+        undrained data before it fails with ENOSPC.
+    """
+
+    cache_size: int | None = None
+    min_free: int = 0
+    evict: str = "lru"
+    full_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.cache_size is not None and self.cache_size <= 0:
+            raise ConfigError(f"--cache-size must be positive, not {self.cache_size}", "cache-size")
+        if self.min_free < 0:
+            raise ConfigError(f"--min-free must not be negative, not {self.min_free}", "min-free")
+        if self.evict not in EVICT_POLICIES:
+            raise ConfigError(f"--evict must be one of {', '.join(EVICT_POLICIES)}, not {self.evict!r}", "evict")
+        if self.full_timeout < 0:
+            raise ConfigError(f"--full-timeout must not be negative, not {self.full_timeout}", "full-timeout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,10 +174,7 @@ class MountConfig:
     fsync_remote: fsync(2) waits until the file is durable on the remote.
     writeback_cache: let the kernel buffer writes (large, batched writes to us).
     passthrough: let the kernel read and write local files on the tier itself (FUSE passthrough).
-    cache_size: bytes of the local tier burstfs may use (None: the whole file system).
-    min_free: bytes the local tier's file system must keep free.
-    evict_policy: lru | fifo | none (which durable files leave the tier first).
-    full_timeout: seconds a write waits for the drain on a full tier before ENOSPC.
+    tier: how the local tier is kept from overflowing.
     list_ttl: seconds a directory's remote listing stays fresh.
     read_ahead: kernel readahead of the mount, bytes.
     nonempty: mount over a mount point that holds files (hidden while mounted).
@@ -132,14 +186,11 @@ class MountConfig:
     remote: RemoteURL
     s3: S3Options = S3Options()
     drain: DrainOptions = DrainOptions()
+    tier: TierOptions = TierOptions()
     fsync_remote: bool = False
     allow_other: bool = False
     writeback_cache: bool = True
     passthrough: bool = True
-    cache_size: int | None = None
-    min_free: int = 0
-    evict_policy: str = "lru"
-    full_timeout: float = 60.0
     list_ttl: float = 30.0
     read_ahead: int = 1 << 20
     log_level: str = "INFO"
@@ -149,6 +200,62 @@ class MountConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.remote_wait <= 60:
-            raise ConfigError(f"--remote-wait must be between 0 and 60 seconds, not {self.remote_wait}")
-        if self.full_timeout < 0:
-            raise ConfigError(f"--full-timeout must not be negative, not {self.full_timeout}")
+            raise ConfigError(f"--remote-wait must be between 0 and 60 seconds, not {self.remote_wait}", "remote-wait")
+        if self.list_ttl < 0:
+            raise ConfigError(f"--list-ttl must not be negative, not {self.list_ttl}", "list-ttl")
+        if self.read_ahead < 0:
+            raise ConfigError(f"--read-ahead must not be negative, not {self.read_ahead}", "read-ahead")
+
+    def to_json(self) -> str:
+        """The whole tree as JSON, for the journal (``burstfs drain`` and ``burstfs-admin`` read it back)."""
+        doc = dataclasses.asdict(self)
+        doc.update(mountpoint=str(self.mountpoint), cache_dir=str(self.cache_dir), remote=str(self.remote))
+        return json.dumps(doc, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> MountConfig:
+        """The tree :meth:`to_json` wrote (keys a later burstfs added are ignored, missing ones default)."""
+        doc = json.loads(text)
+        drain = _known(DrainOptions, doc.get("drain", {}))
+        if "commit_markers" in drain:
+            drain["commit_markers"] = tuple(drain["commit_markers"])
+        return cls(
+            mountpoint=Path(doc["mountpoint"]),
+            cache_dir=Path(doc["cache_dir"]),
+            remote=parse_remote_url(doc["remote"]),
+            s3=S3Options(**_known(S3Options, doc.get("s3", {}))),
+            drain=DrainOptions(**drain),
+            tier=TierOptions(**_known(TierOptions, doc.get("tier", {}))),
+            **{k: v for k, v in _known(cls, doc).items() if k not in _TREE_FIELDS},
+        )
+
+
+_TREE_FIELDS = frozenset({"mountpoint", "cache_dir", "remote", "s3", "drain", "tier"})
+
+
+def _known(cls: type, doc: dict[str, Any]) -> dict[str, Any]:
+    names = {field.name for field in dataclasses.fields(cls)}
+    return {key: value for key, value in doc.items() if key in names}
+
+
+def config_from_meta(get_meta: Callable[[str], str | None], cache_dir: Path) -> MountConfig | None:
+    """The config the last mount of ``cache_dir`` journaled (``Journal.get_meta``), None if never mounted.
+
+    A cache last mounted by a burstfs before the config was journaled whole has
+    its remote, S3 and drain options under separate keys: those are read instead.
+    """
+    text = get_meta("config")
+    if text is not None:
+        return dataclasses.replace(MountConfig.from_json(text), cache_dir=cache_dir)
+    remote = get_meta("remote")
+    if remote is None:
+        return None
+    drain = json.loads(get_meta("drain") or "{}")
+    drain["commit_markers"] = tuple(drain.get("commit_markers", DEFAULT_COMMIT_MARKERS))
+    return MountConfig(
+        mountpoint=Path(get_meta("mountpoint") or "/"),
+        cache_dir=cache_dir,
+        remote=parse_remote_url(remote),
+        s3=S3Options(**json.loads(get_meta("s3") or "{}")),
+        drain=DrainOptions(**drain),
+    )

@@ -253,7 +253,7 @@ class ControlServer:
                    daemon_written_bytes=self.core.daemon_written_bytes)  # fmt: skip
         fs = self.core.statfs(await self.core.evictable_bytes())
         doc["local_tier"].update(
-            limit_bytes=self.config.cache_size,
+            limit_bytes=self.config.tier.cache_size,
             mount_total_bytes=fs.blocks * fs.block_size,
             mount_free_bytes=fs.blocks_free * fs.block_size,
         )

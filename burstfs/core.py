@@ -27,6 +27,7 @@ from typing import Protocol
 import trio
 
 from .committer import GroupCommitter
+from .config import TierOptions
 from .errors import BurstfsError, FsError, NoSpaceError, to_errno
 from .journal import (
     INCOMPLETE,
@@ -108,24 +109,6 @@ class BackingFiles(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
-class CapacityPolicy:
-    """How the local tier is kept from overflowing.
-
-    limit: bytes of file data the tier may hold (None: bounded by the file system only).
-    min_free: bytes the file system must keep free.
-    evict: "lru" (least recently used durable files first: the newest checkpoint
-        stays hot), "fifo" (oldest closed first) or "none".
-    full_timeout: seconds a write waits for the drain when the tier is full of
-        undrained data before it fails with ENOSPC.
-    """
-
-    limit: int | None = None
-    min_free: int = 0
-    evict: str = "lru"
-    full_timeout: float = 60.0
-
-
-@dataclasses.dataclass(frozen=True)
 class StatFs:
     block_size: int
     blocks: int
@@ -173,7 +156,7 @@ class BurstCore:
         fsync_remote: bool = False,
         offload_writes: bool = True,
         digest_chunk_size: int = 8 << 20,
-        capacity: CapacityPolicy = CapacityPolicy(),
+        capacity: TierOptions = TierOptions(),
         list_ttl: float = 30.0,
         listing_wait: float = LISTING_WAIT,
         backing: BackingFiles | None = None,
@@ -983,7 +966,7 @@ class BurstCore:
     # -- capacity of the local tier ---------------------------------------------------
 
     def _fits(self, nbytes: int) -> bool:
-        limit = self.capacity.limit
+        limit = self.capacity.cache_size
         if limit is not None and self.local_bytes + nbytes > limit:
             return False
         if self.capacity.min_free:
@@ -1013,7 +996,7 @@ class BurstCore:
                         if spent < self.capacity.full_timeout:
                             log.error("event=tier_full bytes=%d used=%d limit=%s ino=%s action=ENOSPC "
                                       "note=later writes of this file that do not fit fail at once until it is emptied",
-                                      nbytes, self.local_bytes, self.capacity.limit,
+                                      nbytes, self.local_bytes, self.capacity.cache_size,
                                       inode.ino if inode else None)  # fmt: skip
                         if inode is not None:
                             spent = self.capacity.full_timeout  # budget spent: no more waiting for this file
@@ -1021,7 +1004,7 @@ class BurstCore:
                     if not waited:
                         waited = True
                         log.warning("event=tier_full bytes=%d used=%d limit=%s action=wait_for_drain wait_left=%.1f",
-                                    nbytes, self.local_bytes, self.capacity.limit,
+                                    nbytes, self.local_bytes, self.capacity.cache_size,
                                     deadline - time.monotonic())  # fmt: skip
                     with trio.move_on_after(max(0.0, min(deadline - time.monotonic(), 0.5))):  # deadline is time.monotonic()
                         await self._space_freed.wait()
@@ -1233,9 +1216,9 @@ class BurstCore:
         bsize = st.f_frsize
         avail = st.f_bavail * bsize + evictable
         blocks, free = st.f_blocks, max(0, avail - self.capacity.min_free) // bsize
-        if self.capacity.limit is not None:
-            blocks = min(blocks, self.capacity.limit // bsize)
-            free = min(free, max(0, self.capacity.limit - self.local_bytes + evictable) // bsize)
+        if self.capacity.cache_size is not None:
+            blocks = min(blocks, self.capacity.cache_size // bsize)
+            free = min(free, max(0, self.capacity.cache_size - self.local_bytes + evictable) // bsize)
         free = min(free, blocks)
         return StatFs(
             block_size=bsize,

@@ -9,8 +9,6 @@ and changes nothing in an existing cache.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -29,7 +27,7 @@ import trio
 from .cachelock import PRIVATE_UMASK, CacheLock, secure_cache_dir
 from .control import serve_control
 from .config import MountConfig
-from .core import BurstCore, CapacityPolicy
+from .core import BurstCore
 from .drainservice import DrainService
 from .errors import BurstfsError, ConfigError, RemoteError
 from .fuse_ops import BurstOperations
@@ -181,9 +179,8 @@ def open_cache(config: MountConfig) -> tuple[CacheLock, Journal]:
             journal.close()
             raise _other_remote(config, recorded)
         journal.set_meta("remote", str(config.remote))
-        # The latest mount's options are the ones `burstfs drain` reuses.
-        journal.set_meta("s3", json.dumps(dataclasses.asdict(config.s3)))
-        journal.set_meta("drain", json.dumps(dataclasses.asdict(config.drain)))
+        # The latest mount's options are the ones `burstfs drain` and `burstfs-admin` reuse.
+        journal.set_meta("config", config.to_json())
     except BaseException:
         lock.release()
         raise
@@ -247,7 +244,7 @@ def passthrough_backing(config: MountConfig) -> passthrough.BackingFiles | None:
     """FUSE passthrough when this daemon can have it, else None (the writeback-cache path)."""
     if not config.passthrough:
         reason = "--no-passthrough"
-    elif config.cache_size is not None or config.min_free:
+    elif config.tier.cache_size is not None or config.tier.min_free:
         reason = "--cache-size/--min-free are enforced on writes, which passthrough hides from the daemon"
     else:
         reason = passthrough.unavailable_reason()
@@ -262,11 +259,9 @@ def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
     """Mount, serve until unmounted, then leave the cache consistent for the next start."""
     lock, journal = open_cache(config)
     try:
-        capacity = CapacityPolicy(limit=config.cache_size, min_free=config.min_free,
-                                  evict=config.evict_policy, full_timeout=config.full_timeout)  # fmt: skip
         backing = passthrough_backing(config)
         drain = DrainService(Mover(config.cache_dir, config.remote, config.s3, config.drain), journal)
-        core = BurstCore(config.cache_dir, journal, fsync_remote=config.fsync_remote, capacity=capacity,
+        core = BurstCore(config.cache_dir, journal, fsync_remote=config.fsync_remote, capacity=config.tier,
                          list_ttl=config.list_ttl, listing_wait=config.remote_wait,
                          digest_chunk_size=config.drain.part_size, backing=backing,
                          drain=drain, fetcher=drain)  # fmt: skip

@@ -18,9 +18,17 @@ class BurstfsError(Exception):
 
 
 class ConfigError(BurstfsError):
-    """Bad configuration or command-line input (bad URL, missing mount point...)."""
+    """Bad configuration or command-line input (bad URL, missing mount point...).
+
+    ``option``: the mount option at fault, as its long option is spelled
+    (``"full-timeout"``), so a config file's error can name the key and its line.
+    """
 
     errno = errno.EINVAL
+
+    def __init__(self, message: str, option: str | None = None) -> None:
+        super().__init__(message)
+        self.option = option
 
 
 class RemoteError(BurstfsError):

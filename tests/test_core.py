@@ -19,7 +19,8 @@ from typing import Any
 
 import trio
 
-from burstfs.core import BurstCore, CapacityPolicy
+from burstfs.config import TierOptions
+from burstfs.core import BurstCore
 from burstfs.errors import BurstfsError
 from burstfs.journal import INCOMPLETE, ROOT_INO, STAGED, WRITING, Journal
 
@@ -30,11 +31,11 @@ UID, GID = os.getuid(), os.getgid()
 
 @asynccontextmanager
 async def open_core(
-    cache: Path, capacity: CapacityPolicy | None = None, journal: Journal | None = None
+    cache: Path, capacity: TierOptions | None = None, journal: Journal | None = None
 ) -> AsyncIterator[BurstCore]:
     """A core with its committer running, closed (not crashed) at exit."""
     journal = journal or Journal(cache)
-    core = BurstCore(cache, journal, capacity=capacity or CapacityPolicy())
+    core = BurstCore(cache, journal, capacity=capacity or TierOptions())
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(core.committer.run)
@@ -45,7 +46,7 @@ async def open_core(
         journal.close()
 
 
-def run(cache: Path, body: Callable[[BurstCore], Awaitable[Any]], capacity: CapacityPolicy | None = None) -> Any:
+def run(cache: Path, body: Callable[[BurstCore], Awaitable[Any]], capacity: TierOptions | None = None) -> Any:
     async def main() -> Any:
         async with open_core(cache, capacity) as core:
             return await body(core)
@@ -306,7 +307,7 @@ def test_a_file_that_lost_a_write_is_incomplete_not_staged(tmp_path: Path) -> No
             (STAGED, 2000, None)
         ]
 
-    run(tmp_path, body, CapacityPolicy(limit=4000, evict="none", full_timeout=0.2))
+    run(tmp_path, body, TierOptions(cache_size=4000, evict="none", full_timeout=0.2))
 
 
 def test_read_only_handle_cannot_write(tmp_path: Path) -> None:

@@ -77,7 +77,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from conftest import FUSE_OK, MountedFS, burstfs, force_unmount, is_mounted  # noqa: E402
 from faultproxy import FaultProxy, _reset, _Rule  # noqa: E402
-from burstfs.cli import parse_size  # noqa: E402
+from burstfs.config import parse_size  # noqa: E402
 from s3server import _USER_AWS_VARS, MotoServer, client_env, fresh_bucket  # noqa: E402
 
 BIN = Path(sys.executable).parent

@@ -1,0 +1,187 @@
+"""The config tree, its round trip through the journal, and `burstfs mount --config FILE.toml`."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+from conftest import FUSE_OK, burstfs, is_mounted
+
+from burstfs import configfile
+from burstfs.cli import mount as mount_command
+from burstfs.config import DrainOptions, MountConfig, S3Options, TierOptions, config_from_meta, parse_remote_url
+from burstfs.journal import Journal
+
+DOC = Path(__file__).parent.parent / "docs" / "CONFIGURATION.md"
+
+#: A valid value for each option whose default is unset (the test needs one to set).
+SAMPLES: dict[str, Any] = {
+    "mountpoint": "/mnt/ckpt",
+    "cache": "/local/burstfs",
+    "remote": "s3://bucket/run",
+    "endpoint-url": "http://127.0.0.1:9000",
+    "region": "eu-west-1",
+    "cache-size": "20G",
+    "metrics-addr": "127.0.0.1:9100",
+}
+
+
+def file_options() -> list[click.Parameter]:
+    return list(configfile.file_params(mount_command).values())
+
+
+def doc_rows() -> dict[str, str]:
+    """{key: default column} of the option tables of docs/CONFIGURATION.md."""
+    rows = {}
+    for line in DOC.read_text().splitlines():
+        match = re.match(r"^\| `([a-z-]+)` \| (.*?) \|", line)
+        if match:
+            rows[match.group(1)] = match.group(2)
+    return rows
+
+
+def write(tmp_path: Path, text: str, name: str = "burstfs.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_every_mount_option_is_documented_with_its_default() -> None:
+    rows = doc_rows()
+    defaults = configfile.defaults(mount_command)
+    for param in file_options():
+        key = configfile.file_key(param)
+        assert key in rows, f"docs/CONFIGURATION.md has no row for {key}"
+        default = defaults[param.name]
+        if default is None:
+            assert rows[key] in ("(required)", "(not set)"), f"{key}: documented default {rows[key]}"
+        else:
+            assert rows[key] == f"`{configfile._toml(default)}`", f"{key}: code default {default!r}, doc {rows[key]}"
+    assert set(rows) == {configfile.file_key(p) for p in file_options()}, "the doc lists an option the command lacks"
+
+
+@pytest.mark.parametrize("spelling", ["-", "_"])
+def test_the_config_file_accepts_every_mount_option(tmp_path: Path, spelling: str) -> None:
+    ctx = click.Context(mount_command)
+    defaults = configfile.defaults(mount_command)
+    for param in file_options():
+        key = configfile.file_key(param)
+        value = SAMPLES.get(key, defaults[param.name])
+        if isinstance(value, tuple):
+            value = list(value)
+        toml_key = key.replace("-", spelling)
+        loaded = configfile.load(write(tmp_path, f"{toml_key} = {configfile._toml(value)}\n"), mount_command)
+        assert param.name in loaded.values, key
+        expected = param.type_cast_value(ctx, value)
+        if isinstance(param.type, click.Path):
+            expected = tmp_path / expected
+        assert loaded.values[param.name] == expected, key
+
+
+def test_a_minimal_file_and_the_command_line_build_the_same_tree(tmp_path: Path) -> None:
+    path = write(tmp_path, 'mountpoint = "mnt"\ncache = "/var/cache/b"\nremote = "file:///srv/ckpt"\ncache_size = "2G"\n'
+                           'commit-marker = "done"\ncompress = "lz4"\n')  # fmt: skip
+    loaded = configfile.load(path, mount_command)
+    values = configfile.merge(configfile.defaults(mount_command), loaded, set())
+    config = configfile.build_with_file(values, loaded, mount_command)
+    assert config == MountConfig(
+        mountpoint=tmp_path / "mnt", cache_dir=Path("/var/cache/b"), remote=parse_remote_url("file:///srv/ckpt"),
+        drain=DrainOptions(commit_markers=("done",), compress="lz4"), tier=TierOptions(cache_size=2 << 30),
+    )  # fmt: skip
+    overridden = configfile.merge({**values, "compress": "none"}, loaded, {"compress"})  # --compress none given
+    assert configfile.build_with_file(overridden, loaded, mount_command).drain.compress is None
+
+
+@pytest.mark.parametrize(
+    "text, line, key, message",
+    [
+        ('mountpoint = "/m"\n\ncache_sise = "2G"\n', 3, "cache_sise", "unknown key"),
+        ('# a comment\nconcurrency = "many"\n', 2, "concurrency", "not a valid integer"),
+        ('mountpoint = "/m"\npart-size = "1M"\ncache = "/c"\nremote = "file:///r"\n', 2, "part-size", "part size must be between"),
+        ('cache = "/c"\nremote = "file:///r"\nmountpoint = "/m"\n  evict = "random"\n', 4, "evict", "'random' is not one of"),
+        ('cache = "/c"\nremote = "s3://Bad_Bucket"\nmountpoint = "/m"\n', 2, "remote", "not a valid S3 bucket name"),
+        ('full-timeout = 1.0\nfull_timeout = 2.0\n', 2, "full_timeout", "set twice"),
+        ('mountpoint = "/m"\n[s3]\nregion = "x"\n', 2, "s3", "unknown key"),
+        ('cache = "/c"\nremote = "file:///r"\nmountpoint = "/m"\n"cache-size" = "lots"\n', 4, "cache-size", "not a size"),
+        ('min-free = ["1G"]\n', 1, "min-free", "a list"),
+    ],
+)
+def test_bad_files_name_the_line_and_the_key_and_exit_2(tmp_path: Path, text: str, line: int, key: str,
+                                                        message: str) -> None:  # fmt: skip
+    path = write(tmp_path, text)
+    result = burstfs("config", "check", str(path), check=False)
+    assert result.returncode == 2, result.stderr
+    assert f"{path}:{line}: key '{key}'" in result.stderr and message in result.stderr, result.stderr
+    mounted = burstfs("mount", "--config", str(path), check=False)
+    assert mounted.returncode == 2 and f"{path}:{line}: key '{key}'" in mounted.stderr, mounted.stderr
+
+
+def test_not_toml_and_missing_required_options_exit_2(tmp_path: Path) -> None:
+    result = burstfs("config", "check", str(write(tmp_path, "cache = \n")), check=False)
+    assert result.returncode == 2 and "not valid TOML" in result.stderr and "line 1" in result.stderr
+    result = burstfs("config", "check", str(write(tmp_path, 'cache = "/c"\nmountpoint = "/m"\n')), check=False)
+    assert result.returncode == 2 and "Missing option '--remote'" in result.stderr
+
+
+def test_config_check_prints_the_effective_settings_without_secrets(tmp_path: Path) -> None:
+    path = write(tmp_path, 'mountpoint = "/m"\ncache = "/c"\nremote = "s3://bucket/p"\n'
+                           'endpoint_url = "http://admin:hunter2@127.0.0.1:9000"\nconcurrency = 16\n')  # fmt: skip
+    result = burstfs("config", "check", str(path))
+    assert "hunter2" not in result.stdout + result.stderr
+    assert 'endpoint-url = "http://admin:***@127.0.0.1:9000"' in result.stdout
+    assert "concurrency = 16" in result.stdout and 'part-size = "8M"' in result.stdout  # set, and defaulted
+    assert "# cache-size (not set)" in result.stdout
+    keys = {line.split()[0] if not line.startswith("#") else line.split()[1] for line in result.stdout.splitlines()[1:]}
+    assert keys == {configfile.file_key(p) for p in file_options()}
+
+
+def test_the_config_round_trips_through_the_journal(tmp_path: Path) -> None:
+    config = MountConfig(
+        mountpoint=Path("/mnt/x"), cache_dir=tmp_path, remote=parse_remote_url("s3://bucket/run"),
+        s3=S3Options(endpoint_url="http://127.0.0.1:9000", region="r"),
+        drain=DrainOptions(part_size=16 << 20, compress="lz4", commit_markers=("a", "*.b"), delay=2.5),
+        tier=TierOptions(cache_size=1 << 30, min_free=5, evict="fifo", full_timeout=3.0),
+        fsync_remote=True, list_ttl=4.0, remote_wait=0.5, metrics_addr="127.0.0.1:1",
+    )  # fmt: skip
+    assert MountConfig.from_json(config.to_json()) == config
+    journal = Journal(tmp_path)
+    try:
+        journal.set_meta("config", config.to_json())
+        moved = tmp_path / "moved"
+        assert config_from_meta(journal.get_meta, moved) == dataclasses.replace(config, cache_dir=moved)
+    finally:
+        journal.close()
+
+
+def test_a_cache_mounted_before_the_config_was_journaled_still_drains(tmp_path: Path) -> None:
+    """Caches journaled remote, s3 and drain apart; burstfs drain and burstfs-admin read those."""
+    meta = {"remote": "file:///srv/r", "s3": '{"region": "r"}', "drain": '{"delay": 2.0, "commit_markers": ["m"]}'}
+    config = config_from_meta(meta.get, tmp_path)
+    assert config is not None and config.remote == parse_remote_url("file:///srv/r") and config.s3.region == "r"
+    assert config.drain == DrainOptions(delay=2.0, commit_markers=("m",))
+    assert config_from_meta({}.get, tmp_path) is None
+
+
+@pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse, fusermount3 and root")
+def test_mount_with_a_config_file_and_a_command_line_override(tmp_path: Path) -> None:
+    (tmp_path / "mnt").mkdir()
+    (tmp_path / "remote").mkdir()
+    path = write(tmp_path, f'mountpoint = "mnt"\ncache = "cache"\nremote = "file://{tmp_path}/remote"\n'
+                           'list-ttl = 5.0\ndrain-delay = 0.0\n')  # fmt: skip
+    burstfs("mount", "--config", str(path), "--list-ttl", "7")
+    try:
+        assert is_mounted(tmp_path / "mnt")
+        (tmp_path / "mnt" / "f").write_bytes(b"x")
+        journal = Journal(tmp_path / "cache", readonly=True)
+        try:
+            config = config_from_meta(journal.get_meta, tmp_path / "cache")
+        finally:
+            journal.close()
+        assert config is not None and config.list_ttl == 7.0 and config.mountpoint == tmp_path / "mnt"
+    finally:
+        burstfs("unmount", "--wait", "--wait-timeout", "60", str(tmp_path / "mnt"))
+    assert (tmp_path / "remote" / "f").read_bytes() == b"x"
