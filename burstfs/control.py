@@ -241,9 +241,6 @@ class ControlServer:
             raise FsError(errno.ENOTSUP, "this mount has no mover")
         return self.drain
 
-    def _mover(self) -> Any:
-        return self._drain().mover
-
     # -- ops ---------------------------------------------------------------------------
 
     async def _status(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:
@@ -285,12 +282,12 @@ class ControlServer:
         return await trio.to_thread.run_sync(journal_events, self.journal, since, rel, limit)
 
     async def _drain_now(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:
-        self._mover().drain_now()
+        self._drain().drain_now()
         log.info("event=control_drain_now")
         return {"schema": SCHEMA}
 
     async def _retry(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:
-        requeued = await trio.to_thread.run_sync(self._mover().retry_failed)
+        requeued = await self._drain().retry_failed()
         log.info("event=control_retry requeued=%d", requeued)
         return {"schema": SCHEMA, "requeued": requeued}
 

@@ -217,6 +217,8 @@ async def serve(config: MountConfig, core: BurstCore, on_ready: Callable[[], Non
     metrics = start_metrics(config, core, drain)  # outside the nursery: a busy port fails with a plain message
     systemd = SystemdNotifier.from_environment()  # a no-op outside a Type=notify unit
     async with trio.open_nursery() as nursery:
+        if drain is not None:  # the mover's thread lives as long as this nursery
+            await nursery.start(drain.run)
         if metrics is not None:
             nursery.start_soon(metrics.run)
         await nursery.start(core.committer.run)
@@ -270,8 +272,6 @@ def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
             pyfuse3.init(ops, str(config.mountpoint), fuse_options(config))
         except RuntimeError as exc:
             raise BurstfsError(f"mounting {config.mountpoint} failed: {exc}") from exc
-        drain.start()
-        drain.wait_ready()
         unmounted = False
         try:
             trio.run(serve, config, core, on_ready)
@@ -279,7 +279,6 @@ def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
         finally:
             pyfuse3.close(unmount=not unmounted or is_mounted(config.mountpoint))
             core.close()
-            drain.stop()
         pending = journal.undrained().values()
         log.info("event=unmounted mountpoint=%s undrained_files=%d undrained_bytes=%d",
                  config.mountpoint, sum(f for f, _ in pending), sum(b for _, b in pending))  # fmt: skip

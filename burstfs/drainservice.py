@@ -1,11 +1,15 @@
 """Runs the mover beside the FUSE front and gives the core its drain and fetch hooks.
 
 The mover lives on its own asyncio loop in a thread, so uploads, fetches,
-hashing and compression never run on the trio request loop.  The core only ever
-calls the thread-safe methods below; :meth:`DrainService.on_mover_loop` (the
-one path from trio into the mover's loop) runs a coroutine on
-the mover's loop and wakes the waiting trio task when it is done, without
-parking a thread per request.
+hashing and compression never run on the trio request loop.  The thread's
+lifetime is bound to the daemon's trio nursery (:meth:`DrainService.run`:
+started before the mount answers requests, stopped and joined when the nursery
+ends).  Every call from trio into the mover goes through one of two paths:
+:meth:`DrainService.on_mover_loop` runs a coroutine on the mover's loop and
+wakes the waiting trio task when it is done, without parking a thread per
+request; :meth:`DrainService.call_soon` runs a plain function there (wake-ups,
+``drain --now``, forgetting a fetch), so mover state is only ever touched by
+the mover's own thread.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import errno
 import logging
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import trio
@@ -62,6 +66,21 @@ class DrainService:
     def start(self) -> None:
         self._thread.start()
 
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the mover's thread for as long as this task: ``await nursery.start(drain.run)``.
+
+        Started (and ready) before ``task_status.started()``; when the nursery is
+        cancelled the mover is stopped and its thread joined before this returns.
+        """
+        self.start()
+        try:
+            await trio.to_thread.run_sync(self.wait_ready, abandon_on_cancel=True)
+            task_status.started()
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self.stop)
+
     def _run(self) -> None:
         failures = 0
         while not self._stop.is_set():
@@ -96,14 +115,26 @@ class DrainService:
     # -- DrainHooks ---------------------------------------------------------------
 
     def file_closed(self) -> None:
-        self.mover.wake()
+        self.call_soon(self.mover.wake)
 
     def namespace_changed(self) -> None:
-        self.mover.namespace_changed()
+        self.call_soon(self.mover.namespace_changed)
+
+    def drain_now(self) -> None:
+        """Skip the drain delay and any retry backoff (``burstfs-admin drain --now``, fsync)."""
+        self.call_soon(self.mover.drain_now)
+
+    async def retry_failed(self) -> int:
+        """Requeue failed files and lift a halt, on the mover's loop; how many were requeued."""
+
+        async def retry() -> int:
+            return self.mover.retry_failed()
+
+        return await self.on_mover_loop(retry())
 
     async def wait_durable(self, ino: int, generation: int) -> None:
         """fsync in ``--fsync remote`` mode: wait for this generation, EIO if it cannot be."""
-        self.mover.drain_now()
+        self.drain_now()
         with trio.move_on_after(self._fsync_timeout):
             while True:
                 row = await trio.to_thread.run_sync(self._journal.inode, ino)
@@ -131,16 +162,25 @@ class DrainService:
         return await self.on_mover_loop(self.mover.restore.list_dir(dir_key))
 
     def forget(self, ino: int) -> None:
-        loop, restore = self.mover.loop, self.mover.restore
-        if loop is not None and restore is not None:
-            try:
-                loop.call_soon_threadsafe(restore.forget, ino)
-            except RuntimeError:  # the mover's loop is gone: nothing to forget there
-                pass
+        restore = self.mover.restore
+        if restore is not None:
+            self.call_soon(restore.forget, ino)
 
     @property
     def fetched_bytes(self) -> int:
         return self.mover.restore.fetched_bytes if self.mover.restore else 0
+
+    def call_soon(self, fn: Callable[..., object], *args: object) -> None:
+        """Run ``fn(*args)`` on the mover's loop, from any thread.  While the mover is down
+        (between restarts, before the start) no thread runs mover code: ``fn`` runs here."""
+        loop = self.mover.loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(fn, *args)
+                return
+            except RuntimeError:  # the loop closed after we looked: the mover is down
+                pass
+        fn(*args)
 
     async def on_mover_loop(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the mover's loop and wait for it from trio (EIO while the mover is down)."""

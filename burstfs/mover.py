@@ -284,6 +284,8 @@ class Mover:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self.restore is not None:
+                await self.restore.aclose()  # its fetches end with this loop, its descriptors close
             with contextlib.suppress(Exception):
                 await self.remote.close()
             if self._own_remote:

@@ -32,6 +32,8 @@ import errno
 import json
 import logging
 import os
+from collections.abc import Coroutine
+from typing import Any
 
 import xxhash
 
@@ -118,6 +120,7 @@ class RestoreService:
         self._open_fds: collections.OrderedDict[int, _FileFetch] = collections.OrderedDict()  # LRU, oldest first
         self._compressed: bool | None = None
         self.listing_retry = LISTING_RETRY
+        self._tasks = OwnedTasks()  # every chunk fetch, prefetches included: aclose() ends them
         self.listing_timeout = LISTING_ATTEMPT_TIMEOUT_S
 
     @property
@@ -320,8 +323,7 @@ class RestoreService:
             return done
         task = fetch.in_flight.get(index)
         if task is None:
-            task = asyncio.create_task(self._fetch_chunk(fetch, index))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # prefetch errors are re-raised to readers
+            task = self._tasks.start(self._fetch_chunk(fetch, index))
             fetch.in_flight[index] = task
         return task
 
@@ -437,12 +439,52 @@ class RestoreService:
         if fetch.fd_users == 0:
             self._close_fd(fetch)
 
-    def close(self) -> None:
-        """Close every descriptor not in use by a write (shutdown)."""
+    async def aclose(self) -> None:
+        """End every chunk fetch (prefetches included) and close the descriptors (the mover stops).
+
+        A pwrite already running in a thread keeps its descriptor until it returns.
+        """
+        for ino in list(self._files):
+            self.forget(ino)
+        await self._tasks.aclose()
         for fetch in list(self._open_fds.values()):
             fetch.closed = True
             if fetch.fd_users == 0:
                 self._close_fd(fetch)
+
+
+class OwnedTasks:
+    """The tasks of one owner on one loop: started here, all cancelled and awaited by aclose().
+
+    Unlike asyncio.TaskGroup, one task's failure does not cancel the others: a
+    failed chunk fetch is an error for the readers that await it, not for every
+    fetch of every file.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    def start(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        if self._closed:
+            coro.close()
+            raise RuntimeError("the owner of these tasks is closed")
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: the awaiting readers re-raise it, none may be left to
+
+    async def aclose(self) -> None:
+        self._closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _journal_chunks(row: InodeRow) -> tuple[str, ...] | None:

@@ -687,3 +687,115 @@ def test_a_listed_file_renamed_away_frees_its_name(tmp_path: Path) -> None:
     run_mover(mover, scenario)
     assert remote_bytes(tmp_path, "latest") == b"ours"
     assert remote_bytes(tmp_path, "a/latest") == b"theirs"
+
+
+# -- drain rules in-process: commit markers, requeue and backoff, failures, delete safety ----
+
+
+class FailingRemote(HookedRemote):
+    """Fails the next ``put`` of chosen keys once, with a chosen error (``fail_next``)."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.failures: dict[str, Exception] = {}
+
+    def fail_next(self, key: str, error: Exception) -> None:
+        self.failures[key] = error
+
+    async def put_object(self, key: str, data: bytes) -> None:
+        error = self.failures.pop(key, None)
+        if error is not None:
+            raise error
+        await super().put_object(key, data)
+
+
+def failing_mover(tmp_path: Path, key: str, error: Exception) -> tuple[Mover, Front, FailingRemote]:
+    """make_mover whose remote fails the first put of ``key`` with ``error``."""
+    (tmp_path / "remote").mkdir()
+    remote = FailingRemote(tmp_path / "remote")
+    remote.fail_next(key, error)
+    mover, front, _ = make_mover(tmp_path, remote)
+    return mover, front, remote
+
+
+def test_a_commit_marker_waits_for_the_files_closed_before_it(tmp_path: Path) -> None:
+    """Invariant 5: the marker is not uploaded while a shard closed before it in its directory drains,
+    though a file closed after it elsewhere goes ahead."""
+    mover, front, remote = make_mover(tmp_path)
+
+    async def scenario() -> None:
+        ck = front.mkdir("ck")
+        entered, release = remote.hold("put", "ck/shard")
+        front.write("shard", b"s" * 100, ck)
+        mover.wake()
+        await until(entered.is_set, "the shard uploading")
+        marker = front.write("latest", b"100", ck)
+        later = front.write("elsewhere", b"e" * 10)  # closed after the marker, not under ck/
+        mover.drain_now()
+        await until(lambda: front.row(later).state == DURABLE, "the later file elsewhere drained")
+        assert front.row(marker).state == STAGED and ("put", "ck/latest") not in remote.calls
+        release.set()
+        await settle(mover, front)
+
+    run_mover(mover, scenario)
+    assert remote.calls.index(("put", "ck/latest")) > remote.calls.index(("put", "ck/shard"))
+    assert remote_bytes(tmp_path, "ck/latest") == b"100"
+
+
+def test_a_temporary_failure_requeues_with_backoff_while_other_files_drain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(mover_module, "REQUEUE_BACKOFF_S", 600.0)  # the backoff outlasts the test unless skipped
+    error = RemoteError("remote unavailable after 8 attempts", kind="unavailable")
+    mover, front, remote = failing_mover(tmp_path, "flaky", error)
+
+    async def scenario() -> None:
+        flaky = front.write("flaky", b"f" * 100)
+        mover.wake()
+        await until(lambda: front.row(flaky).attempts == 1, "the failed attempt recorded")
+        row = front.row(flaky)
+        assert row.state == STAGED and "unavailable" in (row.error or "")  # requeued, not failed
+        assert mover.stats.errors_by_kind.get("unavailable") == 1
+        steady = front.write("steady", b"s" * 100)
+        mover.wake()
+        await until(lambda: front.row(steady).state == DURABLE, "another file drained during the backoff")
+        assert front.row(flaky).state == STAGED and remote.calls.count(("put", "flaky")) == 0
+        mover.drain_now()  # skips the backoff
+        await settle(mover, front)
+
+    run_mover(mover, scenario)
+    assert remote_bytes(tmp_path, "flaky") == b"f" * 100
+
+
+def test_an_object_error_fails_only_that_file_and_retry_requeues_it(tmp_path: Path) -> None:
+    mover, front, _ = failing_mover(tmp_path, "bad", RemoteError("the store refused this object", kind="refused"))
+
+    async def scenario() -> None:
+        bad = front.write("bad", b"b" * 10)
+        good = front.write("good", b"g" * 10)
+        mover.wake()
+        await until(lambda: front.row(bad).state == FAILED and front.row(good).state == DURABLE,
+                    "one file failed, the other durable")  # fmt: skip
+        assert mover.stats.halted is None  # an object's error does not stop the drain
+        assert mover.retry_failed() == 1
+        await settle(mover, front)
+
+    run_mover(mover, scenario)
+    assert remote_bytes(tmp_path, "bad") == b"b" * 10
+
+
+def test_a_delete_request_for_a_key_a_live_file_owns_is_dropped_not_run(tmp_path: Path) -> None:
+    """Invariant 6: the delete pass never removes an object another inode owns (a request left
+    from before the key changed hands)."""
+    mover, front, _ = make_mover(tmp_path)
+
+    async def scenario() -> None:
+        front.write("ck", b"new owner")
+        await settle(mover, front)
+        front.journal.execute("INSERT INTO remote_deletes (key, reason) VALUES (?, ?)", ("ck", "unlink"))
+        mover.wake()
+        await until(lambda: not front.journal.query("SELECT 1 FROM remote_deletes"), "the delete pass")
+
+    run_mover(mover, scenario)
+    assert remote_bytes(tmp_path, "ck") == b"new owner"
+    assert (tmp_path / "remote/.burstfs/manifests/ck.json").exists()

@@ -28,7 +28,7 @@ from burstfs.errors import CorruptDataError
 from burstfs.localtier import LocalTier
 from burstfs.objects import ChunkInfo, Manifest, ObjectStore, manifest_key
 from burstfs.remote import FileRemote, RetryPolicy
-from burstfs.restore import MAX_OPEN_FDS, RestoreService
+from burstfs.restore import MAX_OPEN_FDS, MAX_WINDOW_CHUNKS, RestoreService
 
 T = TypeVar("T")
 
@@ -330,7 +330,7 @@ def test_partial_fetches_of_many_files_hold_a_bounded_number_of_fds(tmp_path: Pa
         for ino in (1, 300):
             assert await svc.ensure_local(ino, 0, 40 * CHUNK) == 40 * CHUNK
             assert svc.tier.path(ino).read_bytes() == files[ino]
-        svc.close()
+        await svc.aclose()
 
     run_async(body)
 
@@ -427,3 +427,97 @@ def test_object_nobody_recorded_digests_for_is_served_unverified(tmp_path: Path,
 
     run_async(body)
     assert svc.tier.path(4).read_bytes() == content
+
+
+def test_sequential_reads_grow_the_prefetch_window_and_a_seek_resets_it(tmp_path: Path) -> None:
+    """The window doubles per sequential read (up to MAX_WINDOW_CHUNKS) and is one chunk after a seek."""
+    journal = FakeJournal()
+    svc = service(tmp_path, journal)
+    content = os.urandom(64 * CHUNK)
+
+    async def read_chunk(index: int) -> int:
+        """Chunks fetched so far, prefetches landed, after a read of chunk ``index``."""
+        await svc.ensure_local(7, index * CHUNK, CHUNK)
+        await settle(svc)
+        return svc.fetched_bytes // CHUNK
+
+    async def body() -> None:
+        await put_with_manifest(svc.store, "seq", content)
+        journal.add(7, "seq", len(content))
+        # Windows 2, 4, 8, 16, 16 (capped): each read fetches its chunk and that many ahead.
+        assert [await read_chunk(i) for i in range(5)] == [3, 6, 11, 20, 21]
+        assert await read_chunk(40) == 23  # a seek: window 1 (chunk 40, then 41)
+        assert await read_chunk(41) == 25  # sequential again: window 2 (42, 43)
+        await svc.aclose()
+
+    run_async(body)
+    assert MAX_WINDOW_CHUNKS == 16  # the numbers above assume it
+    data = svc.tier.path(7).read_bytes()
+    assert data[: 21 * CHUNK] == content[: 21 * CHUNK] and data[40 * CHUNK : 44 * CHUNK] == content[40 * CHUNK : 44 * CHUNK]
+
+
+def test_a_chunk_that_does_not_match_its_manifest_is_never_written_or_served(tmp_path: Path) -> None:
+    journal = FakeJournal()
+    svc = service(tmp_path, journal)
+    content = os.urandom(8 * CHUNK)
+    damaged = bytearray(content)
+    damaged[5 * CHUNK + 100] ^= 0x40
+
+    async def body() -> None:
+        await put_with_manifest(svc.store, "m.pt", content)
+        await svc.store.remote.put_object("m.pt", bytes(damaged))  # the object rots; its manifest does not
+        journal.add(9, "m.pt", len(content))
+        for _ in range(2):  # a failed chunk is not remembered as present: the next read checks again
+            with pytest.raises(CorruptDataError, match=f"m.pt: bytes {5 * CHUNK}-{6 * CHUNK}"):
+                await svc.ensure_local(9, 5 * CHUNK, CHUNK)
+        assert await svc.ensure_local(9, 0, 2 * CHUNK) >= 2 * CHUNK  # the other chunks are fine
+        await settle(svc)
+        assert bytes(damaged[5 * CHUNK : 6 * CHUNK]) not in svc.tier.path(9).read_bytes()
+        assert journal.updates == []
+        await svc.store.remote.put_object("m.pt", content)  # repaired
+        assert await svc.ensure_local(9, 0, len(content)) == len(content)
+        await svc.aclose()
+
+    run_async(body)
+    assert svc.tier.path(9).read_bytes() == content
+
+
+class GatedRemote(FileRemote):
+    """A file remote whose ranged reads from ``hold_from`` on wait for ``release`` (never set here)."""
+
+    def __init__(self, directory: Path, hold_from: int) -> None:
+        super().__init__(parse_remote_url(f"file://{directory}"))
+        self.hold_from = hold_from
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        if start >= self.hold_from and not key.startswith(".burstfs/"):
+            self.entered.set()
+            await self.release.wait()
+        return await super().get_range(key, start, end)
+
+
+def test_aclose_ends_the_prefetches_and_closes_the_descriptors(tmp_path: Path) -> None:
+    """The mover's stop (or crash) ends every chunk fetch the restore service started, prefetches
+    included, and closes its descriptors; nothing is left running on a loop that is going away."""
+    (tmp_path / "remote").mkdir()
+    remote = GatedRemote(tmp_path / "remote", hold_from=CHUNK)
+    journal = FakeJournal()
+    svc = RestoreService(ObjectStore(remote, FAST_RETRY), journal, LocalTier(tmp_path / "cache"))  # type: ignore[arg-type]
+    content = os.urandom(8 * CHUNK)
+
+    async def body() -> None:
+        await put_with_manifest(svc.store, "p.pt", content)
+        journal.add(5, "p.pt", len(content))
+        before = open_fd_count()
+        assert await svc.ensure_local(5, 0, CHUNK) == CHUNK  # chunk 0; chunks 1 and 2 prefetch and hang
+        await remote.entered.wait()
+        assert open_fd_count() == before + 1  # the data file, kept open for the prefetches
+        tasks = [t for f in svc._files.values() for t in f.in_flight.values()]
+        assert tasks
+        await svc.aclose()
+        assert all(t.done() for t in tasks) and open_fd_count() == before
+        assert svc.fetched_bytes == CHUNK and journal.updates == []
+
+    run_async(body)
