@@ -37,6 +37,7 @@ from .status import SCHEMA, Durability, journal_events, journal_status, list_fil
 from .status import wait_durable as wait_in_journal
 from .verify import verify_stopped
 from .mountinfo import FSNAME_PREFIX, find_burstfs_mount, mounts
+from .progress import Progress, fmt_bytes, fmt_duration
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -219,28 +220,6 @@ def _journal_call(target: Target, fn: Callable[..., dict[str, Any]], *args: Any)
 # -- formatting ------------------------------------------------------------------------------
 
 
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def fmt_duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 1:
-        return f"{seconds * 1000:.0f}ms"
-    if seconds < 60:
-        return f"{seconds:.0f}s"
-    if seconds < 3600:
-        return f"{seconds // 60:.0f}m{seconds % 60:02.0f}s"
-    return f"{seconds // 3600:.0f}h{seconds % 3600 // 60:02.0f}m"
-
-
 def fmt_time(epoch: float) -> str:
     return datetime.datetime.fromtimestamp(epoch).isoformat(sep=" ", timespec="milliseconds")
 
@@ -407,17 +386,18 @@ def wait(paths: tuple[Path, ...], cache: Path | None, as_json: bool, timeout: fl
     or the drain is halted.  Polls the journal read-only.
     """
     target = resolve(paths, cache)
-    show = not as_json and sys.stderr.isatty()
+    bar = None if as_json else Progress("durable")
 
     def progress(outcome: Durability) -> None:
-        if show:
-            total = sum(r.size for _, r in outcome.files)
-            click.echo(f"\r{len(outcome.done)}/{len(outcome.files)} files durable, "
-                       f"{fmt_bytes(sum(r.size for _, r in outcome.done))} of {fmt_bytes(total)}  ", nl=False, err=True)  # fmt: skip
+        if bar is not None:
+            bar.update(len(outcome.done), len(outcome.files), sum(r.size for _, r in outcome.done),
+                       sum(r.size for _, r in outcome.files))  # fmt: skip
 
-    outcome = wait_durable(target, timeout, progress)
-    if show:
-        click.echo("", err=True)
+    try:
+        outcome = wait_durable(target, timeout, progress)
+    finally:
+        if bar is not None:
+            bar.close()
     files, done, broken, halted = outcome.files, outcome.done, outcome.broken, outcome.halted
     pending = outcome.pending
     result = "timeout" if outcome.result == "waiting" else outcome.result
@@ -494,15 +474,20 @@ def evict(paths: tuple[Path, ...], cache: Path | None, as_json: bool) -> None:
 def prefetch(paths: tuple[Path, ...], cache: Path | None, as_json: bool) -> None:
     """Fetch files that are only on the remote to the local tier, with progress."""
     target = resolve(paths, cache)
+    daemon = target.need_daemon("prefetch")
+    bar = None if as_json else Progress("fetched", baseline=0)
 
     def progress(message: dict[str, Any]) -> None:
         file = message["file"]
         what = f"fetched {file['path']}" if file["ok"] else f"failed {file['path']}: {file['error']}"
-        click.echo(f"[{message['done_files']}/{message['total_files']} files, {fmt_bytes(message['done_bytes'])} "
-                   f"of {fmt_bytes(message['total_bytes'])}] {what}")  # fmt: skip
+        if bar is not None:
+            bar.update(message["done_files"], message["total_files"], message["done_bytes"], message["total_bytes"], what)
 
-    doc = target.need_daemon("prefetch").call("prefetch", paths=target.rels, timeout=None,
-                                              progress=None if as_json else progress)  # fmt: skip
+    try:
+        doc = daemon.call("prefetch", paths=target.rels, timeout=None, progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
     if as_json:
         emit_json(doc)
     else:
