@@ -246,7 +246,7 @@ class ControlServer:
     async def _status(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:
         doc = await trio.to_thread.run_sync(journal_status, self.journal, self.config.cache_dir)
         doc.update(live=True, pid=os.getpid(), mountpoint=str(self.config.mountpoint), remote=str(self.config.remote),
-                   data_path="passthrough" if self.core.backing is not None else "daemon",
+                   data_path="passthrough" if self.core.passthrough else "daemon",
                    daemon_written_bytes=self.core.daemon_written_bytes)  # fmt: skip
         fs = self.core.statfs(await self.core.evictable_bytes())
         doc["local_tier"].update(

@@ -52,6 +52,7 @@ from .journal import (
     unlink_ops,
     update_inode_op,
 )
+from .iopath import BackingFiles, IOPaths
 from .listings import LISTING_WAIT, RemoteListings
 from .localtier import LocalTier
 from .nodes import NAME_MAX, RESERVED_ROOT_NAME, Handle, Inode, Undo
@@ -96,16 +97,6 @@ class Fetcher(Protocol):
 
     def forget(self, ino: int) -> None:
         """The file went away: drop any fetch state."""
-
-
-class BackingFiles(Protocol):
-    """Hands a local-tier file to the kernel so that opens of it bypass the daemon
-    (FUSE passthrough: reads, writes and mmap go straight to the tier)."""
-
-    def open(self, fd: int) -> int:
-        """A backing id for ``fd``; raises OSError when the kernel refuses."""
-
-    def close(self, backing_id: int) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +165,7 @@ class BurstCore:
         self.digest_chunk_size = digest_chunk_size
         self.capacity = capacity
         self.listings = RemoteListings(self, ttl=list_ttl, wait=listing_wait)
-        self.backing = backing
+        self.io_paths = IOPaths(self.tier, backing)
         self.daemon_written_bytes = 0  # bytes clients wrote through the daemon (passthrough bypasses it)
         self.inodes: dict[int, Inode] = {}
         self.handles: dict[int, Handle] = {}
@@ -575,18 +566,13 @@ class BurstCore:
         """Size and times of bytes written through passthrough, read off the data file.
 
         The kernel writes those bytes to the tier without telling us; it asks for
-        attributes again after each write, and every close comes here first.
+        attributes again after each write, and every close comes here first
+        (see :meth:`IOPaths.written_behind`).
         """
-        if not inode.direct_writers:
+        st = self.io_paths.written_behind(inode)
+        if st is None:
             return
-        fd = self.tier.fd(inode.ino)
-        assert fd is not None
-        st = os.fstat(fd)
-        if (st.st_size, st.st_mtime_ns) == inode.backing_seen:
-            return
-        inode.backing_seen = (st.st_size, st.st_mtime_ns)
         inode.dirty = True  # written after a close through a dup'd descriptor: the next close publishes it
-        inode.reopened_clean = False
         inode.size = st.st_size
         inode.mtime_ns, inode.ctime_ns = st.st_mtime_ns, st.st_ctime_ns
         inode.last_access = time.monotonic()
@@ -668,7 +654,8 @@ class BurstCore:
             log.info("event=emptied_remote_file ino=%d note=not fetched", inode.ino)
         else:
             await trio.to_thread.run_sync(self.tier.truncate, inode.ino, size)
-        inode.reopened_clean = False
+        if inode.direct is not None:
+            inode.direct.reopened_clean = False
         # Growth adds a hole: nothing allocated, nothing counted (a file drains at its
         # logical size, but the tier holds only what was written).  Shrinking frees blocks.
         if size < inode.size:
@@ -678,7 +665,7 @@ class BurstCore:
         inode.size = size
         if size == 0:  # emptied: what is written next is all of it
             inode.incomplete = ""
-            inode.digests = None if inode.direct_writers else StreamingDigests(self.digest_chunk_size)
+            inode.digests = None if self.io_paths.writes_direct(inode) else StreamingDigests(self.digest_chunk_size)
         elif inode.digests is not None and size != inode.digests.size:
             inode.digests = None  # the drain hashes the staged bytes instead
 
@@ -718,61 +705,39 @@ class BurstCore:
 
     def _drop_handle(self, fh: int) -> None:
         handle = self.handles.pop(fh)
-        self._close_io_path(handle.inode, handle)
+        self.io_paths.close(handle.inode, handle)
         handle.inode.handles -= 1
         self.tier.release(handle.inode.ino)
         self._maybe_destroy(handle.inode)
 
     async def _choose_io_path(self, inode: Inode, handle: Handle) -> None:
-        """Let the kernel do a handle's reads and writes on the tier itself when it can.
-
-        All direct opens of an inode share one backing file, and the kernel refuses
-        to mix direct and cached opens of an inode: a file still being fetched is
-        opened cached, and so is every open of it until its cached handles close.
-        """
-        fd = self.tier.fd(inode.ino)
-        assert fd is not None
-        others_cached = inode.handles - 1 - inode.direct_handles  # this handle is already counted
-        if self.backing is None or not inode.local or others_cached:
+        """Open ``handle`` direct when it can be (:meth:`IOPaths.open_direct`); a direct
+        writer journals the file as being written before any byte can land."""
+        if not self.io_paths.open_direct(inode, handle) or not handle.writable:
             return
-        if not inode.backing_id:
-            try:
-                inode.backing_id = self.backing.open(fd)
-            except OSError as exc:
-                log.warning("event=passthrough_refused ino=%d error=%s", inode.ino, exc)
-                return
-        inode.direct_handles += 1
-        handle.direct = True
-        if handle.writable:
-            if not inode.direct_writers:
-                st = os.fstat(fd)
-                inode.backing_seen = (st.st_size, st.st_mtime_ns)
-            inode.direct_writers += 1
-            inode.digests = None  # these bytes never reach the daemon: the drain hashes the file
-            if not self._unpublished(inode):
-                inode.reopened_clean = True  # undone at close if nothing changes
-            try:
-                await self._mark_writing(inode)  # before any byte lands: a crash flags it incomplete
-            except BaseException:
-                inode.reopened_clean = False  # the open fails; a later close publishes normally
-                raise
+        direct = inode.direct
+        assert direct is not None
+        inode.digests = None  # these bytes never reach the daemon: the drain hashes the file
+        if not self._unpublished(inode):
+            direct.reopened_clean = True  # undone at close if nothing changes
+        try:
+            await self._mark_writing(inode)  # before any byte lands: a crash flags it incomplete
+        except BaseException:
+            direct.reopened_clean = False  # the open fails; a later close publishes normally
+            raise
 
     def backing_id(self, fh: int) -> int:
         """The passthrough backing id of a handle; 0 when its I/O comes to the daemon."""
-        handle = self.handles[fh]
-        return handle.inode.backing_id if handle.direct else 0
+        return self.io_paths.backing_id(self.handles[fh])
 
-    def _close_io_path(self, inode: Inode, handle: Handle) -> None:
-        if not handle.direct:
-            return
-        inode.direct_handles -= 1
-        inode.direct_writers -= handle.writable
-        if not inode.direct_handles and self.backing is not None:
-            try:
-                self.backing.close(inode.backing_id)
-            except OSError as exc:  # the kernel drops it with the mount anyway
-                log.warning("event=passthrough_close_failed ino=%d error=%s", inode.ino, exc)
-            inode.backing_id = 0
+    @property
+    def passthrough(self) -> bool:
+        """Opens may go direct (the kernel does their I/O on the tier)."""
+        return self.io_paths.backing is not None
+
+    def passthrough_unavailable(self) -> None:
+        """The kernel did not offer passthrough at INIT: every open goes through the daemon."""
+        self.io_paths.turn_off()
 
     async def _ensure_local(self, inode: Inode, offset: int = 0, size: int | None = None) -> None:
         """Fetch (part of) a file that is only on the remote before it is read or changed."""
@@ -885,15 +850,16 @@ class BurstCore:
     def _publish_ops(self, inode: Inode, undo: Undo) -> list[Op]:
         """What a close journals: a new generation, or, for a file opened for
         writing through passthrough and left unchanged, its state from before."""
-        if not inode.reopened_clean:
+        direct = inode.direct
+        if direct is None or not direct.reopened_clean:
             return self._close_ops(inode, undo)
-        before = (inode.dirty, inode.reopened_clean)
+        dirty = inode.dirty
 
         def reopen() -> None:
-            inode.dirty, inode.reopened_clean = before
+            inode.dirty, direct.reopened_clean = dirty, True
 
         undo.add(reopen)
-        inode.dirty = inode.reopened_clean = False
+        inode.dirty = direct.reopened_clean = False
         return [unchanged_close_op(inode.ino)]
 
     def _file_closed(self) -> None:
@@ -935,7 +901,7 @@ class BurstCore:
         inode = handle.inode
         try:
             self._adopt_direct_writes(inode)
-            self._close_io_path(inode, handle)
+            self.io_paths.close(inode, handle)
             if handle.writable and not self._has_writer(inode):
                 if self._unpublished(inode) and inode.parent:
                     undo = Undo()

@@ -97,7 +97,8 @@ class BurstOperations(pyfuse3.Operations):
             log.info("event=passthrough state=on")
         else:
             log.warning("event=passthrough state=off reason=the kernel does not offer it (Linux 6.9+)")
-            self.backing = self.core.backing = None
+            self.backing = None
+            self.core.passthrough_unavailable()
 
     def _file_info(self, fh: int) -> pyfuse3.FileInfo:
         backing_id = self.core.backing_id(fh)

@@ -23,6 +23,17 @@ NEVER_LISTED = -1e9
 
 
 @dataclasses.dataclass(slots=True, eq=False)
+class DirectIO:
+    """The passthrough state of one inode, made at its first direct open."""
+
+    backing_id: int = 0  # passthrough backing file registered with the kernel while opened direct
+    handles: int = 0  # open handles whose I/O bypasses the daemon
+    writers: int = 0  # ... of which writable
+    seen: tuple[int, int] = (0, 0)  # (size, mtime_ns) of the data file when last adopted
+    reopened_clean: bool = False  # marked writing by a direct open, and nothing changed since
+
+
+@dataclasses.dataclass(slots=True, eq=False)
 class Inode:
     """In-memory state of one file, directory or symlink."""
 
@@ -54,11 +65,7 @@ class Inode:
     digests: StreamingDigests | None = None  # computed as written; None: the drain hashes the file
     local_prefix: int = 0  # a file being fetched: bytes from its start known to be local
     incomplete: str = ""  # why bytes may be missing (a lost write, a crash); cleared when emptied
-    backing_id: int = 0  # passthrough backing file registered with the kernel while opened direct
-    direct_handles: int = 0  # open handles whose I/O bypasses the daemon
-    direct_writers: int = 0  # ... of which writable
-    backing_seen: tuple[int, int] = (0, 0)  # (size, mtime_ns) of the data file when last adopted
-    reopened_clean: bool = False  # marked writing by a direct open, and nothing changed since
+    direct: DirectIO | None = None  # passthrough state, from the first direct open on (burstfs/iopath.py)
     marking: trio.Event | None = None  # set while the `writing` record of a first change commits
     pending: int = 0  # namespace changes of this inode in flight (not destroyed meanwhile)
 

@@ -178,7 +178,7 @@ def test_passthrough_writes_are_published_by_every_close(tmp_path: Path) -> None
 
     async def body(core: BurstCore) -> None:
         backing = FakeBackingFiles()
-        core.backing = backing
+        core.io_paths.backing = backing
         fh, inode = await core.create(ROOT_INO, b"shard", 0o644, os.O_WRONLY, 0, 0)
         assert core.backing_id(fh) in backing.open_ids
         data = tmp_path / "data" / f"{inode.ino:016x}"
