@@ -145,17 +145,28 @@ def _wait_durable(point: Path, timeout: float | None) -> None:
 
 
 @main.command()
-@click.argument("mountpoint", type=click.Path(path_type=Path))
+@click.argument("mountpoint", required=False, type=click.Path(path_type=Path))
+@click.option("--config", "config_file", type=click.Path(path_type=Path, dir_okay=False),
+              help="Unmount the mountpoint of this `burstfs mount --config` file (systemd, Kubernetes).")
 @click.option("--wait", "wait_drain", is_flag=True, help="First wait until every closed file is durable.")
 @click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for the daemon to exit.")
 @click.option("--wait-timeout", default=None, type=float, help="With --wait: give up after this many seconds.")
-def unmount(mountpoint: Path, wait_drain: bool, timeout: float, wait_timeout: float | None) -> None:
-    """Unmount MOUNTPOINT and wait for its daemon to stop.
+def unmount(mountpoint: Path | None, config_file: Path | None, wait_drain: bool, timeout: float,
+            wait_timeout: float | None) -> None:  # fmt: skip
+    """Unmount MOUNTPOINT (or the --config file's) and wait for its daemon to stop.
 
     Files not yet durable stay staged and journaled in the cache dir; the next
     mount (or `burstfs drain --cache DIR`) drains them.  With --wait, unmount
     only once everything closed is durable (exit 1 if that times out).
     """
+    if mountpoint is None:
+        try:
+            mountpoint = configfile.load(config_file, mount).values.get("mountpoint") if config_file else None
+        except BurstfsError as exc:
+            _fail(exc)
+        if mountpoint is None:
+            _fail(ConfigError("give MOUNTPOINT, or --config FILE with a mountpoint"))
+            return
     found = find_burstfs_mount(mountpoint)
     if found is None or found[0] != Path(os.path.realpath(mountpoint)):
         _fail(ConfigError(f"{mountpoint} is not a burstfs mount point"))

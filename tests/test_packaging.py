@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tomllib
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -173,14 +174,21 @@ def test_notify_abstract_socket_and_no_watchdog_without_watchdog_usec(
             daemon.wait()
 
 
-def unit_command(key: str, env: dict[str, str]) -> list[str]:
-    """The unit's ExecStop/ExecStart line as systemd runs it: ``-`` prefix dropped,
-    ``${VAR}`` and ``$VAR`` expanded from ``env``, the CLI of this environment."""
-    line = unit_service_section()[key][0].lstrip("-")
+def unit_command(key: str, env: dict[str, str], config: Path) -> list[str]:
+    """The unit's ExecStart/ExecStop/ExecStopPost line as systemd runs it for instance
+    "ckpt": ``-`` prefix dropped, ``${VAR}`` expanded from ``env``, ``/etc/burstfs/%i.toml``
+    at ``config``, the CLI of this environment."""
+    line = unit_service_section()[key][0].lstrip("-").replace("/etc/burstfs/%i.toml", str(config))
     line = re.sub(r"\$\{(\w+)\}", lambda m: env[m.group(1)], line)
-    words = [word for part in shlex.split(line) for word in
-             (env[part[1:]].split() if part.startswith("$") else [part])]  # fmt: skip
-    return [str(BIN / "burstfs") if w == INSTALLED_BIN else w for w in words]
+    return [str(BIN / "burstfs") if word == INSTALLED_BIN else word for word in shlex.split(line)]
+
+
+def instance_config(fs: MountedFS, *extra: str) -> Path:
+    """/etc/burstfs/ckpt.toml for the test mount's paths."""
+    config = fs.root / "ckpt.toml"
+    config.write_text("\n".join([f'mountpoint = "{fs.path}"', f'cache = "{fs.cache}"', f'remote = "{fs.remote_url}"',
+                                 *extra]) + "\n")  # fmt: skip
+    return config
 
 
 @needs_fuse
@@ -192,9 +200,9 @@ def test_unit_stop_waits_for_the_drain_then_leaves_undrained_files_staged(
     systemd's SIGTERM unmounts; the staged file drains at the next start."""
     sock, address = notify_socket
     fs = mounted_factory()
-    env = {"BURSTFS_MOUNTPOINT": str(fs.path), "BURSTFS_CACHE": str(fs.cache), "BURSTFS_REMOTE": fs.remote_url,
-           "BURSTFS_OPTS": "--drain-delay 3600", "BURSTFS_STOP_DRAIN_TIMEOUT": "1"}  # fmt: skip
-    start = unit_command("ExecStart", env)
+    config = instance_config(fs, "drain-delay = 3600")
+    env = {"BURSTFS_STOP_DRAIN_TIMEOUT": "1"}
+    start = unit_command("ExecStart", env, config)
     assert start[:2] == [str(BIN / "burstfs"), "mount"] and "--foreground" in start
     daemon = subprocess.Popen(start, env={**os.environ, "NOTIFY_SOCKET": address},
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -203,7 +211,7 @@ def test_unit_stop_waits_for_the_drain_then_leaves_undrained_files_staged(
         (fs.path / "step1").mkdir()
         data = os.urandom(1 << 20)
         (fs.path / "step1" / "model.pt").write_bytes(data)
-        stop = subprocess.run(unit_command("ExecStop", env), capture_output=True, text=True, timeout=120)
+        stop = subprocess.run(unit_command("ExecStop", env, config), capture_output=True, text=True, timeout=120)
         assert stop.returncode == 1 and "not durable" in stop.stderr, stop.stderr  # the bounded wait ran out
         assert is_mounted(fs.path)
         daemon.send_signal(signal.SIGTERM)  # what systemd does next
@@ -219,6 +227,43 @@ def test_unit_stop_waits_for_the_drain_then_leaves_undrained_files_staged(
     fs.mount("--drain-delay", "0")  # the next start drains it
     fs.unmount("--wait", "--wait-timeout", "60")
     assert (fs.remote_dir / "step1" / "model.pt").read_bytes() == data
+
+
+@needs_fuse
+@pytest.mark.fuse
+def test_unit_restarts_over_the_dead_mount_of_a_crash(
+    mounted_factory: type[MountedFS], notify_socket: tuple[socket.socket, str]
+) -> None:
+    """kill -9 (or a watchdog kill) leaves a dead FUSE mount; the unit's ExecStopPost
+    removes it, so Restart=on-failure mounts again."""
+    sock, address = notify_socket
+    fs = mounted_factory()
+    config = instance_config(fs)
+    start = unit_command("ExecStart", {}, config)
+    daemons = [subprocess.Popen(start, env={**os.environ, "NOTIFY_SOCKET": address},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]  # fmt: skip
+    try:
+        assert receive(sock).get("READY") == "1"
+        (fs.path / "a").write_bytes(b"before the crash")
+        daemons[0].kill()
+        daemons[0].wait()
+        assert is_mounted(fs.path)  # dead: ENOTCONN
+        assert burstfs("mount", "--config", str(config), "--foreground", check=False).returncode == 2
+        subprocess.run(unit_command("ExecStopPost", {}, config), capture_output=True, timeout=60)
+        assert not is_mounted(fs.path)
+        daemons.append(subprocess.Popen(start, env={**os.environ, "NOTIFY_SOCKET": address},
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+        while receive(sock).get("READY") != "1":
+            pass
+        assert (fs.path / "a").read_bytes() == b"before the crash"
+        burstfs("unmount", "--config", str(config), "--wait")
+        assert daemons[1].wait(timeout=60) == 0
+        assert (fs.remote_dir / "a").read_bytes() == b"before the crash"
+    finally:
+        for daemon in daemons:
+            if daemon.poll() is None:
+                daemon.kill()
+                daemon.wait()
 
 
 # -- Kubernetes ----------------------------------------------------------------------------------
@@ -255,52 +300,66 @@ def test_kubernetes_manifests_validate_against_the_api_schema(path: Path) -> Non
         kubernetes_validate.validate(broken, version, strict=True)
 
 
+CONFIG_IN_POD = "/etc/burstfs/burstfs.toml"
+
+
+def mount_config(path: Path) -> tuple[str, dict[str, Any]]:
+    """The ``burstfs.toml`` of the manifest's ConfigMap: its text and its settings."""
+    text = next(doc["data"]["burstfs.toml"] for doc in manifests(path) if doc["kind"] == "ConfigMap")
+    return text, tomllib.loads(text)
+
+
 @pytest.mark.parametrize("path", [DAEMONSET, SIDECAR], ids=["daemonset", "sidecar"])
-def test_kubernetes_fields_that_matter(path: Path) -> None:
+def test_kubernetes_fields_that_matter(path: Path, tmp_path: Path) -> None:
     spec, container = burstfs_container(path)
+    text, settings = mount_config(path)
+    check = tmp_path / "burstfs.toml"
+    check.write_text(text)
+    assert burstfs("config", "check", str(check)).returncode == 0  # the shipped config is valid
     assert container["securityContext"]["privileged"] is True  # /dev/fuse, mount(2)
-    mount_volume = next(m for m in container["volumeMounts"] if m.get("mountPropagation") == "Bidirectional")
-    command = " ".join(container["command"])
-    mountpoint = mount_volume["mountPath"]
-    assert f"burstfs mount {mountpoint} --cache" in command and "--foreground" in command
-    cache_mount = next(m for m in container["volumeMounts"] if re.search(rf"--cache {m['mountPath']}\b", command))
-    cache_volume = next(v for v in spec["volumes"] if v["name"] == cache_mount["name"])
-    assert "hostPath" in cache_volume or "persistentVolumeClaim" in cache_volume  # survives the pod
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert mounts[settings["mountpoint"]]["mountPropagation"] == "Bidirectional"
+    cache_mount = next(m for point, m in mounts.items() if settings["cache"].startswith(point.rstrip("/") + "/")
+                        or settings["cache"] == point)  # fmt: skip
+    assert "hostPath" in volumes[cache_mount["name"]] or "persistentVolumeClaim" in volumes[cache_mount["name"]]
+    config_mount = mounts[str(Path(CONFIG_IN_POD).parent)]
+    assert "configMap" in volumes[config_mount["name"]]
+    assert f"burstfs mount --config {CONFIG_IN_POD} --foreground" in " ".join(container["command"])
     pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
-    assert pre_stop[:3] == ["burstfs", "unmount", "--wait"] and pre_stop[-1] == mountpoint
+    assert pre_stop[:4] == ["burstfs", "unmount", "--config", CONFIG_IN_POD] and "--wait" in pre_stop
     drain_wait = int(pre_stop[pre_stop.index("--wait-timeout") + 1])
     assert spec["terminationGracePeriodSeconds"] >= drain_wait + 30, "the kubelet would kill the drain wait"
-    assert "burstfs-admin status" in " ".join(container["readinessProbe"]["exec"]["command"])
-    metrics_port = int(re.search(r"--metrics-addr \S+:(\d+)", command).group(1))  # type: ignore[union-attr]
+    assert f"burstfs-admin status --json {settings['mountpoint']}" in " ".join(container["readinessProbe"]["exec"]["command"])
+    metrics_port = int(settings["metrics-addr"].rsplit(":", 1)[1])
     assert {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"} in container["ports"]
-    annotations = next(doc for doc in manifests(path) if doc["kind"] in ("DaemonSet", "Pod"))
-    annotations = (annotations["spec"]["template"]["metadata"] if annotations["kind"] == "DaemonSet"
-                   else annotations["metadata"])["annotations"]  # fmt: skip
+    pod = next(doc for doc in manifests(path) if doc["kind"] in ("DaemonSet", "Pod"))
+    annotations = (pod["spec"]["template"]["metadata"] if pod["kind"] == "DaemonSet" else pod["metadata"])["annotations"]
     assert annotations["prometheus.io/scrape"] == "true" and int(annotations["prometheus.io/port"]) == metrics_port
-
-
-def on_this_node(text: str, fs: MountedFS, port: int) -> str:
-    """A manifest's shell command with the test mount's paths and a loopback metrics port."""
-    text = text.replace("/mnt/burstfs", str(fs.path)).replace("0.0.0.0:9400", f"127.0.0.1:{port}")
-    return re.sub(r"(?<=--cache )/cache\b", str(fs.cache), text)
 
 
 @needs_fuse
 @pytest.mark.fuse
 def test_daemonset_commands_start_probe_restart_and_stop_a_real_mount(mounted_factory: type[MountedFS]) -> None:
-    """The DaemonSet's own start command, readiness probe and preStop hook, run here:
-    ready when live, not ready when the daemon died, a restart over the dead mount,
+    """The DaemonSet's own config, start command, readiness probe and preStop hook, run
+    here: ready when live, not ready when the daemon died, a restart over the dead mount,
     and a stop that leaves the checkpoint durable."""
     _, container = burstfs_container(DAEMONSET)
+    text, settings = mount_config(DAEMONSET)
     fs = mounted_factory()
     with socket.socket() as probe_port:
         probe_port.bind(("127.0.0.1", 0))
         port = probe_port.getsockname()[1]
-    start = [on_this_node(word, fs, port) for word in container["command"]]
-    ready = [on_this_node(word, fs, port) for word in container["readinessProbe"]["exec"]["command"]]
-    pre_stop = [on_this_node(word, fs, port) for word in container["lifecycle"]["preStop"]["exec"]["command"]]
-    env = {**os.environ, "BURSTFS_REMOTE": fs.remote_url, "BURSTFS_OPTS": "--drain-delay 0",
-           "PATH": f"{BIN}:{os.environ['PATH']}"}  # fmt: skip
+    config = fs.root / "burstfs.toml"  # the ConfigMap's file, with this node's paths and a loopback port
+    config.write_text(text.replace(settings["mountpoint"], str(fs.path)).replace(settings["cache"], str(fs.cache))
+                      .replace(settings["remote"], fs.remote_url).replace(settings["metrics-addr"], f"127.0.0.1:{port}"))
+
+    def here(argv: list[str]) -> list[str]:
+        return [word.replace(CONFIG_IN_POD, str(config)).replace(settings["mountpoint"], str(fs.path)) for word in argv]
+
+    start, ready = here(container["command"]), here(container["readinessProbe"]["exec"]["command"])
+    pre_stop = here(container["lifecycle"]["preStop"]["exec"]["command"])
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
 
     def probe() -> bool:
         return subprocess.run(ready, env=env, capture_output=True, timeout=60).returncode == 0
@@ -326,3 +385,17 @@ def test_daemonset_commands_start_probe_restart_and_stop_a_real_mount(mounted_fa
         if daemon.poll() is None:
             daemon.kill()
             daemon.wait()
+
+
+def test_unmount_needs_a_mountpoint_or_a_config_file_with_one(tmp_path: Path) -> None:
+    result = burstfs("unmount", check=False)
+    assert result.returncode == 2 and "give MOUNTPOINT, or --config FILE" in result.stderr
+    config = tmp_path / "x.toml"
+    config.write_text('cache = "/tmp/c"\n')
+    assert burstfs("unmount", "--config", str(config), check=False).returncode == 2
+    config.write_text('mountpoint = "/nonexistent/mnt"\nbogus = 1\n')
+    result = burstfs("unmount", "--config", str(config), check=False)
+    assert result.returncode == 2 and f"{config}:2: key 'bogus': unknown key" in result.stderr
+    config.write_text(f'mountpoint = "{tmp_path}"\n')
+    result = burstfs("unmount", "--config", str(config), check=False)
+    assert result.returncode == 2 and f"{tmp_path} is not a burstfs mount point" in result.stderr

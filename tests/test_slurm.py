@@ -48,9 +48,11 @@ def free_port() -> int:
 class Cluster:
     """A one-node Slurm cluster in ``root``; burstfs' prolog/epilog read ``site_env``."""
 
-    def __init__(self, root: Path, burstfs_opts: str = "", epilog_timeout: int = 60) -> None:
+    def __init__(self, root: Path, mount_options: str | None = None, epilog_timeout: int = 60) -> None:
         self.root = root
-        self.burstfs_opts, self.epilog_timeout = burstfs_opts, epilog_timeout
+        if mount_options is None:  # the packaged site file, its metrics on a free port
+            mount_options = (SLURM / "slurm.toml").read_text().replace("127.0.0.1:9400", f"127.0.0.1:{free_port()}")
+        self.mount_options, self.epilog_timeout = mount_options, epilog_timeout
         self.node = socket.gethostname().split(".")[0]
         self.conf = root / "slurm.conf"
         self.mount_root = root / "mnt"
@@ -73,9 +75,10 @@ class Cluster:
             BURSTFS_REMOTE="file://{self.remote}/{{user}}"
             BURSTFS_MOUNT_ROOT={self.mount_root}
             BURSTFS_CACHE_ROOT={self.cache_root}
-            BURSTFS_OPTS="{self.burstfs_opts}"
+            BURSTFS_CONFIG={self.root / "slurm.toml"}
             BURSTFS_EPILOG_DRAIN_TIMEOUT={self.epilog_timeout}
             """))  # fmt: skip
+        (self.root / "slurm.toml").write_text(self.mount_options)  # the site's mount options
         hooks = {}
         for hook in ("prolog", "epilog"):  # the packaged scripts, pointed at this site's settings
             wrapper = self.root / f"{hook}.sh"
@@ -130,9 +133,9 @@ class Cluster:
         self.processes.append(subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT))
         log.close()
 
-    def slurm(self, *argv: str, check: bool = True) -> str:
+    def slurm(self, *argv: str, check: bool = True, timeout: float = 60) -> str:
         result = subprocess.run([binary(argv[0]), *argv[1:]], env=self.env, capture_output=True, text=True,
-                                timeout=60)  # fmt: skip
+                                timeout=timeout)  # fmt: skip
         if check and result.returncode != 0:
             raise AssertionError(f"{' '.join(argv)}: {result.stderr}")
         return result.stdout
@@ -182,7 +185,7 @@ def test_job_checkpoints_are_durable_after_the_epilog(cluster: Cluster) -> None:
            "PYTHONPATH": os.environ.get("PYTHONPATH", "")}  # fmt: skip
     submitted = cluster.slurm("sbatch", "--parsable", "--wait", f"--output={out}", "--chdir", str(cluster.root),
                               "--export=ALL," + ",".join(f"{k}={v}" for k, v in env.items()),
-                              str(SLURM / "train.sbatch"), check=False)  # fmt: skip
+                              str(SLURM / "train.sbatch"), check=False, timeout=300)  # fmt: skip
     job = submitted.strip().split(";")[0]
     assert job.isdigit() and out.exists(), cluster.diagnostics()
     assert "step_000012 durable" in out.read_text(), cluster.diagnostics()
@@ -198,14 +201,14 @@ def test_job_checkpoints_are_durable_after_the_epilog(cluster: Cluster) -> None:
     assert cluster.slurm("sinfo", "-h", "-o", "%T").strip() == "idle"  # neither hook drained the node
 
 
-@pytest.mark.parametrize("cluster", [{"burstfs_opts": "--drain-delay 3600", "epilog_timeout": 2}], indirect=True)
+@pytest.mark.parametrize("cluster", [{"mount_options": "drain-delay = 3600\n", "epilog_timeout": 2}], indirect=True)
 def test_epilog_reports_what_is_staged_and_drains_it_after_the_job(cluster: Cluster) -> None:
     """The remote is too slow for the epilog's bound (here: files drain an hour after
     their close): the epilog reports, unmounts, and `burstfs drain` finishes the job."""
     mount_root = cluster.mount_root
     script = f'set -e; d={mount_root}/$SLURM_JOB_ID/run/step_1; mkdir -p $d; head -c 300000 /dev/urandom > $d/shard0'
     submitted = cluster.slurm("sbatch", "--parsable", "--wait", f"--output={cluster.root / 'job.out'}",
-                              "--wrap", script)  # fmt: skip
+                              "--wrap", script, timeout=300)  # fmt: skip
     job = submitted.strip().split(";")[0]
     log = cluster.cache_root / "slurm.log"
     wait_for(lambda: "event=draining_in_background" in log.read_text(), timeout=90, what="the epilog to give up waiting")

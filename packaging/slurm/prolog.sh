@@ -22,8 +22,11 @@ chmod 755 "$BURSTFS_MOUNT_ROOT"
 if [[ $remote == file://* ]]; then
     mkdir -p "${remote#file://}"
 fi
-# shellcheck disable=SC2086  # BURSTFS_OPTS is a list of options
-if ! out=$("$BURSTFS" mount "$mnt" --cache "$cache" --remote "$remote" --allow-other ${BURSTFS_OPTS:-} 2>&1); then
+options=(--cache "$cache" --remote "$remote" --allow-other)
+if [[ -n ${BURSTFS_CONFIG:-} ]]; then
+    options+=(--config "$BURSTFS_CONFIG")
+fi
+if ! out=$("$BURSTFS" mount "$mnt" "${options[@]}" 2>&1); then
     log "event=mount_failed mountpoint=$mnt error=\"$out\""
     rmdir "$mnt" 2>/dev/null || true
     exit 1
