@@ -50,8 +50,8 @@ class Cluster:
 
     def __init__(self, root: Path, mount_options: str | None = None, epilog_timeout: int = 60) -> None:
         self.root = root
-        if mount_options is None:  # the packaged site file, its metrics on a free port
-            mount_options = (SLURM / "slurm.toml").read_text().replace("127.0.0.1:9400", f"127.0.0.1:{free_port()}")
+        if mount_options is None:  # the packaged site file
+            mount_options = (SLURM / "slurm.toml").read_text()
         self.mount_options, self.epilog_timeout = mount_options, epilog_timeout
         self.node = socket.gethostname().split(".")[0]
         self.conf = root / "slurm.conf"
