@@ -248,7 +248,7 @@ class ControlServer:
         doc.update(live=True, pid=os.getpid(), mountpoint=str(self.config.mountpoint), remote=str(self.config.remote),
                    data_path="passthrough" if self.core.passthrough else "daemon",
                    daemon_written_bytes=self.core.daemon_written_bytes)  # fmt: skip
-        fs = self.core.statfs(await self.core.evictable_bytes())
+        fs = await self.core.statfs()
         doc["local_tier"].update(
             limit_bytes=self.config.tier.cache_size,
             mount_total_bytes=fs.blocks * fs.block_size,

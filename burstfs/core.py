@@ -14,7 +14,6 @@ Invariants:
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import itertools
 import logging
@@ -26,9 +25,11 @@ from typing import Protocol
 
 import trio
 
+from .capacity import StatFs, TierCapacity
 from .committer import GroupCommitter
 from .config import TierOptions
-from .errors import BurstfsError, FsError, NoSpaceError, to_errno
+from .errors import BurstfsError, FsError, to_errno
+from .iopath import BackingFiles, IOPaths
 from .journal import (
     INCOMPLETE,
     META,
@@ -52,7 +53,6 @@ from .journal import (
     unlink_ops,
     update_inode_op,
 )
-from .iopath import BackingFiles, IOPaths
 from .listings import LISTING_WAIT, RemoteListings
 from .localtier import LocalTier
 from .nodes import NAME_MAX, RESERVED_ROOT_NAME, Handle, Inode, Undo
@@ -97,16 +97,6 @@ class Fetcher(Protocol):
 
     def forget(self, ino: int) -> None:
         """The file went away: drop any fetch state."""
-
-
-@dataclasses.dataclass(frozen=True)
-class StatFs:
-    block_size: int
-    blocks: int
-    blocks_free: int
-    files: int
-    files_free: int
-    name_max: int = NAME_MAX
 
 
 def _write_hashed(fd: int, data: bytes, offset: int, digests: StreamingDigests | None) -> int:
@@ -163,7 +153,6 @@ class BurstCore:
         self.fsync_remote = fsync_remote
         self.offload_writes = offload_writes
         self.digest_chunk_size = digest_chunk_size
-        self.capacity = capacity
         self.listings = RemoteListings(self, ttl=list_ttl, wait=listing_wait)
         self.io_paths = IOPaths(self.tier, backing)
         self.daemon_written_bytes = 0  # bytes clients wrote through the daemon (passthrough bypasses it)
@@ -174,11 +163,7 @@ class BurstCore:
         self._recover()
         self._next_ino = itertools.count(max(self.inodes) + 1)
         self._next_close_seq = itertools.count(journal.max_close_seq() + 1)
-        for inode in self.inodes.values():
-            inode.accounted = self._allocated(inode.ino) if inode.kind == "file" and inode.local else 0
-        self.local_bytes = sum(inode.accounted for inode in self.inodes.values())
-        self._space_freed = trio.Event()
-        self._full_waited: dict[int, float] = {}  # ino -> seconds its writes waited on a full tier
+        self.capacity = TierCapacity(self.tier, journal, capacity, self.inodes)
 
     # -- start-up -----------------------------------------------------------------
 
@@ -472,7 +457,7 @@ class BurstCore:
             return
         self.inodes.pop(inode.ino, None)
         if inode.kind == "file":
-            self._release_space(inode.accounted)
+            self.capacity.release(inode.accounted)
             if not inode.local and self.fetcher is not None:
                 self.fetcher.forget(inode.ino)
             self.tier.remove(inode.ino)
@@ -576,10 +561,7 @@ class BurstCore:
         inode.size = st.st_size
         inode.mtime_ns, inode.ctime_ns = st.st_mtime_ns, st.st_ctime_ns
         inode.last_access = time.monotonic()
-        allocated = st.st_blocks * 512  # a sparse file takes what it allocated, not its size
-        if allocated > inode.accounted:  # no byte limit is set when passthrough is on
-            self.local_bytes += allocated - inode.accounted
-            inode.accounted = allocated
+        self.capacity.adopt(inode, st.st_blocks * 512)  # a sparse file takes what it allocated, not its size
 
     async def setattr(
         self,
@@ -659,9 +641,7 @@ class BurstCore:
         # Growth adds a hole: nothing allocated, nothing counted (a file drains at its
         # logical size, but the tier holds only what was written).  Shrinking frees blocks.
         if size < inode.size:
-            kept = min(inode.accounted, await trio.to_thread.run_sync(self._allocated, inode.ino))
-            self._release_space(inode.accounted - kept)
-            inode.accounted = kept
+            await self.capacity.shrunk(inode)
         inode.size = size
         if size == 0:  # emptied: what is written next is all of it
             inode.incomplete = ""
@@ -745,7 +725,7 @@ class BurstCore:
             return
         if self.fetcher is None:
             raise FsError(errno.EIO, "file is not on the local tier and no remote is configured")
-        await self._account(inode, inode.size)  # room for the whole file: a restore usually reads all of it
+        await self.capacity.account(inode, inode.size)  # room for the whole file: a restore usually reads all of it
         inode.local_prefix = await self.fetcher.ensure_local(inode.ino, offset, inode.size if size is None else size)
         if inode.local_prefix >= inode.size:
             inode.local, inode.listed = True, False
@@ -801,7 +781,7 @@ class BurstCore:
         try:
             fd = self.tier.fd(inode.ino)
             assert fd is not None
-            await self._claim_write(inode, fd, offset, end)
+            await self.capacity.claim_write(inode, fd, offset, end)
             if self.offload_writes and len(data) >= 65536:
                 written = await trio.to_thread.run_sync(_write_hashed, fd, data, offset, inode.digests)
             else:
@@ -929,164 +909,6 @@ class BurstCore:
         if self.fsync_remote and self.drain is not None and inode.parent:
             await self.drain.wait_durable(inode.ino, inode.generation)
 
-    # -- capacity of the local tier ---------------------------------------------------
-
-    def _fits(self, nbytes: int) -> bool:
-        limit = self.capacity.cache_size
-        if limit is not None and self.local_bytes + nbytes > limit:
-            return False
-        if self.capacity.min_free:
-            st = self.tier.statvfs()
-            return st.f_bavail * st.f_frsize - nbytes >= self.capacity.min_free
-        return True
-
-    async def _reserve(self, nbytes: int, inode: Inode | None = None) -> None:
-        """Count ``nbytes`` more on the local tier, making room first if needed.
-
-        Durable files are evicted by the policy; when the tier is full of data not
-        yet durable, wait for the drain (backpressure), then fail with ENOSPC.
-        Undrained data is never evicted.  ``--full-timeout`` bounds the *total*
-        wait of one file (``_full_waited``): with the write-back cache every
-        write-back batch would otherwise wait the whole timeout in turn, so once a
-        file has hit ENOSPC its writes that do not fit fail at once, until it is
-        emptied (truncate to 0, ``O_TRUNC``).
-        """
-        if not self._fits(nbytes):
-            spent = self._full_waited.get(inode.ino, 0.0) if inode is not None else 0.0
-            started = time.monotonic()
-            deadline = started + max(0.0, self.capacity.full_timeout - spent)
-            waited = False
-            try:
-                while not self._fits(nbytes) and not await self._evict_for(nbytes):
-                    if time.monotonic() >= deadline:
-                        if spent < self.capacity.full_timeout:
-                            log.error("event=tier_full bytes=%d used=%d limit=%s ino=%s action=ENOSPC "
-                                      "note=later writes of this file that do not fit fail at once until it is emptied",
-                                      nbytes, self.local_bytes, self.capacity.cache_size,
-                                      inode.ino if inode else None)  # fmt: skip
-                        if inode is not None:
-                            spent = self.capacity.full_timeout  # budget spent: no more waiting for this file
-                        raise NoSpaceError("local tier full of data not yet durable")
-                    if not waited:
-                        waited = True
-                        log.warning("event=tier_full bytes=%d used=%d limit=%s action=wait_for_drain wait_left=%.1f",
-                                    nbytes, self.local_bytes, self.capacity.cache_size,
-                                    deadline - time.monotonic())  # fmt: skip
-                    with trio.move_on_after(max(0.0, min(deadline - time.monotonic(), 0.5))):  # deadline is time.monotonic()
-                        await self._space_freed.wait()
-            finally:
-                if inode is not None:
-                    self._full_waited[inode.ino] = max(spent, spent + time.monotonic() - started)
-        self.local_bytes += nbytes
-
-    async def _account(self, inode: Inode, size: int) -> None:
-        """Count ``inode`` as ``size`` bytes on the tier.  Concurrent writes to one
-        file claim disjoint increments, so nothing is counted twice."""
-        need = size - inode.accounted
-        if need <= 0:
-            return
-        if inode.accounted == 0 and not inode.incomplete:  # written from empty: a fresh wait budget
-            self._full_waited.pop(inode.ino, None)
-        inode.accounted = size
-        try:
-            await self._reserve(need, inode)
-        except BaseException:
-            inode.accounted -= need
-            raise
-
-    def _allocated(self, ino: int) -> int:
-        """Bytes the data file of ``ino`` takes on the tier (``st_blocks``; holes take none)."""
-        try:
-            return os.stat(self.tier.path(ino)).st_blocks * 512
-        except OSError:
-            return 0
-
-    async def _claim_write(self, inode: Inode, fd: int, offset: int, end: int) -> None:
-        """Count the room a write of [offset, end) may allocate, before it lands.
-
-        Capacity counts allocated bytes, not logical size: growing a file by
-        truncate (or a write far past its end, as copy_file_range and seek-ahead
-        writers do) leaves a hole that takes nothing, so a few such calls cannot
-        make the tier look full.  Bytes past the end are new; below it, only the
-        part from the first hole in the range can be (SEEK_HOLE); overwrites of
-        allocated bytes claim nothing.
-        """
-        start = offset
-        if offset < inode.size:
-            try:
-                start = max(offset, os.lseek(fd, offset, os.SEEK_HOLE))
-            except OSError:  # no SEEK_HOLE here: assume all of it is new
-                start = offset
-        need = end - start
-        if need <= 0:
-            return
-        if inode.accounted == 0 and not inode.incomplete:  # written from empty: a fresh wait budget
-            self._full_waited.pop(inode.ino, None)
-        inode.accounted += need
-        try:
-            await self._reserve(need, inode)
-        except BaseException:
-            inode.accounted -= need
-            raise
-
-    async def evictable_bytes(self) -> int:
-        """Bytes of local copies a write could reclaim now: durable, closed, unchanged
-        (what ``statfs`` counts as free besides the unused part of the limit)."""
-        if self.capacity.evict == "none":
-            return 0
-        rows = await trio.to_thread.run_sync(self.journal.evictable)
-        total = 0
-        for ino, _ in rows:
-            inode = self.inodes.get(ino)
-            if inode is not None and inode.local and not inode.dirty and not inode.handles:
-                total += inode.accounted
-        return total
-
-    def _release_space(self, nbytes: int) -> None:
-        self.local_bytes = max(0, self.local_bytes - nbytes)
-        self._space_freed.set()
-        self._space_freed = trio.Event()
-
-    async def _evict_for(self, nbytes: int) -> bool:
-        """Evict durable files by policy until ``nbytes`` fit; True if they now do."""
-        if self.capacity.evict == "none":
-            return False
-        rows = await trio.to_thread.run_sync(self.journal.evictable)
-        candidates = []
-        for ino, close_seq in rows:
-            inode = self.inodes.get(ino)
-            if inode is not None and inode.local and not inode.dirty and not inode.handles:
-                candidates.append((inode.last_access if self.capacity.evict == "lru" else close_seq, inode))
-        candidates.sort(key=lambda c: c[0])
-        for _, inode in candidates:
-            if self._fits(nbytes):
-                break
-            await self._evict(inode)
-        return self._fits(nbytes)
-
-    async def _evict(self, inode: Inode) -> int:
-        changed = await trio.to_thread.run_sync(self.journal.evict, inode.ino, inode.generation)
-        if not changed or inode.handles or inode.dirty:
-            return 0
-        inode.local, inode.local_prefix = False, 0
-        self.tier.remove(inode.ino)
-        self._release_space(inode.accounted)
-        inode.accounted = 0
-        log.info("event=evicted ino=%d bytes=%d", inode.ino, inode.size)
-        return inode.size
-
-    async def evict(self, ino: int) -> int:
-        """Drop the local copy of a durable file (``burstfs-admin evict``); bytes freed."""
-        inode = self.inode(ino)
-        if inode.kind != "file" or not inode.local:
-            return 0
-        if inode.handles:
-            raise FsError(errno.EBUSY, "file is open")
-        freed = 0 if inode.dirty else await self._evict(inode)
-        if not freed and inode.size:
-            raise FsError(errno.EAGAIN, "file is not durable yet")
-        return freed
-
     # -- directories ----------------------------------------------------------------
 
     async def opendir(self, ino: int) -> int:
@@ -1171,28 +993,13 @@ class BurstCore:
 
     # -- file system ----------------------------------------------------------------
 
-    def statfs(self, evictable: int = 0) -> StatFs:
-        """The local tier's capacity: what a writer can still put here right now.
+    async def statfs(self) -> StatFs:
+        """The local tier's capacity (see :meth:`TierCapacity.statfs`)."""
+        return self.capacity.statfs(await self.capacity.evictable_bytes())
 
-        ``evictable`` (from :meth:`evictable_bytes`) counts as free: a write takes
-        that room by evicting durable local copies, so a tier full of durable data
-        is not a full tier.
-        """
-        st = self.tier.statvfs()
-        bsize = st.f_frsize
-        avail = st.f_bavail * bsize + evictable
-        blocks, free = st.f_blocks, max(0, avail - self.capacity.min_free) // bsize
-        if self.capacity.cache_size is not None:
-            blocks = min(blocks, self.capacity.cache_size // bsize)
-            free = min(free, max(0, self.capacity.cache_size - self.local_bytes + evictable) // bsize)
-        free = min(free, blocks)
-        return StatFs(
-            block_size=bsize,
-            blocks=blocks,
-            blocks_free=free,
-            files=max(st.f_files, len(self.inodes)),
-            files_free=st.f_favail if st.f_files else 1 << 20,
-        )
+    async def evict(self, ino: int) -> int:
+        """Drop the local copy of a durable file (``burstfs-admin evict``); bytes freed."""
+        return await self.capacity.evict(self.inode(ino))
 
     def close(self) -> None:
         """Close data descriptors.  Files still open for writing stay journaled as

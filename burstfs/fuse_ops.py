@@ -228,7 +228,7 @@ class BurstOperations(pyfuse3.Operations):
 
     @_errors_to_fuse
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
-        fs = self.core.statfs(await self.core.evictable_bytes())  # durable local copies are room
+        fs = await self.core.statfs()  # durable local copies are room
         data = pyfuse3.StatvfsData()
         data.f_bsize = fs.block_size
         data.f_frsize = fs.block_size

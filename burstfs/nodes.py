@@ -61,7 +61,7 @@ class Inode:
     last_access: float = 0.0  # monotonic time of the last open/read/write (eviction order)
     listed: bool = False  # known only from a remote listing (state remote)
     listed_at: float = NEVER_LISTED  # directories: monotonic time of the last remote listing merge
-    accounted: int = 0  # bytes of this file counted in BurstCore.local_bytes
+    accounted: int = 0  # bytes of this file counted in TierCapacity.local_bytes
     digests: StreamingDigests | None = None  # computed as written; None: the drain hashes the file
     local_prefix: int = 0  # a file being fetched: bytes from its start known to be local
     incomplete: str = ""  # why bytes may be missing (a lost write, a crash); cleared when emptied

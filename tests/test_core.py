@@ -657,7 +657,7 @@ def test_readdir_snapshot_and_statfs(tmp_path: Path) -> None:
         plain = await write_file(core, ROOT_INO, b"plain", b"")
         with raises_errno(errno.ENOTDIR):
             await core.opendir(plain)
-        fs = core.statfs()
+        fs = await core.statfs()
         st = os.statvfs(tmp_path)
         assert fs.block_size == st.f_frsize and fs.blocks == st.f_blocks and fs.name_max == 255
 

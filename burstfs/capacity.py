@@ -1,0 +1,244 @@
+"""Capacity of the local tier: what files take on it, and making room for writes.
+
+Capacity counts allocated bytes (``st_blocks``), not logical sizes: a sparse
+file takes what it wrote.  A write claims its room before it lands; when the
+tier is full, durable files are evicted by the policy, and when only undrained
+data is left, the writer waits for the drain (backpressure) until
+``full_timeout``, then fails with ENOSPC.  Undrained data is never evicted.
+``statfs`` reports the same numbers, with durable local copies counted as free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import time
+
+import trio
+
+from .config import TierOptions
+from .errors import FsError, NoSpaceError
+from .journal import Journal
+from .localtier import LocalTier
+from .nodes import NAME_MAX, Inode
+
+log = logging.getLogger("burstfs.capacity")
+
+
+@dataclasses.dataclass(frozen=True)
+class StatFs:
+    block_size: int
+    blocks: int
+    blocks_free: int
+    files: int
+    files_free: int
+    name_max: int = NAME_MAX
+
+
+class TierCapacity:
+    """Counts the bytes of files on the local tier (``local_bytes``, per inode
+    ``accounted``) and frees room by evicting durable local copies."""
+
+    def __init__(self, tier: LocalTier, journal: Journal, policy: TierOptions, inodes: dict[int, Inode]) -> None:
+        self.tier = tier
+        self.journal = journal
+        self.policy = policy
+        self.inodes = inodes  # the core's inode table (eviction candidates, statfs's file count)
+        for inode in inodes.values():
+            inode.accounted = self.allocated(inode.ino) if inode.kind == "file" and inode.local else 0
+        self.local_bytes = sum(inode.accounted for inode in inodes.values())
+        self._space_freed = trio.Event()
+        self._full_waited: dict[int, float] = {}  # ino -> seconds its writes waited on a full tier
+
+    def _fits(self, nbytes: int) -> bool:
+        limit = self.policy.cache_size
+        if limit is not None and self.local_bytes + nbytes > limit:
+            return False
+        if self.policy.min_free:
+            st = self.tier.statvfs()
+            return st.f_bavail * st.f_frsize - nbytes >= self.policy.min_free
+        return True
+
+    async def _reserve(self, nbytes: int, inode: Inode | None = None) -> None:
+        """Count ``nbytes`` more on the local tier, making room first if needed.
+
+        Durable files are evicted by the policy; when the tier is full of data not
+        yet durable, wait for the drain (backpressure), then fail with ENOSPC.
+        Undrained data is never evicted.  ``--full-timeout`` bounds the *total*
+        wait of one file (``_full_waited``): with the write-back cache every
+        write-back batch would otherwise wait the whole timeout in turn, so once a
+        file has hit ENOSPC its writes that do not fit fail at once, until it is
+        emptied (truncate to 0, ``O_TRUNC``).
+        """
+        if not self._fits(nbytes):
+            spent = self._full_waited.get(inode.ino, 0.0) if inode is not None else 0.0
+            started = time.monotonic()
+            deadline = started + max(0.0, self.policy.full_timeout - spent)
+            waited = False
+            try:
+                while not self._fits(nbytes) and not await self._evict_for(nbytes):
+                    if time.monotonic() >= deadline:
+                        if spent < self.policy.full_timeout:
+                            log.error("event=tier_full bytes=%d used=%d limit=%s ino=%s action=ENOSPC "
+                                      "note=later writes of this file that do not fit fail at once until it is emptied",
+                                      nbytes, self.local_bytes, self.policy.cache_size,
+                                      inode.ino if inode else None)  # fmt: skip
+                        if inode is not None:
+                            spent = self.policy.full_timeout  # budget spent: no more waiting for this file
+                        raise NoSpaceError("local tier full of data not yet durable")
+                    if not waited:
+                        waited = True
+                        log.warning("event=tier_full bytes=%d used=%d limit=%s action=wait_for_drain wait_left=%.1f",
+                                    nbytes, self.local_bytes, self.policy.cache_size,
+                                    deadline - time.monotonic())  # fmt: skip
+                    with trio.move_on_after(max(0.0, min(deadline - time.monotonic(), 0.5))):  # deadline is time.monotonic()
+                        await self._space_freed.wait()
+            finally:
+                if inode is not None:
+                    self._full_waited[inode.ino] = max(spent, spent + time.monotonic() - started)
+        self.local_bytes += nbytes
+
+    async def account(self, inode: Inode, size: int) -> None:
+        """Count ``inode`` as ``size`` bytes on the tier.  Concurrent writes to one
+        file claim disjoint increments, so nothing is counted twice."""
+        need = size - inode.accounted
+        if need <= 0:
+            return
+        if inode.accounted == 0 and not inode.incomplete:  # written from empty: a fresh wait budget
+            self._full_waited.pop(inode.ino, None)
+        inode.accounted = size
+        try:
+            await self._reserve(need, inode)
+        except BaseException:
+            inode.accounted -= need
+            raise
+
+    def allocated(self, ino: int) -> int:
+        """Bytes the data file of ``ino`` takes on the tier (``st_blocks``; holes take none)."""
+        try:
+            return os.stat(self.tier.path(ino)).st_blocks * 512
+        except OSError:
+            return 0
+
+    async def claim_write(self, inode: Inode, fd: int, offset: int, end: int) -> None:
+        """Count the room a write of [offset, end) may allocate, before it lands.
+
+        Capacity counts allocated bytes, not logical size: growing a file by
+        truncate (or a write far past its end, as copy_file_range and seek-ahead
+        writers do) leaves a hole that takes nothing, so a few such calls cannot
+        make the tier look full.  Bytes past the end are new; below it, only the
+        part from the first hole in the range can be (SEEK_HOLE); overwrites of
+        allocated bytes claim nothing.
+        """
+        start = offset
+        if offset < inode.size:
+            try:
+                start = max(offset, os.lseek(fd, offset, os.SEEK_HOLE))
+            except OSError:  # no SEEK_HOLE here: assume all of it is new
+                start = offset
+        need = end - start
+        if need <= 0:
+            return
+        if inode.accounted == 0 and not inode.incomplete:  # written from empty: a fresh wait budget
+            self._full_waited.pop(inode.ino, None)
+        inode.accounted += need
+        try:
+            await self._reserve(need, inode)
+        except BaseException:
+            inode.accounted -= need
+            raise
+
+    def adopt(self, inode: Inode, allocated: int) -> None:
+        """Count bytes the kernel wrote through passthrough (no byte limit is set when it is on)."""
+        if allocated > inode.accounted:
+            self.local_bytes += allocated - inode.accounted
+            inode.accounted = allocated
+
+    async def shrunk(self, inode: Inode) -> None:
+        """A file was truncated to a smaller size: count only the blocks it still holds."""
+        kept = min(inode.accounted, await trio.to_thread.run_sync(self.allocated, inode.ino))
+        self.release(inode.accounted - kept)
+        inode.accounted = kept
+
+    async def evictable_bytes(self) -> int:
+        """Bytes of local copies a write could reclaim now: durable, closed, unchanged
+        (what ``statfs`` counts as free besides the unused part of the limit)."""
+        if self.policy.evict == "none":
+            return 0
+        rows = await trio.to_thread.run_sync(self.journal.evictable)
+        total = 0
+        for ino, _ in rows:
+            inode = self.inodes.get(ino)
+            if inode is not None and inode.local and not inode.dirty and not inode.handles:
+                total += inode.accounted
+        return total
+
+    def release(self, nbytes: int) -> None:
+        self.local_bytes = max(0, self.local_bytes - nbytes)
+        self._space_freed.set()
+        self._space_freed = trio.Event()
+
+    async def _evict_for(self, nbytes: int) -> bool:
+        """Evict durable files by policy until ``nbytes`` fit; True if they now do."""
+        if self.policy.evict == "none":
+            return False
+        rows = await trio.to_thread.run_sync(self.journal.evictable)
+        candidates = []
+        for ino, close_seq in rows:
+            inode = self.inodes.get(ino)
+            if inode is not None and inode.local and not inode.dirty and not inode.handles:
+                candidates.append((inode.last_access if self.policy.evict == "lru" else close_seq, inode))
+        candidates.sort(key=lambda c: c[0])
+        for _, inode in candidates:
+            if self._fits(nbytes):
+                break
+            await self._evict(inode)
+        return self._fits(nbytes)
+
+    async def _evict(self, inode: Inode) -> int:
+        changed = await trio.to_thread.run_sync(self.journal.evict, inode.ino, inode.generation)
+        if not changed or inode.handles or inode.dirty:
+            return 0
+        inode.local, inode.local_prefix = False, 0
+        self.tier.remove(inode.ino)
+        self.release(inode.accounted)
+        inode.accounted = 0
+        log.info("event=evicted ino=%d bytes=%d", inode.ino, inode.size)
+        return inode.size
+
+    async def evict(self, inode: Inode) -> int:
+        """Drop the local copy of a durable file (``burstfs-admin evict``); bytes freed."""
+        if inode.kind != "file" or not inode.local:
+            return 0
+        if inode.handles:
+            raise FsError(errno.EBUSY, "file is open")
+        freed = 0 if inode.dirty else await self._evict(inode)
+        if not freed and inode.size:
+            raise FsError(errno.EAGAIN, "file is not durable yet")
+        return freed
+
+    def statfs(self, evictable: int = 0) -> StatFs:
+        """The local tier's capacity: what a writer can still put here right now.
+
+        ``evictable`` (from :meth:`evictable_bytes`) counts as free: a write takes
+        that room by evicting durable local copies, so a tier full of durable data
+        is not a full tier.
+        """
+        st = self.tier.statvfs()
+        bsize = st.f_frsize
+        avail = st.f_bavail * bsize + evictable
+        blocks, free = st.f_blocks, max(0, avail - self.policy.min_free) // bsize
+        if self.policy.cache_size is not None:
+            blocks = min(blocks, self.policy.cache_size // bsize)
+            free = min(free, max(0, self.policy.cache_size - self.local_bytes + evictable) // bsize)
+        free = min(free, blocks)
+        return StatFs(
+            block_size=bsize,
+            blocks=blocks,
+            blocks_free=free,
+            files=max(st.f_files, len(self.inodes)),
+            files_free=st.f_favail if st.f_files else 1 << 20,
+        )
+
