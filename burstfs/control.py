@@ -38,7 +38,7 @@ import trio
 
 from .config import MountConfig
 from .errors import BurstfsError, FsError
-from .journal import QUEUED, ROOT_INO, Journal, set_meta_op
+from .journal import QUEUED, ROOT_INO, Journal
 from .status import SCHEMA, journal_events, journal_status, list_files, outage_of
 from .verify import check_local_all, check_remote_all, files_to_verify, report
 
@@ -126,9 +126,7 @@ class ControlServer:
         listener = await self.listen()
         try:
             # Lets burstfs-admin map paths under the mount point while the mount is down.
-            await self.core.committer.commit(
-                [set_meta_op("mountpoint", str(self.config.mountpoint))]
-            )
+            await self.core.set_meta("mountpoint", str(self.config.mountpoint))
             log.info("event=control_listening socket=%s", self.path)
             task_status.started()
             await trio.serve_listeners(self._serve_connection, [listener])
@@ -223,10 +221,8 @@ class ControlServer:
                 continue
             if node.kind == "dir":
                 await self.core.refresh_listing(node)
-            for name, ino in (node.children or {}).items():
-                child = self.core.inodes.get(ino)
-                if child is not None:
-                    stack.append((f"{path}/{os.fsdecode(name)}" if path else os.fsdecode(name), child))
+            for name, child in self.core.entries(node):
+                stack.append((f"{path}/{os.fsdecode(name)}" if path else os.fsdecode(name), child))
         return found
 
     async def _files(self, request: dict[str, Any]) -> list[tuple[str, Inode]]:

@@ -48,6 +48,7 @@ from .journal import (
     mark_writing_op,
     recovered_incomplete_ops,
     remove_xattr_op,
+    set_meta_op,
     set_xattr_op,
     unchanged_close_op,
     unlink_ops,
@@ -257,6 +258,10 @@ class BurstCore:
         inode.lookups += 1
         self._adopt_direct_writes(inode)
         return inode
+
+    def looked_up(self, inode: Inode) -> None:
+        """The kernel took a reference to ``inode`` without a lookup (a readdirplus entry)."""
+        inode.lookups += 1
 
     async def refresh_listing(self, directory: Inode) -> bool:
         """Merge the remote listing of ``directory`` if it is older than the TTL
@@ -925,6 +930,18 @@ class BurstCore:
 
     def releasedir(self, fh: int) -> None:
         self.dir_handles.pop(fh, None)
+
+    def entries(self, directory: Inode) -> list[tuple[bytes, Inode]]:
+        """The names in ``directory`` now, with their inodes (no kernel reference taken)."""
+        return [(name, self.inodes[ino]) for name, ino in (directory.children or {}).items() if ino in self.inodes]
+
+    async def fsyncdir(self) -> None:
+        """Namespace changes are committed before their calls return: make them durable on disk."""
+        await self.committer.commit([], sync=True)
+
+    async def set_meta(self, key: str, value: str) -> None:
+        """Journal a mount-wide value (the mount point, for ``burstfs-admin`` while it is down)."""
+        await self.committer.commit([set_meta_op(key, value)])
 
     # -- extended attributes --------------------------------------------------------
 

@@ -216,7 +216,7 @@ class BurstOperations(pyfuse3.Operations):
         for index, (name, inode) in enumerate(self.core.readdir(fh, start_id), start_id + 1):
             if not pyfuse3.readdir_reply(token, name, entry_attributes(inode), index):
                 break
-            inode.lookups += 1  # readdirplus: the kernel now holds a reference
+            self.core.looked_up(inode)  # readdirplus: the kernel now holds a reference
 
     @_errors_to_fuse
     async def releasedir(self, fh: int) -> None:
@@ -224,7 +224,7 @@ class BurstOperations(pyfuse3.Operations):
 
     @_errors_to_fuse
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
-        await self.core.committer.commit([], sync=True)
+        await self.core.fsyncdir()
 
     @_errors_to_fuse
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:

@@ -109,7 +109,7 @@ class MetricsServer:
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
         if drain is not None:
-            drain.mover.on_durable = self._durable
+            drain.mover.on_durable(self._durable)
         self._server: Any = None  # set by start()
 
     def _durable(self, size: int, seconds: float) -> None:

@@ -170,7 +170,12 @@ class Mover:
         self._relocate_retry: dict[int, float] = {}  # ino -> earliest retry of its relocation
         self._relocate_failures: dict[int, int] = {}
         self._delete_retry: dict[str, float] = {}  # key -> earliest retry of its delete
-        self.on_durable: Callable[[int, float], None] | None = None  # (bytes, seconds): metrics hook
+        self._durable_listeners: list[Callable[[int, float], None]] = []  # (bytes, seconds) of each durable file
+
+    def on_durable(self, listener: Callable[[int, float], None]) -> None:
+        """Call ``listener(bytes, seconds)`` on the mover thread for each file made durable
+        (seconds: from the start of its upload); register before the mover starts."""
+        self._durable_listeners.append(listener)
 
     # -- thread-safe controls (called from the FUSE thread or the control socket) ----
 
@@ -507,8 +512,8 @@ class Mover:
         self.stats.bytes_drained += size
         self.stats.bytes_drained_recent.append((time.time(), size))
         self.stats.drain_latencies.append(latency)
-        if self.on_durable is not None:
-            self.on_durable(size, latency)
+        for listener in self._durable_listeners:
+            listener(size, latency)
         self._not_before.pop(row.ino, None)
         log.info("event=durable key=%s generation=%d bytes=%d seconds=%.3f", key, row.generation, size, latency)
 
