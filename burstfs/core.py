@@ -47,9 +47,7 @@ from .journal import (
     insert_inode_op,
     mark_writing_op,
     recovered_incomplete_ops,
-    remove_xattr_op,
     set_meta_op,
-    set_xattr_op,
     unchanged_close_op,
     unlink_ops,
     update_inode_op,
@@ -58,11 +56,10 @@ from .listings import LISTING_WAIT, RemoteListings
 from .localtier import LocalTier
 from .nodes import NAME_MAX, RESERVED_ROOT_NAME, Handle, Inode, Undo
 from .objects import StreamingDigests
+from .xattrs import ExtendedAttributes
 
 log = logging.getLogger("burstfs.core")
 
-XATTR_USER = b"user."
-XATTR_RESERVED = b"user.burstfs."  # computed, read-only attributes (drain state)
 # Reads of a file being fetched go straight to the tier while they stay this far
 # behind its local prefix; nearer the frontier they go through the fetcher, which
 # sees them and keeps its prefetch window running ahead.
@@ -156,6 +153,7 @@ class BurstCore:
         self.digest_chunk_size = digest_chunk_size
         self.listings = RemoteListings(self, ttl=list_ttl, wait=listing_wait)
         self.io_paths = IOPaths(self.tier, backing)
+        self.xattrs = ExtendedAttributes(journal, self.committer)
         self.daemon_written_bytes = 0  # bytes clients wrote through the daemon (passthrough bypasses it)
         self.inodes: dict[int, Inode] = {}
         self.handles: dict[int, Handle] = {}
@@ -943,70 +941,19 @@ class BurstCore:
         """Journal a mount-wide value (the mount point, for ``burstfs-admin`` while it is down)."""
         await self.committer.commit([set_meta_op(key, value)])
 
-    # -- extended attributes --------------------------------------------------------
+    # -- extended attributes (burstfs/xattrs.py) ------------------------------------
 
     async def getxattr(self, ino: int, name: bytes) -> bytes:
-        inode = self.inode(ino)
-        if name.startswith(XATTR_RESERVED):
-            return await self.reserved_xattr(inode, name)
-        try:
-            return inode.xattrs[name]
-        except KeyError:
-            raise FsError(errno.ENODATA) from None
-
-    async def reserved_xattr(self, inode: Inode, name: bytes) -> bytes:
-        """``user.burstfs.*``: the file's drain state, read from the journal."""
-        row = await trio.to_thread.run_sync(self.journal.inode, inode.ino)
-        if row is None or inode.kind != "file":
-            raise FsError(errno.ENODATA)
-        key = name[len(XATTR_RESERVED):].decode(errors="replace")
-        values = {
-            "state": WRITING if inode.dirty else row.state,
-            "generation": str(row.generation),
-            "digest": row.digest or "",
-            "remote_key": row.remote_key or "",
-            "error": row.error or "",
-        }
-        if key not in values or (not values[key] and key != "state"):
-            raise FsError(errno.ENODATA)
-        return values[key].encode()
+        return await self.xattrs.get(self.inode(ino), name)
 
     def listxattr(self, ino: int) -> list[bytes]:
-        inode = self.inode(ino)
-        names = list(inode.xattrs)
-        if inode.kind == "file":
-            names.append(XATTR_RESERVED + b"state")
-        return names
+        return self.xattrs.names(self.inode(ino))
 
     async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
-        inode = self.inode(ino)
-        if not name.startswith(XATTR_USER):
-            raise FsError(errno.ENOTSUP, "only user.* extended attributes are supported")
-        if name.startswith(XATTR_RESERVED):
-            raise FsError(errno.EPERM, "user.burstfs.* attributes are read-only")
-        before = (inode.xattrs.get(name), inode.ctime_ns)
-
-        def restore() -> None:
-            if before[0] is None:
-                inode.xattrs.pop(name, None)
-            else:
-                inode.xattrs[name] = before[0]
-            inode.ctime_ns = before[1]
-
-        inode.xattrs[name] = value
-        inode.ctime_ns = _now_ns()
-        await self.committer.commit([set_xattr_op(ino, name, value)],
-                                    undo=restore)  # fmt: skip
+        await self.xattrs.set(self.inode(ino), name, value)
 
     async def removexattr(self, ino: int, name: bytes) -> None:
-        inode = self.inode(ino)
-        if name.startswith(XATTR_RESERVED):
-            raise FsError(errno.EPERM, "user.burstfs.* attributes are read-only")
-        if name not in inode.xattrs:
-            raise FsError(errno.ENODATA)
-        value = inode.xattrs.pop(name)
-        await self.committer.commit([remove_xattr_op(ino, name)],
-                                    undo=lambda: inode.xattrs.__setitem__(name, value))  # fmt: skip
+        await self.xattrs.remove(self.inode(ino), name)
 
     # -- file system ----------------------------------------------------------------
 

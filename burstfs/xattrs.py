@@ -1,0 +1,84 @@
+"""Extended attributes: ``user.*`` names kept per inode and journaled, and the
+read-only ``user.burstfs.*`` names that show a file's drain state."""
+
+from __future__ import annotations
+
+import errno
+import time
+
+import trio
+
+from .committer import GroupCommitter
+from .errors import FsError
+from .journal import WRITING, Journal, remove_xattr_op, set_xattr_op
+from .nodes import Inode
+
+XATTR_USER = b"user."
+XATTR_RESERVED = b"user.burstfs."  # computed, read-only attributes (drain state)
+
+
+class ExtendedAttributes:
+    """The extended attributes of inodes; every change is committed before it returns."""
+
+    def __init__(self, journal: Journal, committer: GroupCommitter) -> None:
+        self.journal = journal
+        self.committer = committer
+
+    async def get(self, inode: Inode, name: bytes) -> bytes:
+        if name.startswith(XATTR_RESERVED):
+            return await self.reserved(inode, name)
+        try:
+            return inode.xattrs[name]
+        except KeyError:
+            raise FsError(errno.ENODATA) from None
+
+    async def reserved(self, inode: Inode, name: bytes) -> bytes:
+        """``user.burstfs.*``: the file's drain state, read from the journal."""
+        row = await trio.to_thread.run_sync(self.journal.inode, inode.ino)
+        if row is None or inode.kind != "file":
+            raise FsError(errno.ENODATA)
+        key = name[len(XATTR_RESERVED):].decode(errors="replace")
+        values = {
+            "state": WRITING if inode.dirty else row.state,
+            "generation": str(row.generation),
+            "digest": row.digest or "",
+            "remote_key": row.remote_key or "",
+            "error": row.error or "",
+        }
+        if key not in values or (not values[key] and key != "state"):
+            raise FsError(errno.ENODATA)
+        return values[key].encode()
+
+    def names(self, inode: Inode) -> list[bytes]:
+        names = list(inode.xattrs)
+        if inode.kind == "file":
+            names.append(XATTR_RESERVED + b"state")
+        return names
+
+    async def set(self, inode: Inode, name: bytes, value: bytes) -> None:
+        if not name.startswith(XATTR_USER):
+            raise FsError(errno.ENOTSUP, "only user.* extended attributes are supported")
+        if name.startswith(XATTR_RESERVED):
+            raise FsError(errno.EPERM, "user.burstfs.* attributes are read-only")
+        before = (inode.xattrs.get(name), inode.ctime_ns)
+
+        def restore() -> None:
+            if before[0] is None:
+                inode.xattrs.pop(name, None)
+            else:
+                inode.xattrs[name] = before[0]
+            inode.ctime_ns = before[1]
+
+        inode.xattrs[name] = value
+        inode.ctime_ns = time.time_ns()
+        await self.committer.commit([set_xattr_op(inode.ino, name, value)],
+                                    undo=restore)  # fmt: skip
+
+    async def remove(self, inode: Inode, name: bytes) -> None:
+        if name.startswith(XATTR_RESERVED):
+            raise FsError(errno.EPERM, "user.burstfs.* attributes are read-only")
+        if name not in inode.xattrs:
+            raise FsError(errno.ENODATA)
+        value = inode.xattrs.pop(name)
+        await self.committer.commit([remove_xattr_op(inode.ino, name)],
+                                    undo=lambda: inode.xattrs.__setitem__(name, value))  # fmt: skip
