@@ -466,9 +466,9 @@ class OwnedTasks:
         self._closed = False
 
     def start(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        if self._closed:
+        if self._closed:  # a fetch asked for while the mover stops: EIO, as while it is down
             coro.close()
-            raise RuntimeError("the owner of these tasks is closed")
+            raise FsError(errno.EIO, "the mover is stopping")
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._done)

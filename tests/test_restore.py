@@ -24,7 +24,7 @@ import xxhash
 from conftest import BIN, MountedFS, RemoteTarget, file_state, wait_for
 
 from burstfs.config import parse_remote_url
-from burstfs.errors import CorruptDataError
+from burstfs.errors import CorruptDataError, FsError
 from burstfs.localtier import LocalTier
 from burstfs.objects import ChunkInfo, Manifest, ObjectStore, manifest_key
 from burstfs.remote import FileRemote, RetryPolicy
@@ -519,5 +519,8 @@ def test_aclose_ends_the_prefetches_and_closes_the_descriptors(tmp_path: Path) -
         await svc.aclose()
         assert all(t.done() for t in tasks) and open_fd_count() == before
         assert svc.fetched_bytes == CHUNK and journal.updates == []
+        with pytest.raises(FsError) as info:  # asked for while the mover stops: EIO, nothing started
+            await svc.ensure_local(5, 6 * CHUNK, CHUNK)
+        assert info.value.errno == errno.EIO
 
     run_async(body)
