@@ -19,11 +19,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+import trio
 
 from burstfs import drainservice as drainservice_module
 from burstfs import mover as mover_module
 from burstfs.config import DrainOptions, S3Options, parse_remote_url
-from burstfs.errors import RemoteError
+from burstfs.errors import FsError, RemoteError
 from burstfs.journal import DURABLE, FAILED, META, ROOT_INO, STAGED, FileState, InodeRow, Journal, Op, insert_inode_op
 from burstfs.localtier import LocalTier
 from burstfs.mover import Mover
@@ -799,3 +800,32 @@ def test_a_delete_request_for_a_key_a_live_file_owns_is_dropped_not_run(tmp_path
     run_mover(mover, scenario)
     assert remote_bytes(tmp_path, "ck") == b"new owner"
     assert (tmp_path / "remote/.burstfs/manifests/ck.json").exists()
+
+
+def test_the_mover_thread_lives_as_long_as_the_nursery_and_calls_cross_on_its_loop(tmp_path: Path) -> None:
+    """DrainService.run: the mover is ready before start() returns and its thread is joined when the
+    nursery ends; drain --now and retry run on the mover's loop, and EIO once it is gone."""
+    mover, front, _ = make_mover(tmp_path)
+    service = drainservice_module.DrainService(mover, front.journal)
+    on_loop: list[bool] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            assert mover.running and service._thread.is_alive()
+            ino = front.write("f", b"through the nursery's mover")
+            service.file_closed()
+            while front.row(ino).state != DURABLE:
+                await trio.sleep(0.02)
+            service.call_soon(lambda: on_loop.append(threading.current_thread() is service._thread))
+            assert await service.retry_failed() == 0  # on the mover's loop, with its journal connection
+            assert on_loop == [True]
+            nursery.cancel_scope.cancel()
+        assert not service._thread.is_alive() and not mover.running
+        service.drain_now()  # the mover is gone: runs here, harmlessly
+        with pytest.raises(FsError) as info:
+            await service.list_dir("")
+        assert info.value.errno == errno.EIO
+
+    trio.run(main)
+    assert remote_bytes(tmp_path, "f") == b"through the nursery's mover"
