@@ -61,6 +61,10 @@ class AdminError(click.ClickException):
         click.echo(f"burstfs-admin: {self.message}", err=True)
 
 
+class AccessDenied(AdminError):
+    """This user may not use the mount's control socket (only the daemon's user and root)."""
+
+
 class DaemonLost(AdminError):
     """The daemon went away (or never answered) in the middle of a request."""
 
@@ -92,7 +96,7 @@ class Daemon:
                 sock.connect(address)
         except PermissionError:
             sock.close()
-            raise AdminError(f"permission denied on {self.path}: only the user who started the mount "
+            raise AccessDenied(f"permission denied on {self.path}: only the user who started the mount "
                              "(and root) may use it") from None  # fmt: skip
         except BaseException:
             sock.close()

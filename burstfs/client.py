@@ -22,8 +22,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .admin import EXIT_USAGE, AdminError, DaemonLost, Target, resolve, wait_durable as _wait_durable
-from .journal import DONE
+from .admin import EXIT_USAGE, AccessDenied, AdminError, DaemonLost, Target, resolve, wait_durable as _wait_durable
+from .journal import BROKEN, DONE, FileState
+
+STATE_XATTR = "user.burstfs.state"  # every file's drain state, readable by anyone who may read the file
+XATTR_POLL_S = 0.1
 
 PathLike = str | os.PathLike[str]
 
@@ -38,6 +41,13 @@ class NotAMountError(ClientError):
 
 class DaemonGoneError(ClientError):
     """The mount is there but its daemon does not answer (crashed, or stopped meanwhile)."""
+
+
+class AccessDeniedError(ClientError):
+    """Only the daemon's user and root may use the mount's control socket (a job's user
+    under a mount that root made).  ``wait_durable`` and ``is_durable`` then read each
+    file's ``user.burstfs.state`` through the mount instead; ``status`` and ``prefetch``
+    cannot."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +149,8 @@ def _live(paths: Sequence[PathLike]) -> Target:
     """The live mount the paths are in (all in one), with an answering daemon."""
     try:
         target = resolve([Path(p) for p in paths], None)
+    except AccessDenied as exc:
+        raise AccessDeniedError(exc.message) from None
     except AdminError as exc:
         raise (NotAMountError if exc.exit_code == EXIT_USAGE else ClientError)(exc.message) from None
     if target.mountpoint is None:
@@ -194,8 +206,11 @@ def wait_durable(path: PathLike | Sequence[PathLike], timeout: float | None = No
     if the daemon goes away.  Files created under a directory while this waits
     are waited for too.
     """
-    target = _live(_paths(path))
     started = time.monotonic()
+    try:
+        target = _live(_paths(path))
+    except AccessDeniedError:
+        return _wait_by_xattrs(_paths(path), timeout, started)
     try:
         outcome = _wait_durable(target, timeout)
     except DaemonLost as exc:
@@ -246,3 +261,30 @@ def is_durable(path: PathLike | Sequence[PathLike]) -> bool:
     except DurableTimeoutError:
         return False
     return True
+
+
+def _files_by_xattr(paths: Sequence[PathLike]) -> list[tuple[str, FileState, int]]:
+    """(path, state, size) of every file at or under ``paths``, from the mount's xattrs."""
+    found = []
+    for top in map(Path, paths):
+        files = [top] if not top.is_dir() else sorted(Path(d) / f for d, _, names in os.walk(top) for f in names)
+        for file in files:
+            state = FileState(os.getxattr(file, STATE_XATTR).decode())
+            found.append((str(file), state, file.stat().st_size))
+    return found
+
+
+def _wait_by_xattrs(paths: Sequence[PathLike], timeout: float | None, started: float) -> Durable:
+    """wait_durable for a user without the control socket: poll the files' states.  It
+    cannot see a halted drain: a halt shows as a timeout."""
+    while True:
+        files = _files_by_xattr(paths)
+        broken = [PendingFile(p, s, None) for p, s, _ in files if s in BROKEN]
+        if broken:
+            raise DrainFailedError("not durable: " + "; ".join(f"{f.path}: {f.state}" for f in broken), broken, None)
+        pending = [PendingFile(p, s, None) for p, s, _ in files if s not in DONE]
+        if not pending:
+            return Durable(len(files), sum(size for _, _, size in files), time.monotonic() - started)
+        if timeout is not None and time.monotonic() - started > timeout:
+            raise DurableTimeoutError(f"{len(pending)} of {len(files)} files not durable after {timeout:g}s", pending)
+        time.sleep(XATTR_POLL_S)

@@ -7,6 +7,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,29 @@ def test_prune_checkpoints_keeps_newer_ones_until_they_are_durable(fs: MountedFS
     assert prune_checkpoints(checkpoints_in(run, "step_*"), keep_last=1) == [run / "step_2"]
     fs.unmount("--wait", "--wait-timeout", "60")
     assert sorted(p.name for p in (fs.remote_dir / "run").iterdir()) == ["step_3"]
+
+
+def test_wait_by_xattrs_for_users_without_the_control_socket(fs: MountedFS) -> None:
+    """The route a job's user takes under a mount root made (AccessDeniedError from the
+    socket): each file's user.burstfs.state through the mount.  Run as root here (this
+    machine's python is not executable by other users), so it calls that route directly."""
+    from burstfs.client import _wait_by_xattrs
+
+    (fs.path / "ck").mkdir()
+    (fs.path / "ck" / "a").write_bytes(os.urandom(50_000))
+    durable = _wait_by_xattrs([fs.path / "ck"], 60, time.monotonic())
+    assert (durable.files, durable.bytes) == (1, 50_000)
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(fs.path / "ck" / "b")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+        with pytest.raises(client.DurableTimeoutError) as caught:
+            _wait_by_xattrs([fs.path / "ck"], 0.3, time.monotonic())
+        assert caught.value.pending == [client.PendingFile(str(fs.path / "ck" / "b"), "writing", None)]
+    finally:
+        writer.communicate("close\n", timeout=30)
+    assert _wait_by_xattrs([fs.path / "ck" / "b"], 60, time.monotonic()).files == 1
+    with sqlite3.connect(fs.cache / "journal.db", timeout=30) as db:
+        db.execute("UPDATE inodes SET state='failed', error='injected' WHERE name=?", (b"a",))
+    with pytest.raises(client.DrainFailedError):
+        _wait_by_xattrs([fs.path / "ck"], None, time.monotonic())
