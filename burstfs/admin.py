@@ -300,6 +300,10 @@ def _print_status(doc: dict[str, Any]) -> None:
         eta = "nothing to drain" if drain["eta_s"] == 0 else f"ETA {fmt_duration(drain['eta_s'])}"
         click.echo(f"drain: {fmt_bytes(drain['throughput_bps'])}/s, {eta}; "
                    f"{drain['files_drained']} files ({fmt_bytes(drain['bytes_drained'])}) drained since mount")  # fmt: skip
+    if doc.get("node_id"):
+        click.echo(f"node id: {doc['node_id']}")
+    for held in doc.get("checkpoints_waiting", ()):
+        click.echo(_held_line(held))
     if drain["halted"]:
         click.echo(f"HALTED: {drain['halted']}  (fix the remote; then: burstfs-admin retry PATH)")
     if drain["mover_crashed"]:
@@ -343,6 +347,18 @@ def status(path: Path, cache: Path | None, as_json: bool, watch: bool) -> None:
                 click.echo("")
     except KeyboardInterrupt:
         return
+
+
+def _held_line(held: dict[str, Any]) -> str:
+    """One checkpoint whose marker waits, and for whom (docs/SEMANTICS.md "Many nodes")."""
+    where = held["dir"] or "/"
+    if held["abandoned"]:
+        return f"checkpoint {where} abandoned (its marker is never published)"
+    others = [f"node {w['node']} (intent {datetime.datetime.fromtimestamp(w['intent_time']):%H:%M}, no done)"
+              + ("" if w["dir"] == held["dir"] else f" in {w['dir']}") for w in held["waiting"]]  # fmt: skip
+    if held["own_pending"]:
+        others.append("this node's own files")
+    return f"checkpoint {where} waiting for " + ", ".join(others)
 
 
 @main.command(name="ls")
@@ -579,3 +595,89 @@ def journal_command(path: Path, cache: Path | None, as_json: bool, since: float,
         name = event["path"] if event["path"] is not None else f"(ino {event['ino']})" if event["ino"] else ""
         click.echo(f"{fmt_time(event['time'])}  {event['event']:<10}  {name}  {event['detail']}".rstrip())
 
+
+
+@main.command()
+@click.argument("path", required=False, default=None)
+@click.option("--remote", "remote_url", default=None,
+              help="Look at s3://BUCKET/PREFIX or file:///DIR directly (no mount); PATH is then a subdirectory.")
+@click.option("--endpoint-url", default=None, help="S3 endpoint (with --remote); default $AWS_ENDPOINT_URL or AWS.")
+@click.option("--region", default=None, help="S3 region (with --remote).")
+@json_option
+def latest(path: str | None, remote_url: str | None, endpoint_url: str | None, region: str | None,
+           as_json: bool) -> None:  # fmt: skip
+    """The newest complete checkpoint directory under PATH (exit 1 if there is none).
+
+    Complete: its commit marker was published by the cross-node commit, and every
+    file its nodes' done records list is on the remote with the recorded size and
+    digest.  Works from any node, and with --remote without a mount (a restart script).
+    """
+    from .commitgroups import find_latest
+    from .remote import open_remote
+
+    if remote_url is not None:
+        try:
+            url, s3 = parse_remote_url(remote_url), S3Options(endpoint_url=endpoint_url, region=region)
+        except BurstfsError as exc:
+            raise AdminError(str(exc), EXIT_USAGE) from None
+        subdir, root = (path or "").strip("/"), None
+    else:
+        if path is None:
+            raise AdminError("give a PATH inside a mount, or --remote URL", EXIT_USAGE)
+        target = resolve([Path(path)], None)
+        with target.journal() as journal:
+            url, s3 = _remote_of(journal)
+        s3 = dataclasses.replace(s3, endpoint_url=endpoint_url or s3.endpoint_url, region=region or s3.region)
+        subdir, root = target.rels[0], target.mountpoint
+
+    async def look() -> Any:
+        remote = open_remote(url, s3)
+        try:
+            return await find_latest(remote, subdir)
+        finally:
+            await remote.close()
+
+    import asyncio
+
+    try:
+        found, skipped = asyncio.run(look())
+    except BurstfsError as exc:
+        raise AdminError(f"{url}: {exc}") from None
+    shown = None if found is None else str(root / found.dir) if root is not None else found.dir
+    if as_json:
+        emit_json({
+            "schema": SCHEMA, "remote": str(url), "dir": None if found is None else found.dir, "path": shown,
+            "marker": found.marker if found else None, "committed_at": found.committed_at if found else None,
+            "files": found.files if found else 0, "skipped": [{"dir": d, "reason": r} for d, r in skipped],
+        })  # fmt: skip
+    else:
+        for dir_key, reason in skipped:
+            click.echo(f"skipped {dir_key or '/'}: {reason}", err=True)
+        if found is not None:
+            click.echo(shown or "/")
+    if found is None:
+        if not as_json:
+            click.echo(f"no complete checkpoint under {subdir or '/'} in {url}", err=True)
+        sys.exit(EXIT_ERROR)
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--yes", is_flag=True, help="Confirm: the checkpoint in PATH is given up for good.")
+@json_option
+def abandon(path: Path, yes: bool, as_json: bool) -> None:
+    """Give up the checkpoint in directory PATH whose marker waits for a lost node.
+
+    Its marker (held on this node) is never published; the lost nodes' intents no
+    longer hold later checkpoints written into PATH.  Run it on the node that
+    holds the marker (burstfs-admin status shows "waiting for node ...").
+    """
+    if not yes:
+        raise AdminError(f"abandon gives up the checkpoint in {path} for good: add --yes", EXIT_USAGE)
+    target = resolve([path], None)
+    doc = target.need_daemon("abandon").call("abandon", paths=target.rels)
+    if as_json:
+        emit_json(doc)
+        return
+    nodes = ", ".join(sorted({w["node"] for w in doc["gave_up"]})) or "none"
+    click.echo(f"abandoned the checkpoint in {doc['dir'] or '/'} (gave up on nodes: {nodes})")

@@ -75,6 +75,8 @@ def main() -> None:
 @click.option("--nonempty", is_flag=True, help="Mount over a mount point that holds files (they are hidden while mounted).")
 @click.option("--remote-wait", default=1.0, show_default=True,
               help="Seconds a lookup or a directory listing waits for the remote; then it is answered from local entries.")
+@click.option("--node-id", default=None,
+              help="This node's name in cross-node checkpoint records on the remote (default: the host name).")
 @click.pass_context
 def mount(ctx: click.Context, config_file: Path | None, **options: Any) -> None:
     """Mount burstfs at MOUNTPOINT; returns once the mount is live.

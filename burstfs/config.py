@@ -16,6 +16,7 @@ import dataclasses
 import fnmatch
 import json
 import re
+import socket
 import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,9 @@ from .errors import ConfigError
 
 # S3 bucket names: 3-63 chars, lowercase letters, digits, dots and hyphens.
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+
+# A node id names this mount's records on the remote: key-safe, no '@' (it separates the round id).
+_NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 DEFAULT_COMMIT_MARKERS = (".metadata", "latest", "*.index.json", "latest_checkpointed_iteration.txt")
 
@@ -90,6 +94,22 @@ def parse_remote_url(url: str) -> RemoteURL:
     )
 
 
+def check_node_id(node_id: str) -> str:
+    """``node_id`` if it is safe in a remote key (letters, digits, ``.``, ``_``, ``-``; at most 63); else ConfigError."""
+    if not _NODE_ID_RE.match(node_id):
+        raise ConfigError(
+            f"node id {node_id!r}: use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit",
+            "node-id",
+        )
+    return node_id
+
+
+def default_node_id() -> str:
+    """The host name (its first label), made key-safe: the node id when --node-id is not given."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname().split(".")[0]).lstrip("._-")[:63]
+    return name or "node"
+
+
 def is_commit_marker(name: str, patterns: tuple[str, ...]) -> bool:
     """True if a file named ``name`` (basename) publishes a checkpoint."""
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
@@ -114,6 +134,7 @@ class DrainOptions:
     compress: ``None`` or ``"lz4"``.
     commit_markers: fnmatch patterns of files that publish a checkpoint.
     delay: seconds a closed file waits before draining (0 = at once).
+    node_id: this node's name in the records of cross-node commits ("" = the host name).
     """
 
     part_size: int = 8 * 1024 * 1024
@@ -122,8 +143,11 @@ class DrainOptions:
     compress: str | None = None
     commit_markers: tuple[str, ...] = DEFAULT_COMMIT_MARKERS
     delay: float = 0.0
+    node_id: str = ""
 
     def __post_init__(self) -> None:
+        if self.node_id:
+            check_node_id(self.node_id)
         if self.part_size < 5 * 1024 * 1024 or self.part_size > 5 * 1024**3:
             raise ConfigError("part size must be between 5 MiB and 5 GiB (S3 multipart limits)", "part-size")
         if self.concurrency < 1:

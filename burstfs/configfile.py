@@ -22,7 +22,7 @@ from typing import Any
 
 import click
 
-from .config import DrainOptions, MountConfig, S3Options, TierOptions, parse_remote_url, parse_size
+from .config import DrainOptions, MountConfig, S3Options, TierOptions, default_node_id, parse_remote_url, parse_size
 from .errors import ConfigError
 
 MOUNTPOINT = "mountpoint"
@@ -179,6 +179,7 @@ def build_config(values: dict[str, Any]) -> MountConfig:
             compress=None if compress == "none" else compress,
             delay=values["drain_delay"],
             commit_markers=tuple(values["commit_markers"]),
+            node_id=values["node_id"] or default_node_id(),
         ),
         tier=TierOptions(
             cache_size=size("cache_size", "cache-size") if values["cache_size"] else None,

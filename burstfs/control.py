@@ -99,6 +99,7 @@ class ControlServer:
             "prefetch": self._prefetch,
             "verify": self._verify,
             "journal": self._journal,
+            "abandon": self._abandon,
         }  # fmt: skip
 
     async def listen(self) -> trio.SocketListener:
@@ -266,7 +267,16 @@ class ControlServer:
                 errors_by_kind=dict(stats.errors_by_kind),
                 recent_errors=[{"time": t, "kind": k, "message": m} for t, k, m in list(stats.recent_errors)],
             )
+            doc.update(node_id=self.drain.mover.node_id, checkpoints_waiting=self.drain.mover.groups.waiting_markers())
         return doc
+
+    async def _abandon(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:
+        if self.drain is None:
+            raise FsError(errno.ENOTSUP, "this mount has no mover")
+        rel = self._rels(request)[0]
+        waiting = await self.drain.abandon(rel)
+        log.warning("event=control_abandon dir=%s intents=%d", rel, len(waiting))
+        return {"schema": SCHEMA, "dir": rel, "gave_up": waiting}
 
     async def _ls(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:
         return await trio.to_thread.run_sync(list_files, self.journal, str(request.get("path", "")).strip("/"))

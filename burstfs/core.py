@@ -82,6 +82,13 @@ class DrainHooks(Protocol):
     async def wait_durable(self, ino: int, generation: int) -> None:
         """Return once ``generation`` of ``ino`` is durable; raise if it cannot be."""
 
+    def writing_in(self, ino: int, dir_key: str, name: bytes) -> None:
+        """``ino`` (named ``name``) is opened for writing in ``dir_key``: this node takes part in
+        the checkpoint there (a cross-node commit round)."""
+
+    async def intent_published(self, dir_key: str) -> None:
+        """Return once this node's part in ``dir_key``'s checkpoint is announced, or after a short bound."""
+
 
 class Fetcher(Protocol):
     """What the core needs from the restore path: remote listings and remote bytes."""
@@ -658,6 +665,8 @@ class BurstCore:
     # -- file data ------------------------------------------------------------------
 
     def _open_handle(self, inode: Inode, writable: bool) -> int:
+        if writable and self.drain is not None and (dir_key := self._dir_key(inode)) is not None:
+            self.drain.writing_in(inode.ino, dir_key, inode.name)
         self.tier.acquire(inode.ino)
         inode.handles += 1
         fh = next(self._next_fh)
@@ -849,6 +858,10 @@ class BurstCore:
         if self.drain is not None:
             self.drain.file_closed()
 
+    def _dir_key(self, inode: Inode) -> str | None:
+        """The remote key of ``inode``'s directory (None once unlinked)."""
+        return self.path_of(self.inodes[inode.parent]) if inode.parent else None
+
     @staticmethod
     def _unpublished(inode: Inode) -> bool:
         """Changed since its last journaled close, or new and never closed.
@@ -876,6 +889,8 @@ class BurstCore:
         undo = Undo()
         await self.committer.commit(self._publish_ops(inode, undo), undo=undo)
         self._file_closed()
+        if self.drain is not None and (dir_key := self._dir_key(inode)) is not None:
+            await self.drain.intent_published(dir_key)  # bounded (--remote-wait); never fails the close
 
     async def release(self, fh: int) -> None:
         handle = self.handles.pop(fh, None)

@@ -262,7 +262,8 @@ def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
     lock, journal = open_cache(config)
     try:
         backing = passthrough_backing(config)
-        drain = DrainService(Mover(config.cache_dir, config.remote, config.s3, config.drain), journal)
+        drain = DrainService(Mover(config.cache_dir, config.remote, config.s3, config.drain), journal,
+                             intent_wait=config.remote_wait)
         core = BurstCore(config.cache_dir, journal, fsync_remote=config.fsync_remote, capacity=config.tier,
                          list_ttl=config.list_ttl, listing_wait=config.remote_wait,
                          digest_chunk_size=config.drain.part_size, backing=backing,

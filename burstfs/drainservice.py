@@ -49,10 +49,14 @@ class DrainService:
     of local files go on, fetches fail with EIO, and status says why.
     """
 
-    def __init__(self, mover: Mover, journal: Journal, *, fsync_timeout: float = 600.0) -> None:
+    def __init__(
+        self, mover: Mover, journal: Journal, *, fsync_timeout: float = 600.0, intent_wait: float = 1.0
+    ) -> None:
+        """``intent_wait``: the longest a close waits for its directory's intent record (--remote-wait)."""
         self.mover = mover
         self._journal = journal
         self._fsync_timeout = fsync_timeout
+        self._intent_wait = intent_wait
         self._thread = threading.Thread(target=self._run, name="burstfs-mover", daemon=True)
         self._stop = threading.Event()
         self.last_crash: BaseException | None = None
@@ -131,6 +135,32 @@ class DrainService:
             return self.mover.retry_failed()
 
         return await self.on_mover_loop(retry())
+
+    def writing_in(self, ino: int, dir_key: str, name: bytes) -> None:
+        self.mover.groups.writing_in(ino, dir_key, name)
+
+    async def intent_published(self, dir_key: str) -> None:
+        """close(2) of a file in ``dir_key``: give its intent record up to ``intent_wait`` to land, so
+        that a marker written after the framework's barrier already sees this node.  Never fails:
+        local speed is the promise; a late intent still holds this node's own marker."""
+        groups = self.mover.groups
+        if groups.intent_out(dir_key) or self._intent_wait <= 0:
+            return
+        try:
+            published = await self._on_mover_loop(groups.wait_intent(dir_key, self._intent_wait))
+        except FsError:  # the mover is down: the intent goes out once it is back
+            published = False
+        if not published:
+            log.warning("event=intent_late dir=%s waited=%.1f", dir_key, self._intent_wait)
+
+    async def abandon(self, dir_key: str) -> list[dict[str, object]]:
+        """``burstfs-admin abandon``: give up the checkpoint in ``dir_key`` (see CommitGroups.abandon)."""
+        remote = self.mover.remote
+        if remote is None:
+            raise FsError(errno.EIO, "the mover is not running")
+        waiting = await self._on_mover_loop(self.mover.groups.abandon(remote, dir_key))
+        self.mover.wake()
+        return [{"node": w.node, "dir": w.dir_key, "round": w.round, "intent_time": w.since} for w in waiting]
 
     async def wait_durable(self, ino: int, generation: int) -> None:
         """fsync in ``--fsync remote`` mode: wait for this generation, EIO if it cannot be."""

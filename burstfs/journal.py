@@ -295,6 +295,11 @@ class Journal:
     def set_meta(self, key: str, value: str) -> None:
         self.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
 
+    def meta_items(self, prefix: str) -> list[tuple[str, str]]:
+        """Every ``(key, value)`` of the meta table whose key starts with ``prefix``."""
+        rows = self.query("SELECT key, value FROM meta WHERE key >= ? AND key < ? ORDER BY key", (prefix, prefix + "\U0010ffff"))
+        return [(str(k), str(v)) for k, v in rows]
+
     # -- inodes -------------------------------------------------------------------
 
     def inodes(self, where: str = "", params: Sequence[Any] = ()) -> list[InodeRow]:

@@ -42,7 +42,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .config import DrainOptions, RemoteURL, S3Options, is_commit_marker
+from .commitgroups import CommitGroups
+from .config import DrainOptions, RemoteURL, S3Options, default_node_id, is_commit_marker
 from .errors import HALT, OBJECT, RETRY, CorruptDataError, RemoteError, UploadCancelled, error_scope
 from .journal import InodeRow, Journal
 from .localtier import LocalTier
@@ -171,6 +172,8 @@ class Mover:
         self._relocate_failures: dict[int, int] = {}
         self._delete_retry: dict[str, float] = {}  # key -> earliest retry of its delete
         self._durable_listeners: list[Callable[[int, float], None]] = []  # (bytes, seconds) of each durable file
+        self.node_id = options.node_id or default_node_id()
+        self.groups = CommitGroups(self.node_id, self.journal, self._is_marker_name, self.wake)
 
     def on_durable(self, listener: Callable[[int, float], None]) -> None:
         """Call ``listener(bytes, seconds)`` on the mover thread for each file made durable
@@ -243,15 +246,19 @@ class Mover:
             self.remote, on_upload_started=self.journal.upload_started, on_upload_ended=self.journal.upload_ended
         )
         self.restore = RestoreService(self.store, self.journal, self.tier_paths)
+        self.groups.journal = self.journal
+        self.groups.load()
         self._in_flight.clear()
         self._relocate_needed = self._relocate_full = True
         tasks: set[asyncio.Task[None]] = set()
+        gate: asyncio.Task[None] | None = None
         failures = 0
         self._ready.set()
         try:
             self._recover()
             await self._abort_stale_uploads()
             await self._record_layout()
+            gate = asyncio.create_task(self.groups.poll(self.remote))  # cancelled with the uploads below
             while not self._stopping:
                 self._wakeup.clear()
                 await asyncio.sleep(COALESCE_S)  # a burst of closes becomes one pass
@@ -260,6 +267,7 @@ class Mover:
                         await self._sleep(HALT_PROBE_S)
                         continue
                 try:
+                    await self.groups.step(self.remote)
                     await self._process_deletes()
                     self._prune_events()
                     await self._relocate_renamed()
@@ -286,6 +294,8 @@ class Mover:
                 await self._sleep(IDLE_RESCAN_S)
         finally:
             self._ready.clear()
+            if gate is not None:
+                tasks.add(gate)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -369,7 +379,15 @@ class Mover:
     # -- choosing what to drain -------------------------------------------------------
 
     def _has_pending_work(self) -> bool:
-        return self.journal.has_drain_work()
+        return self.journal.has_drain_work() or self.groups.has_work()
+
+    def _is_marker_name(self, name: str) -> bool:
+        return is_commit_marker(name, self.options.commit_markers)
+
+    def _held_by_other_nodes(self, row: InodeRow) -> bool:
+        """A marker waits for every node with an intent under its directory (docs/SEMANTICS.md "Many nodes")."""
+        key = self.journal.path_of(row.ino)
+        return key is not None and self.groups.holds(row, key)
 
     def _eligible(self, slots: int) -> list[InodeRow]:
         """Staged files in close order, respecting commit markers, delay and backoff."""
@@ -381,10 +399,13 @@ class Mover:
         # files in flight or backing off (and a few blocked markers), not the whole queue.
         limit = slots + len(self._in_flight) + len(self._not_before) + 32
         # An incomplete file never becomes durable, so it holds a later marker back for good.
+        def is_marker(row: InodeRow) -> bool:
+            return self._is_marker_name(os.fsdecode(row.name))
+
         chosen = self.journal.eligible(
-            slots, limit, closed_before=now - delay,
-            is_marker=lambda row: is_commit_marker(os.fsdecode(row.name), self.options.commit_markers),
-            skip=lambda row: row.ino in self._in_flight or self._not_before.get(row.ino, 0) > now,
+            slots, limit, closed_before=now - delay, is_marker=is_marker,
+            skip=lambda row: row.ino in self._in_flight or self._not_before.get(row.ino, 0) > now
+            or (is_marker(row) and self._held_by_other_nodes(row)),
         )  # fmt: skip
         if not chosen:
             self._skip_delay = False
@@ -428,7 +449,8 @@ class Mover:
             if digests is None:  # taken during the upload: journal them for verify and the xattr
                 self.journal.record_digests(ino, generation, manifest.digest, [c.xxh3 for c in manifest.chunks],
                                             manifest.chunk_size)  # fmt: skip
-            self._finish(row, key, manifest.size, started, intent)
+            if self._finish(row, key, manifest.size, started, intent) and self._is_marker_name(os.fsdecode(row.name)):
+                self.groups.marker_durable(row, key, manifest.size, manifest.digest)
         except (asyncio.CancelledError, UploadCancelled) as exc:
             self._requeue(ino, generation, None)  # stopping, or the file changed: drains again
             if isinstance(exc, asyncio.CancelledError):
@@ -497,12 +519,12 @@ class Mover:
         self._not_before[row.ino] = time.time() + REQUEUE_BACKOFF_S * seen
         return True
 
-    def _finish(self, row: InodeRow, key: str, size: int, started: float, intent: int) -> None:
-        """Record the upload; the ``intent`` row stays as a delete request if the file went away."""
+    def _finish(self, row: InodeRow, key: str, size: int, started: float, intent: int) -> bool:
+        """Record the upload (True if it was); the ``intent`` row stays as a delete request if the file went away."""
         detail = f"key={key} generation={row.generation} size={size}"
         if not self.journal.finish_upload(row.ino, row.generation, key, intent, detail):
             log.info("event=upload_superseded ino=%d key=%s generation=%d", row.ino, key, row.generation)
-            return
+            return False
         self._mismatches.pop((row.ino, row.generation), None)
         if self.journal.path_of(row.ino) != key:  # renamed during the upload: move the object
             self._relocate_roots.add(row.ino)
@@ -516,6 +538,7 @@ class Mover:
             listener(size, latency)
         self._not_before.pop(row.ino, None)
         log.info("event=durable key=%s generation=%d bytes=%d seconds=%.3f", key, row.generation, size, latency)
+        return True
 
     def _requeue(self, ino: int, generation: int, exc: BaseException | None) -> None:
         attempts = 0

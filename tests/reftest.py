@@ -233,7 +233,9 @@ class Node:
         _FAULTS_BY_CACHE[cache] = self.faults  # the mover opens its journal (again, after a restart) by path
         self.mover = Mover(cache, url, remote.s3_options, drain_options(options.part_size, options.max_files),
                            remote=self.remote)  # type: ignore[arg-type]  # fmt: skip
-        self.drain = DrainService(self.mover, self.journal)
+        # A close does not wait for its directory's intent record: the gate holds every remote
+        # change outside drain steps, so each close would wait the whole bound.
+        self.drain = DrainService(self.mover, self.journal, intent_wait=0.0)
         self.core.drain = self.drain
         self.core.fetcher = self.drain
         self._token: trio.lowlevel.TrioToken | None = None

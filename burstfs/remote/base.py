@@ -71,6 +71,16 @@ class Remote(abc.ABC):
     async def put_object(self, key: str, data: bytes) -> None:
         """Store ``data`` at ``key`` atomically (readers see the old or the new object)."""
 
+    async def create_object(self, key: str, data: bytes) -> bool:
+        """Store ``data`` at ``key`` only if no object is there (S3 ``If-None-Match: *``,
+        ``O_EXCL`` on a file remote); False if one was.  Two nodes racing for one key:
+        exactly one gets True.  This fallback (a HEAD, then a PUT) is not atomic: real
+        remotes override it."""
+        if await self.head(key) is not None:
+            return False
+        await self.put_object(key, data)
+        return True
+
     @abc.abstractmethod
     async def get_object(self, key: str) -> bytes:
         """The whole object; RemoteNotFound if it is missing."""

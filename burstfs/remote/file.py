@@ -304,6 +304,32 @@ class FileRemote(Remote):
 
         await self._run(f"put {key}", put)
 
+    async def create_object(self, key: str, data: bytes) -> bool:
+        parts = self._parts(key)
+
+        def create() -> bool:
+            with self._temp() as (tmp_dir, name, fd):
+                pwrite_full(fd, data, 0)
+                os.fsync(fd)
+                return self._install_new(tmp_dir, name, parts, key)
+
+        return await self._run(f"create {key}", create)
+
+    def _install_new(self, src_dir: int, src_name: str, parts: Sequence[str], key: str) -> bool:
+        """Link a complete, fsynced file at ``key`` unless something is there (O_EXCL's link(2) form)."""
+        try:
+            parent = self._open_dir(parts[:-1], create=True, key=key)
+        except NotADirectoryError:
+            raise self._conflict(key) from None
+        try:
+            os.link(src_name, parts[-1], src_dir_fd=src_dir, dst_dir_fd=parent, follow_symlinks=False)
+            os.fsync(parent)
+        except FileExistsError:
+            return False
+        finally:
+            os.close(parent)
+        return True
+
     def _after_put(self, key: str, data: bytes) -> None:
         """A manifest just written records its object's mode: apply it (the object was made 0600)."""
         if not (key.startswith(_MANIFEST_PREFIX) and key.endswith(".json")):

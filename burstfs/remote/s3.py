@@ -294,6 +294,24 @@ class S3Remote(Remote):
         )
         await self._verify(f"put {key}", response, checksum, data)
 
+    async def create_object(self, key: str, data: bytes) -> bool:
+        checksum = await _checksum(data)
+        client = await self._get_client()
+        try:
+            response = await client.put_object(
+                Bucket=self._bucket, Key=self._full(key), Body=data, IfNoneMatch="*",
+                ChecksumAlgorithm="CRC32C", ChecksumCRC32C=checksum,
+            )  # fmt: skip
+        except Exception as exc:
+            if isinstance(exc, botocore.exceptions.ClientError) and _error_code(exc)[1] == 412:
+                return False  # PreconditionFailed: the key exists
+            mapped = self._map_error(exc, f"create {key}")
+            if mapped is None:
+                raise
+            raise mapped from exc
+        await self._verify(f"create {key}", response, checksum, data)
+        return True
+
     async def _verify(self, what: str, response: dict[str, Any], checksum: str, data: bytes) -> None:
         """Check what the store says it stored against what we sent (ChecksumMismatch if it differs).
 

@@ -1,0 +1,586 @@
+"""Cross-node commits: one checkpoint written by many nodes, published only when all of it is durable.
+
+Every node that writes into a directory D (a writable open of a file that is not a
+commit marker) starts a *round* there and publishes, on the remote, an intent
+record; once every file it opened for writing in D in that round is durable it
+publishes a done record listing them.  A commit marker under D drains only when
+every intent under ``.burstfs/groups/D/`` (D's whole subtree) has its done; after
+the marker is durable its node writes a commit record (the marker and every file
+of the dones it saw), which is what ``burstfs-admin latest`` verifies.  The object
+store is the only coordination point; nodes never write or delete each other's keys.
+
+Remote layout (all keys are created once, with ``If-None-Match: *`` / ``O_EXCL``)::
+
+    .burstfs/groups/<dir>/<node>@<round>.intent     {"node", "round", "dir", "time"}
+    .burstfs/groups/<dir>/<node>@<round>.done       ... + "files": [{path, size, digest, generation}]
+    .burstfs/groups/<dir>/<node>@<round>.abandoned  an operator gave that intent up
+    .burstfs/commits/<dir>/<marker>@<node>@<id>.commit  {"dir", "marker": {file}, "files": [...], "rounds": [...]}
+
+Round ids start with the time in milliseconds and end with random hex, so a
+node's records never collide with another's, even with a duplicate node id.
+Everything remote runs on the mover's loop; the FUSE thread only calls
+:meth:`CommitGroups.writing_in` (a dict update) and waits for an intent at most
+the short remote bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .errors import CorruptDataError, RemoteError
+from .journal import DONE, InodeRow, Journal
+from .objects import Manifest, manifest_key
+from .remote import INTERNAL_DIR, Remote, RetryPolicy
+
+log = logging.getLogger("burstfs.groups")
+
+GROUPS_PREFIX = f"{INTERNAL_DIR}/groups/"
+COMMITS_PREFIX = f"{INTERNAL_DIR}/commits/"
+INTENT, DONE_RECORD, ABANDONED = "intent", "done", "abandoned"
+# The journal's meta keys of this node's open groups and of abandoned directories.
+_META_GROUP = "group:"
+_META_ABANDONED = "abandoned:"
+# A waiting marker's directory is listed again after this, doubling up to the cap: the
+# last done of another node is seen at most GATE_POLL_MAX_S later.
+GATE_POLL_MIN_S = 0.05
+GATE_POLL_MAX_S = 0.4
+# A directory no marker asked about for this long is no longer polled.
+GATE_FORGET_S = 5.0
+# A failed record publication is retried after this (doubling, capped).
+PUBLISH_BACKOFF_S = 0.5
+PUBLISH_BACKOFF_MAX_S = 30.0
+# Records read from the (shared) remote are bounded before they are parsed.
+MAX_RECORD_BYTES = 64 << 20
+# `latest` checks this many files of a checkpoint at once.
+VERIFY_CONCURRENCY = 16
+
+
+def group_prefix(dir_key: str) -> str:
+    """Where the records of ``dir_key`` and its subdirectories live."""
+    return f"{GROUPS_PREFIX}{dir_key}/" if dir_key else GROUPS_PREFIX
+
+
+def record_key(dir_key: str, node: str, round_id: str, kind: str) -> str:
+    return f"{group_prefix(dir_key)}{node}@{round_id}.{kind}"
+
+
+def parse_record_key(key: str) -> tuple[str, str, str, str] | None:
+    """``(dir, node, round, kind)`` of a group record key, None for anything else."""
+    if not key.startswith(GROUPS_PREFIX):
+        return None
+    dir_key, _, name = key[len(GROUPS_PREFIX) :].rpartition("/")
+    stem, _, kind = name.rpartition(".")
+    node, at, round_id = stem.partition("@")
+    if not (at and node and round_id) or kind not in (INTENT, DONE_RECORD, ABANDONED):
+        return None
+    return dir_key, node, round_id, kind
+
+
+def new_round_id() -> str:
+    return f"{time.time_ns() // 1_000_000:013d}-{secrets.token_hex(4)}"
+
+
+def _dir_of(key: str) -> str:
+    return key.rpartition("/")[0]
+
+
+def _under(dir_key: str, top: str) -> bool:
+    return not top or dir_key == top or dir_key.startswith(top + "/")
+
+
+def _record(data: bytes) -> dict[str, Any]:
+    if len(data) > MAX_RECORD_BYTES:
+        raise CorruptDataError(f"record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}")
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptDataError(f"unreadable record: {exc}") from None
+    if not isinstance(doc, dict):
+        raise CorruptDataError("a record is not a JSON object")
+    return doc
+
+
+def _files(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    files = doc.get("files", [])
+    if not isinstance(files, list) or not all(isinstance(f, dict) and isinstance(f.get("path"), str) for f in files):
+        raise CorruptDataError("a record's 'files' is not a list of files")
+    return files
+
+
+@dataclasses.dataclass
+class OwnGroup:
+    """This node's round in one directory: what it opened for writing there, and what is published."""
+
+    dir_key: str
+    round: str
+    started: float
+    members: set[int] = dataclasses.field(default_factory=set)
+    intent: bool = False  # published
+    sealed: bool = False  # its done is written (or being written): a later open starts a new round
+    done: bool = False  # published
+    previous: str | None = None  # the round whose records go once this intent is out
+
+    def to_json(self) -> str:
+        doc = dataclasses.asdict(self)
+        doc["members"] = sorted(self.members)
+        return json.dumps(doc)
+
+    @classmethod
+    def from_json(cls, text: str) -> OwnGroup:
+        doc = json.loads(text)
+        doc["members"] = set(doc.get("members", ()))
+        return cls(**doc)
+
+
+@dataclasses.dataclass(frozen=True)
+class Waiting:
+    """An intent without its done: who holds a marker back."""
+
+    dir_key: str
+    node: str
+    round: str
+    since: float  # when the intent was published (the remote's clock)
+
+
+@dataclasses.dataclass
+class Verdict:
+    """What one listing of a marker directory's records said."""
+
+    listed_at: float  # this node's clock, taken before the listing
+    waiting: list[Waiting]
+    own_pending: list[tuple[str, float]]  # (dir, round start) of own rounds whose intent or done is not out yet
+    rounds: list[tuple[str, str, str]]  # (dir, node, round) complete
+    files: list[dict[str, Any]]
+
+    def open_for(self, closed_at: float) -> bool:
+        """True if a marker closed at ``closed_at`` (this node's clock) may go: no other node's
+        intent without its done, none of this node's rounds begun before it unfinished, and
+        the listing taken after it closed.  Own rounds begun after it (the next checkpoint
+        already being written here) do not hold it."""
+        return (self.listed_at >= closed_at and not self.waiting
+                and not any(started <= closed_at for _, started in self.own_pending))  # fmt: skip
+
+
+class CommitGroups:
+    """This node's side of cross-node commits; lives with the mover, on its loop.
+
+    ``writing_in`` is called from the FUSE thread (thread-safe, no I/O); everything
+    else runs on the mover's asyncio loop.
+    """
+
+    def __init__(
+        self, node_id: str, journal: Journal, is_marker: Callable[[str], bool], wake: Callable[[], None]
+    ) -> None:
+        self.node_id = node_id
+        self.journal = journal
+        self.is_marker = is_marker
+        self._wake = wake
+        self._lock = threading.Lock()
+        self.groups: dict[str, OwnGroup] = {}
+        self._dirty: set[str] = set()  # groups whose journaled copy is behind
+        self._retry_at: dict[str, float] = {}  # what -> earliest retry of its record
+        self._failures: dict[str, int] = {}
+        self._intent_events: dict[str, asyncio.Event] = {}
+        self._wanted: dict[str, float] = {}  # marker dir -> last asked
+        self._given_up: dict[str, float] = {}  # marker dir abandoned -> last asked (for status)
+        self.verdicts: dict[str, Verdict] = {}
+        self._done_files: dict[str, list[dict[str, Any]]] = {}  # done key -> its files (keys are write-once)
+        self.abandoned: dict[str, float] = {}  # dir -> when an operator gave up its checkpoint
+        self._approved: dict[tuple[int, int], Verdict] = {}  # (marker ino, generation) -> what opened its gate
+        self._commits: list[tuple[InodeRow, str, dict[str, Any]]] = []  # markers durable, commit record due
+        self._poke: asyncio.Event | None = None
+        self.remote: Remote | None = None
+        self.retry = RetryPolicy(attempts=3, base_delay=0.05, max_delay=0.5)
+
+    # -- the FUSE thread -------------------------------------------------------------
+
+    def writing_in(self, ino: int, dir_key: str, name: bytes) -> None:
+        """A file is opened for writing in ``dir_key``: join this node's round there, or start one."""
+        if self.is_marker(os.fsdecode(name)):
+            return  # a marker is what the round waits for, never part of it
+        with self._lock:
+            group = self.groups.get(dir_key)
+            if group is None or group.sealed:
+                group = OwnGroup(dir_key, new_round_id(), time.time(), previous=group.round if group else None)
+                self.groups[dir_key] = group
+                log.info("event=round_started dir=%s round=%s node=%s", dir_key, group.round, self.node_id)
+            if ino not in group.members:
+                group.members.add(ino)
+                self._dirty.add(dir_key)
+        self._wake()
+
+    def intent_out(self, dir_key: str) -> bool:
+        """True unless this node's intent for ``dir_key`` is still to be published."""
+        group = self.groups.get(dir_key)
+        return group is None or group.intent
+
+    # -- the mover's loop ------------------------------------------------------------
+
+    def load(self) -> None:
+        """This node's groups and abandons as journaled (a restart continues their rounds)."""
+        with self._lock:
+            for key, value in self.journal.meta_items(_META_GROUP):
+                try:
+                    group = OwnGroup.from_json(value)
+                except (ValueError, TypeError) as exc:
+                    log.error("event=group_unreadable key=%s error=%r", key, exc)
+                    continue
+                self.groups.setdefault(group.dir_key, group)
+            for key, value in self.journal.meta_items(_META_ABANDONED):
+                self.abandoned[key[len(_META_ABANDONED) :]] = float(value)
+
+    async def wait_intent(self, dir_key: str, timeout: float) -> bool:
+        """Wait (at most ``timeout``) until this node's intent for ``dir_key`` is out."""
+        if self.intent_out(dir_key):
+            return True
+        event = self._intent_events.setdefault(dir_key, asyncio.Event())
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+        return self.intent_out(dir_key)
+
+    def has_work(self) -> bool:
+        """Records that can be published now (a drain that runs until idle waits for them;
+        a round with a file that never becomes durable is not one)."""
+        with self._lock:
+            groups = list(self.groups.values())
+        return bool(self._commits) or any(
+            not g.intent or (not g.done and self._members(set(g.members), g.dir_key) is not None) for g in groups
+        )
+
+    async def step(self, remote: Remote) -> None:
+        """Publish due intents and dones (and their journaled state); never raises for the remote."""
+        self.remote = remote
+        now = time.time()
+        with self._lock:
+            pending = [g for g in self.groups.values() if not (g.intent and g.done)]
+            dirty = {key: self.groups[key] for key in self._dirty if key in self.groups}
+            self._dirty.clear()
+        for group in dirty.values():
+            self.journal.set_meta(f"{_META_GROUP}{group.dir_key}", group.to_json())
+        for group in pending:
+            if self._retry_at.get(group.dir_key, 0.0) > now:
+                continue
+            try:
+                if not group.intent:
+                    await self._publish_intent(remote, group)
+                if group.intent and not group.done:
+                    await self._maybe_done(remote, group)
+            except RemoteError as exc:
+                self._publish_failed(group.dir_key, exc)
+        for commit in list(self._commits):
+            try:
+                await self._publish_commit(remote, *commit)
+            except RemoteError as exc:
+                self._publish_failed(f"commit {commit[1]}", exc)
+                break
+            self._commits.remove(commit)
+
+    def _publish_failed(self, what: str, exc: RemoteError) -> None:
+        failures = self._failures.get(what, 0) + 1
+        self._failures[what] = failures
+        delay = min(PUBLISH_BACKOFF_MAX_S, PUBLISH_BACKOFF_S * 2 ** (failures - 1))
+        self._retry_at[what] = time.time() + delay
+        log.warning("event=group_record_retry what=%s delay=%.1f error=%s", what, delay, exc)
+
+    async def _create(self, remote: Remote, key: str, doc: dict[str, Any]) -> None:
+        data = json.dumps(doc, separators=(",", ":")).encode()
+        if not await self.retry.call(remote, remote.create_object, key, data, what=f"create {key}"):
+            log.info("event=group_record_exists key=%s", key)  # an earlier attempt of ours landed
+
+    async def _publish_intent(self, remote: Remote, group: OwnGroup) -> None:
+        key = record_key(group.dir_key, self.node_id, group.round, INTENT)
+        doc = {"node": self.node_id, "round": group.round, "dir": group.dir_key, "time": group.started}
+        await self._create(remote, key, doc)
+        with self._lock:
+            group.intent = True
+            self._dirty.add(group.dir_key)
+        self._retry_at.pop(group.dir_key, None)
+        self._failures.pop(group.dir_key, None)
+        event = self._intent_events.pop(group.dir_key, None)
+        if event is not None:
+            event.set()
+        log.info("event=intent_published key=%s", key)
+        if group.previous:  # our earlier round here is over: its records go (only ours, ever)
+            for kind in (INTENT, DONE_RECORD):
+                with contextlib.suppress(RemoteError):
+                    await remote.delete(record_key(group.dir_key, self.node_id, group.previous, kind))
+            group.previous = None
+
+    def _members(self, members: set[int], dir_key: str) -> list[InodeRow] | None:
+        """The member files still in ``dir_key``, or None while one is not durable.
+
+        Files unlinked or renamed away are no longer part of the round, nor are
+        files renamed to a marker's name (DCP writes ``.metadata`` as a temp file)."""
+        rows = []
+        for ino in sorted(members):
+            row = self.journal.inode(ino)
+            path = self.journal.path_of(ino) if row is not None and row.parent else None
+            if row is None or path is None or _dir_of(path) != dir_key or self.is_marker(os.fsdecode(row.name)):
+                continue
+            if row.state not in DONE or row.durable_generation != row.generation:
+                return None
+            rows.append(row)
+        return rows
+
+    async def _maybe_done(self, remote: Remote, group: OwnGroup) -> None:
+        with self._lock:
+            members = set(group.members)
+        rows = self._members(members, group.dir_key)
+        if rows is None:
+            return
+        with self._lock:
+            if group.members != members or self.groups.get(group.dir_key) is not group:
+                return  # a file joined meanwhile: look again on the next pass
+            group.sealed = True  # from here on, an open in this directory starts the next round
+            self._dirty.add(group.dir_key)
+        files = [
+            {"path": self.journal.path_of(r.ino), "size": r.size, "digest": r.digest, "generation": r.generation}
+            for r in rows
+        ]
+        key = record_key(group.dir_key, self.node_id, group.round, DONE_RECORD)
+        doc = {"node": self.node_id, "round": group.round, "dir": group.dir_key, "time": time.time(), "files": files}
+        await self._create(remote, key, doc)
+        with self._lock:
+            group.done = True
+            self._dirty.add(group.dir_key)
+        self._done_files[key] = files
+        log.info("event=done_published key=%s files=%d", key, len(files))
+
+    # -- the marker gate ---------------------------------------------------------------
+
+    def holds(self, marker: InodeRow, marker_key: str) -> bool:
+        """True while ``marker`` must wait for other nodes (or was abandoned).  Only reads
+        what the poller found; asks it to look at the marker's directory."""
+        dir_key = _dir_of(marker_key)
+        if self.abandoned.get(dir_key, -1.0) >= marker.updated:
+            self._given_up[dir_key] = time.monotonic()
+            return True
+        self._wanted[dir_key] = time.monotonic()
+        if self._poke is not None and dir_key not in self.verdicts:
+            self._poke.set()
+        verdict = self.verdicts.get(dir_key)
+        if verdict is None or not verdict.open_for(marker.updated):
+            return True
+        self._approved[(marker.ino, marker.generation)] = verdict
+        return False
+
+    async def poll(self, remote: Remote) -> None:
+        """Keep the verdicts of the directories waiting markers ask about fresh (runs forever)."""
+        self._poke = asyncio.Event()
+        delay = GATE_POLL_MIN_S
+        while True:
+            now = time.monotonic()
+            for dir_key, asked in list(self._wanted.items()):
+                if now - asked > GATE_FORGET_S:
+                    del self._wanted[dir_key]
+                    self.verdicts.pop(dir_key, None)
+            opened = False
+            for dir_key in list(self._wanted):
+                try:
+                    verdict = await self.look(remote, dir_key)
+                except (RemoteError, CorruptDataError) as exc:
+                    log.warning("event=gate_list_failed dir=%s error=%s", dir_key, exc)
+                    continue
+                except Exception:  # a bug must not stop every later marker: log, look again later
+                    log.exception("event=gate_bug dir=%s", dir_key)
+                    continue
+                before = self.verdicts.get(dir_key)
+                self.verdicts[dir_key] = verdict
+                if not verdict.waiting:
+                    opened = True
+                    if before is None or before.waiting:
+                        log.info("event=gate_open dir=%s rounds=%d", dir_key, len(verdict.rounds))
+            if opened:
+                self._wake()
+            delay = GATE_POLL_MIN_S if opened else min(GATE_POLL_MAX_S, delay * 2)
+            self._poke.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._poke.wait(), delay if self._wanted else 3600)
+            if self._poke.is_set():
+                delay = GATE_POLL_MIN_S
+
+    async def look(self, remote: Remote, dir_key: str) -> Verdict:
+        """One listing of ``dir_key``'s records (its subtree): who is still writing, what is done."""
+        listed_at = time.time()
+        intents: dict[tuple[str, str, str], float] = {}
+        dones: dict[tuple[str, str, str], str] = {}
+        given_up: set[tuple[str, str, str]] = set()
+        async for info in remote.list_all(group_prefix(dir_key)):
+            parsed = parse_record_key(info.key)
+            if parsed is None:
+                continue
+            group_dir, node, round_id, kind = parsed
+            ident = (group_dir, node, round_id)
+            if kind == INTENT:
+                intents[ident] = info.mtime
+            elif kind == DONE_RECORD:
+                dones[ident] = info.key
+            else:
+                given_up.add(ident)
+        with self._lock:
+            own = [g for g in self.groups.values() if _under(g.dir_key, dir_key)]
+            own_rounds = {(g.dir_key, self.node_id, g.round) for g in own}
+            own_pending = [(g.dir_key, g.started) for g in own if g.members and not (g.intent and g.done)]
+        # This node's current rounds are judged from what it knows (own_pending), not from the remote.
+        waiting = [Waiting(d, n, r, t) for (d, n, r), t in sorted(intents.items()) if (d, n, r) not in dones
+                   and (d, n, r) not in given_up and (d, n, r) not in own_rounds]  # fmt: skip
+        rounds = sorted(ident for ident in intents if ident in dones)
+        files: list[dict[str, Any]] = []
+        if not waiting:
+            for ident in rounds:
+                files.extend(await self._read_done(remote, dones[ident]))
+        return Verdict(listed_at, waiting, own_pending, rounds, files)
+
+    async def _read_done(self, remote: Remote, key: str) -> list[dict[str, Any]]:
+        if key not in self._done_files:
+            data = await self.retry.call(remote, remote.get_object, key, what=f"get {key}")
+            self._done_files[key] = _files(_record(data))
+        return self._done_files[key]
+
+    def marker_durable(self, marker: InodeRow, key: str, size: int, digest: str) -> None:
+        """The marker is published: its commit record (what ``latest`` checks) is due."""
+        verdict = self._approved.pop((marker.ino, marker.generation), None)
+        if verdict is None:
+            return
+        files: dict[str, dict[str, Any]] = {}
+        for entry in verdict.files:  # a path two nodes wrote: the later done's entry (the last drain won)
+            files[entry["path"]] = entry
+        doc = {
+            "dir": _dir_of(key), "node": self.node_id, "time": time.time(),
+            "marker": {"path": key, "size": size, "digest": digest, "generation": marker.generation},
+            "rounds": [list(r) for r in verdict.rounds], "files": list(files.values()),
+        }  # fmt: skip
+        self._commits.append((marker, key, doc))
+        self._wake()
+
+    async def _publish_commit(self, remote: Remote, marker: InodeRow, key: str, doc: dict[str, Any]) -> None:
+        dir_key, name = _dir_of(key), key.rpartition("/")[2]
+        prefix = f"{COMMITS_PREFIX}{dir_key + '/' if dir_key else ''}{name}@{self.node_id}@"
+        commit_key = f"{prefix}{new_round_id()}.commit"
+        await self._create(remote, commit_key, doc)
+        log.info("event=commit_published key=%s files=%d", commit_key, len(doc["files"]))
+        async for info in remote.list_all(prefix):  # our older commits of this marker: superseded
+            if info.key != commit_key and info.key.endswith(".commit") and "/" not in info.key[len(prefix) :]:
+                with contextlib.suppress(RemoteError):
+                    await remote.delete(info.key)
+
+    # -- operators -------------------------------------------------------------------------
+
+    async def abandon(self, remote: Remote, dir_key: str) -> list[Waiting]:
+        """Give up the checkpoint in ``dir_key``: its held marker is never published, and the
+        intents it waited for no longer hold later rounds there.  Returns those intents."""
+        verdict = await self.look(remote, dir_key)
+        for waiting in verdict.waiting:
+            key = record_key(waiting.dir_key, waiting.node, waiting.round, ABANDONED)
+            await self._create(remote, key, {"by": self.node_id, "time": time.time()})
+        now = time.time()
+        self.abandoned[dir_key] = now
+        self.journal.set_meta(f"{_META_ABANDONED}{dir_key}", repr(now))
+        self.verdicts.pop(dir_key, None)
+        log.warning("event=checkpoint_abandoned dir=%s intents=%d", dir_key, len(verdict.waiting))
+        return verdict.waiting
+
+    def waiting_markers(self) -> list[dict[str, Any]]:
+        """For status: each marker directory still held, and by whom."""
+        out = []
+        now = time.monotonic()
+        wanted, given_up = dict(self._wanted), {d for d, t in dict(self._given_up).items() if now - t < GATE_FORGET_S}
+        for dir_key, verdict in sorted(dict(self.verdicts).items()):
+            if dir_key not in wanted or dir_key in given_up or (not verdict.waiting and not verdict.own_pending):
+                continue
+            out.append({
+                "dir": dir_key,
+                "waiting": [{"node": w.node, "dir": w.dir_key, "round": w.round, "intent_time": w.since}
+                            for w in verdict.waiting],
+                "own_pending": [d for d, _ in verdict.own_pending],
+                "abandoned": dir_key in self.abandoned,
+            })  # fmt: skip
+        for dir_key in sorted(given_up):
+            out.append({"dir": dir_key, "waiting": [], "own_pending": [], "abandoned": True})
+        return out
+
+
+# -- latest: the newest checkpoint that is complete on the remote ------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    dir: str
+    marker: str
+    committed_at: float  # the commit record's time on the remote
+    files: int
+    commit_key: str
+
+
+async def _check_file(remote: Remote, entry: dict[str, Any]) -> str | None:
+    """Why ``entry`` (path, size, digest) does not match the remote, or None if it does."""
+    path = entry["path"]
+    info = await remote.head(path)
+    if info is None:
+        return f"{path}: missing"
+    try:
+        manifest = Manifest.from_json(await remote.get_object(manifest_key(path)))
+    except RemoteError as exc:
+        return f"{path}: no manifest ({exc})"
+    except CorruptDataError as exc:
+        return f"{path}: bad manifest ({exc})"
+    stored = sum(chunk.stored_size for chunk in manifest.chunks)
+    if manifest.size != entry.get("size") or (entry.get("digest") and manifest.digest != entry["digest"]):
+        return f"{path}: not the bytes this checkpoint recorded"
+    if info.size != stored:
+        return f"{path}: object and manifest disagree (being rewritten)"
+    return None
+
+
+async def verify_commit(remote: Remote, doc: dict[str, Any]) -> str | None:
+    """None if every file a commit record names (and its marker) matches the remote, else why not."""
+    marker = doc.get("marker")
+    if not isinstance(marker, dict) or not isinstance(marker.get("path"), str):
+        return "the commit record names no marker"
+    entries = [marker, *_files(doc)]
+    semaphore = asyncio.Semaphore(VERIFY_CONCURRENCY)
+
+    async def check(entry: dict[str, Any]) -> str | None:
+        async with semaphore:
+            return await _check_file(remote, entry)
+
+    for problem in await asyncio.gather(*(check(e) for e in entries)):
+        if problem is not None:
+            return problem
+    return None
+
+
+async def find_latest(remote: Remote, subdir: str = "") -> tuple[Checkpoint | None, list[tuple[str, str]]]:
+    """The newest checkpoint under ``subdir`` whose commit record matches the remote, and the
+    newer ones skipped (dir, why).  One listing of the commit records, then newest first:
+    only the checkpoints it must look at are read."""
+    prefix = f"{COMMITS_PREFIX}{subdir}/" if subdir else COMMITS_PREFIX
+    newest: dict[str, tuple[float, str]] = {}
+    async for info in remote.list_all(prefix):
+        if not info.key.endswith(".commit"):
+            continue
+        dir_key = _dir_of(info.key)[len(COMMITS_PREFIX) :]
+        if dir_key not in newest or (info.mtime, info.key) > newest[dir_key]:
+            newest[dir_key] = (info.mtime, info.key)
+    skipped: list[tuple[str, str]] = []
+    for dir_key, (mtime, key) in sorted(newest.items(), key=lambda item: item[1], reverse=True):
+        try:
+            doc = _record(await remote.get_object(key))
+            problem = await verify_commit(remote, doc)
+        except (RemoteError, CorruptDataError) as exc:
+            problem = str(exc)
+        if problem is None:
+            marker = doc["marker"]["path"]
+            return Checkpoint(dir_key, marker, mtime, len(doc.get("files", [])) + 1, key), skipped
+        skipped.append((dir_key, problem))
+    return None, skipped

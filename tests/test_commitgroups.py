@@ -1,0 +1,219 @@
+"""Cross-node commits in-process: two nodes' journals and movers over one file remote, no FUSE.
+
+Each node is a ``Front`` (the journal records core.py writes) plus its own Mover;
+``writing_in`` is what core.py calls at a writable open.  The remote is a real
+directory; ``HookedRemote`` holds one node's upload so the test decides when
+that node's shard becomes durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+from test_mover import PART, Front, HookedRemote, until
+
+from burstfs.commitgroups import COMMITS_PREFIX, GROUPS_PREFIX, find_latest, parse_record_key, record_key
+from burstfs.config import DrainOptions, S3Options, check_node_id, parse_remote_url
+from burstfs.errors import ConfigError
+from burstfs.journal import DURABLE
+from burstfs.mover import Mover
+from burstfs.remote import FileRemote
+
+
+class Node:
+    """One mount's journal and mover, sharing ``remote_dir`` with the others."""
+
+    def __init__(self, tmp_path: Path, name: str, remote_dir: Path) -> None:
+        cache = tmp_path / f"cache-{name}"
+        cache.mkdir()
+        self.front = Front(cache)
+        self.remote = HookedRemote(remote_dir)
+        self.mover = Mover(cache, parse_remote_url(f"file://{remote_dir}"), S3Options(),
+                           DrainOptions(part_size=PART, concurrency=2, node_id=name), remote=self.remote)  # fmt: skip
+        self.dirs: dict[str, int] = {}
+
+    def mkdirs(self, path: str) -> int:
+        parent = 1
+        for depth, part in enumerate(path.split("/")):
+            prefix = "/".join(path.split("/")[: depth + 1])
+            if prefix not in self.dirs:
+                self.dirs[prefix] = self.front.mkdir(part, parent)
+            parent = self.dirs[prefix]
+        return parent
+
+    def write(self, path: str, data: bytes) -> int:
+        """open(O_CREAT|O_WRONLY), write, close: as core.py journals it and tells the drain."""
+        dir_key, _, name = path.rpartition("/")
+        parent = self.mkdirs(dir_key)
+        ino = self.front.write(name, b"", parent) if (ino := self._child(parent, name)) is None else ino
+        self.mover.groups.writing_in(ino, dir_key, name.encode())
+        self.front.rewrite(ino, data)
+        self.mover.wake()
+        return ino
+
+    def _child(self, parent: int, name: str) -> int | None:
+        row = self.front.journal.child(parent, name.encode())
+        return row.ino if row else None
+
+    def durable(self, ino: int) -> bool:
+        row = self.front.journal.inode(ino)
+        return row is not None and row.state == DURABLE and row.durable_generation == row.generation
+
+
+def keys(remote_dir: Path, prefix: str = "") -> set[str]:
+    return {p.relative_to(remote_dir).as_posix() for p in remote_dir.rglob("*") if p.is_file()
+            and p.relative_to(remote_dir).as_posix().startswith(prefix)}  # fmt: skip
+
+
+def run_nodes(nodes: list[Node], scenario: Callable[[], Awaitable[None]]) -> None:
+    async def main() -> None:
+        tasks = [asyncio.create_task(node.mover.run()) for node in nodes]
+        try:
+            await asyncio.wait_for(scenario(), 60)
+        finally:
+            for node in nodes:
+                node.mover.stop()
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+
+    asyncio.run(main())
+
+
+def test_record_keys_round_trip_and_node_ids_are_validated() -> None:
+    key = record_key("ckpt/step_1", "n-1.a", "0001-ab", "intent")
+    assert key == f"{GROUPS_PREFIX}ckpt/step_1/n-1.a@0001-ab.intent"
+    assert parse_record_key(key) == ("ckpt/step_1", "n-1.a", "0001-ab", "intent")
+    assert parse_record_key(record_key("", "n0", "r", "done")) == ("", "n0", "r", "done")
+    assert parse_record_key(f"{GROUPS_PREFIX}ckpt/readme.txt") is None
+    for bad in ("", "a@b", "a/b", "-x", "x" * 64):
+        with pytest.raises(ConfigError):
+            check_node_id(bad)
+
+
+def test_marker_waits_for_every_node_with_an_intent(tmp_path: Path) -> None:
+    """Node b's shard is held in its upload: node a's marker (its own shard durable) is not
+    published until b's shard is durable and b's done record is out; then the commit record
+    names both shards and ``find_latest`` returns the checkpoint."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    a, b = Node(tmp_path, "a", remote_dir), Node(tmp_path, "b", remote_dir)
+    marker = "ckpt/step_1/.metadata"
+
+    async def scenario() -> None:
+        entered, release = b.remote.hold("put", "ckpt/step_1/shard_b")
+        shard_a = a.write("ckpt/step_1/shard_a", b"A" * 1000)
+        b.write("ckpt/step_1/shard_b", b"B" * 1000)
+        await until(lambda: entered.is_set() and a.durable(shard_a), "a durable, b uploading")
+        await until(lambda: b.mover.groups.intent_out("ckpt/step_1"), "b's intent")
+        assert [k.rsplit(".", 1)[1] for k in keys(remote_dir, GROUPS_PREFIX + "ckpt/step_1/b@")] == ["intent"]
+        meta = a.write(marker, b"metadata")
+        for _ in range(40):  # the gate polls many times meanwhile: the marker stays back
+            await asyncio.sleep(0.05)
+            assert marker not in keys(remote_dir)
+            assert not a.durable(meta)
+        waiting = a.mover.groups.waiting_markers()
+        assert [w["node"] for w in waiting[0]["waiting"]] == ["b"] and waiting[0]["dir"] == "ckpt/step_1"
+        release.set()
+        await until(lambda: a.durable(meta), "the marker to drain")
+        assert (remote_dir / "ckpt/step_1/shard_b").read_bytes() == b"B" * 1000
+        await until(lambda: keys(remote_dir, COMMITS_PREFIX), "the commit record")
+        latest, skipped = await find_latest(FileRemote(parse_remote_url(f"file://{remote_dir}")), "ckpt")
+        assert latest is not None and latest.dir == "ckpt/step_1" and latest.files == 3, (latest, skipped)
+        commit = json.loads((remote_dir / next(iter(keys(remote_dir, COMMITS_PREFIX)))).read_bytes())
+        assert sorted(f["path"] for f in commit["files"]) == ["ckpt/step_1/shard_a", "ckpt/step_1/shard_b"]
+
+    run_nodes([a, b], scenario)
+
+
+def test_a_rewrite_of_the_same_directory_is_a_new_round(tmp_path: Path) -> None:
+    """Round 2 rewrites the same names: b's round-1 done must not let round 2's marker through."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    a, b = Node(tmp_path, "a", remote_dir), Node(tmp_path, "b", remote_dir)
+    marker = "ckpt/.metadata"
+
+    async def scenario() -> None:
+        a.write("ckpt/shard_a", b"a1")
+        b.write("ckpt/shard_b", b"b1")
+        meta = a.write(marker, b"m1")
+        await until(lambda: a.durable(meta), "round 1's marker")
+        await until(lambda: len(keys(remote_dir, COMMITS_PREFIX)) == 1, "round 1's commit")
+        entered, release = b.remote.hold("put", "ckpt/shard_b")
+        a.write("ckpt/shard_a", b"a2")
+        b.write("ckpt/shard_b", b"b2")
+        await until(lambda: entered.is_set(), "b's round-2 upload")
+        await until(lambda: b.mover.groups.intent_out("ckpt"), "b's round-2 intent")
+        meta = a.write(marker, b"m2")
+        for _ in range(30):
+            await asyncio.sleep(0.05)
+            assert (remote_dir / marker).read_bytes() == b"m1"
+        # Meanwhile the remote holds a's round-2 shard, b's round-1 shard and round 1's marker:
+        # latest must not call that complete.
+        remote = FileRemote(parse_remote_url(f"file://{remote_dir}"))
+        latest, skipped = await find_latest(remote, "")
+        assert latest is None and skipped and skipped[0][0] == "ckpt", (latest, skipped)
+        release.set()
+        await until(lambda: a.durable(meta), "round 2's marker")
+        await until(lambda: (remote_dir / marker).read_bytes() == b"m2", "round 2's marker on the remote")
+
+        async def committed() -> bool:
+            found, _ = await find_latest(remote, "")
+            return found is not None
+
+        for _ in range(200):
+            if await committed():
+                break
+            await asyncio.sleep(0.05)
+        latest, skipped = await find_latest(remote, "")
+        assert latest is not None and latest.dir == "ckpt", skipped
+        # b's round-1 records went when its round-2 intent came out (only b removes b's keys)
+        b_records = keys(remote_dir, GROUPS_PREFIX + "ckpt/b@")
+        assert len(b_records) == 2 and len({k.split("@")[1].rsplit(".")[0] for k in b_records}) == 1
+
+    run_nodes([a, b], scenario)
+
+
+def test_a_torn_file_holds_the_marker_and_a_marker_alone_needs_no_round(tmp_path: Path) -> None:
+    """A round member that never becomes durable (left incomplete) means no done: the other
+    node's marker waits; a node that only writes markers publishes no intent at all."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    a, b = Node(tmp_path, "a", remote_dir), Node(tmp_path, "b", remote_dir)
+
+    async def scenario() -> None:
+        torn = b.front._new(b.mkdirs("ckpt/s1"), "shard_b", "file", "incomplete")  # a crash left it torn
+        b.mover.groups.writing_in(torn, "ckpt/s1", b"shard_b")
+        await until(lambda: b.mover.groups.intent_out("ckpt/s1"), "b's intent")
+        meta = a.write("ckpt/s1/.metadata", b"m")
+        await asyncio.sleep(1.0)
+        assert not a.durable(meta) and "ckpt/s1/.metadata" not in keys(remote_dir)
+        assert not keys(remote_dir, GROUPS_PREFIX + "ckpt/s1/a@")  # a wrote only the marker
+
+    run_nodes([a, b], scenario)
+
+
+def test_a_round_begun_after_the_marker_does_not_hold_it(tmp_path: Path) -> None:
+    """The next checkpoint already being written on this node (a file held open in a
+    subdirectory, opened after the marker's close) does not hold the marker back; one
+    opened before it does."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    a = Node(tmp_path, "a", remote_dir)
+
+    async def scenario() -> None:
+        early = a.front._new(a.mkdirs("run/early"), "open_before", "file", "writing")
+        a.mover.groups.writing_in(early, "run/early", b"open_before")
+        a.write("run/step_1/shard", b"s")
+        meta = a.write("run/latest", b"1")
+        later = a.front._new(a.mkdirs("run/step_2"), "shard", "file", "writing")
+        await asyncio.sleep(0.01)
+        a.mover.groups.writing_in(later, "run/step_2", b"shard")
+        await asyncio.sleep(1.0)
+        assert not a.durable(meta)  # the file opened before it is still being written
+        a.front.rewrite(early, b"done")
+        await until(lambda: a.durable(meta), "the marker, with step 2 still open")
+
+    run_nodes([a], scenario)

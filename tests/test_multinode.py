@@ -1,0 +1,281 @@
+"""Many nodes, one checkpoint: real mounts with separate caches over one moto prefix.
+
+Node 1's drain is held back with ``--drain-delay`` (released with ``burstfs-admin
+drain --now``), so the test decides when its shards become durable; the remote is
+read with boto3 behind burstfs' back.  Nothing is asserted on timing: the checks
+are on what the remote holds while a node's shards are known to be staged.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import BIN, FUSE_OK, MountedFS, journal_rows, wait_for
+from s3server import fresh_bucket
+
+pytestmark = pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse, fusermount3 and root")
+
+ADMIN = str(BIN / "burstfs-admin")
+HELD = ("--drain-delay", "3600")
+
+
+def admin(*args: str | Path, expect: int | None = 0, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([ADMIN, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    if expect is not None and result.returncode != expect:
+        raise AssertionError(f"burstfs-admin {' '.join(map(str, args))}: exit {result.returncode}, "
+                             f"{result.stdout} {result.stderr}")  # fmt: skip
+    return result
+
+
+class Bucket:
+    def __init__(self, endpoint: str) -> None:
+        import boto3
+
+        self.endpoint = endpoint
+        self.name = fresh_bucket(endpoint)
+        self.url = f"s3://{self.name}/job"
+        self.client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+
+    def keys(self) -> set[str]:
+        found = set()
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.name, Prefix="job/"):
+            found.update(obj["Key"][len("job/") :] for obj in page.get("Contents", []))
+        return found
+
+    def latest(self, subdir: str = "", expect: int | None = 0) -> dict[str, object]:
+        result = admin("latest", "--remote", self.url, "--endpoint-url", self.endpoint, "--json", subdir, expect=expect)
+        doc: dict[str, object] = json.loads(result.stdout)
+        return doc
+
+
+@pytest.fixture
+def bucket(s3_env: str) -> Bucket:
+    return Bucket(s3_env)
+
+
+def node(factory: type[MountedFS], bucket: Bucket, name: str, *args: str) -> MountedFS:
+    fs = factory(name, bucket.url, ("--endpoint-url", bucket.endpoint, "--node-id", name, *args))  # type: ignore[call-arg]
+    fs.mount()
+    return fs
+
+
+def write(fs: MountedFS, path: str, data: bytes) -> None:
+    target = fs.path / path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(data)
+
+
+def state(fs: MountedFS, path: str) -> str | None:
+    """The journal state of ``path`` on ``fs`` (by its parent directory and name)."""
+    dir_key, _, name = path.rpartition("/")
+    rows = journal_rows(fs.cache, "SELECT ino, parent, state FROM inodes WHERE name=? AND parent!=0", (name.encode(),))
+    for _ino, parent, row_state in rows:
+        parents = journal_rows(fs.cache, "SELECT name FROM inodes WHERE ino=?", (parent,))
+        if parents and parents[0][0].decode() == dir_key.rpartition("/")[2]:
+            return str(row_state)
+    return None
+
+
+def shard(step: int, rank: int) -> bytes:
+    return os.urandom(64) + f"step {step} rank {rank}".encode() * 5000
+
+
+def test_marker_appears_only_after_every_node_shards_are_durable(mounted_factory: type[MountedFS],
+                                                                  bucket: Bucket) -> None:  # fmt: skip
+    n0 = node(mounted_factory, bucket, "n0")
+    n1 = node(mounted_factory, bucket, "n1", *HELD)
+    step = "ckpt/step_100"
+    shards = {f"{step}/__{rank}_0.distcp": shard(100, rank) for rank in range(4)}
+    for rank, (path, data) in enumerate(shards.items()):
+        write(n0 if rank < 2 else n1, path, data)
+    admin("wait", n0.path / step / "__0_0.distcp", n0.path / step / "__1_0.distcp")
+    write(n0, f"{step}/.metadata", b"metadata of step 100")
+    # n0's gate has looked at the remote and found n1's intent without a done:
+    status = wait_for(lambda: json.loads(admin("status", n0.path, "--json").stdout).get("checkpoints_waiting"),
+                      what="n0's marker to wait for n1")  # fmt: skip
+    assert [w["node"] for w in status[0]["waiting"]] == ["n1"] and status[0]["dir"] == step
+    assert "waiting for node n1" in admin("status", n0.path).stdout
+    assert {state(n1, p) for p in list(shards)[2:]} == {"staged"}
+    keys = bucket.keys()
+    assert f"{step}/.metadata" not in keys and set(list(shards)[:2]) <= keys
+    assert bucket.latest("ckpt", expect=1)["dir"] is None
+
+    admin("drain", n1.path, "--now")
+
+    def check_and_find_marker() -> bool:
+        keys = bucket.keys()
+        if f"{step}/.metadata" in keys:  # never before all four shards are there
+            assert set(shards) <= keys, sorted(keys)
+            return True
+        return False
+
+    wait_for(check_and_find_marker, interval=0.01, what="the marker on the remote")
+    found = wait_for(lambda: bucket.latest("ckpt", expect=None).get("dir"), what="latest")
+    assert found == step
+    for path, data in shards.items():
+        assert bucket.client.get_object(Bucket=bucket.name, Key=f"job/{path}")["Body"].read() == data
+    assert admin("latest", n0.path / "ckpt").stdout.strip() == str(n0.path / step)
+
+
+def test_a_killed_node_holds_its_checkpoint_back_and_latest_returns_the_previous(
+    mounted_factory: type[MountedFS], bucket: Bucket
+) -> None:
+    """Node 1 dies (kill -9, cache gone) before its step-200 shards drain: step 200's marker is
+    never published, latest says step 100, a fresh node restores step 100 bit-exact, and an
+    operator can abandon step 200."""
+    n0 = node(mounted_factory, bucket, "n0")
+    n1 = node(mounted_factory, bucket, "n1", *HELD)
+    written: dict[str, bytes] = {}
+    for step in (100, 200):
+        for rank in range(4):
+            path = f"ckpt/step_{step}/__{rank}_0.distcp"
+            written[path] = shard(step, rank)
+            write(n0 if rank < 2 else n1, path, written[path])
+        if step == 100:
+            admin("drain", n1.path, "--now")
+        admin("wait", *(n0.path / f"ckpt/step_{step}/__{rank}_0.distcp" for rank in range(2)))
+        write(n0, f"ckpt/step_{step}/.metadata", f"metadata {step}".encode())
+        if step == 100:
+            wait_for(lambda: bucket.latest("ckpt", expect=None).get("dir") == "ckpt/step_100", what="step 100")
+
+    n1.kill()
+    shutil.rmtree(n1.cache)
+    wait_for(lambda: json.loads(admin("status", n0.path, "--json").stdout).get("checkpoints_waiting"),
+             what="n0's step-200 marker to wait for the lost node")  # fmt: skip
+    assert "ckpt/step_200/.metadata" not in bucket.keys()
+    assert bucket.latest("ckpt")["dir"] == "ckpt/step_100"
+
+    fresh = node(mounted_factory, bucket, "n2")
+    for path, data in written.items():
+        if "step_100" in path:
+            assert (fresh.path / path).read_bytes() == data
+    assert (fresh.path / "ckpt/step_100/.metadata").read_bytes() == b"metadata 100"
+
+    admin("abandon", n0.path / "ckpt/step_200", expect=2)  # without --yes: refused
+    out = admin("abandon", n0.path / "ckpt/step_200", "--yes").stdout
+    assert "n1" in out
+    wait_for(lambda: "abandoned" in admin("status", n0.path).stdout, what="status to say abandoned")
+    admin("drain", n0.path, "--now")
+    assert state(n0, "ckpt/step_200/.metadata") == "staged"
+    assert "ckpt/step_200/.metadata" not in bucket.keys()
+    assert bucket.latest("ckpt")["dir"] == "ckpt/step_100"
+
+
+SAVE_LOOP = textwrap.dedent(
+    """
+    import os, sys, torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    def state(step, rank):
+        g = torch.Generator().manual_seed(step * 100 + rank)
+        return {"shared.weight": torch.arange(1000, dtype=torch.float32) * step,
+                f"rank{rank}.weight": torch.randn(256, 256, generator=g),
+                f"rank{rank}.step": torch.tensor([step])}
+
+    mounts = sys.argv[1].split(",")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mnt = mounts[rank * len(mounts) // world]  # ranks spread over the mounts (nodes)
+    for step in (1, 2, 3):
+        for directory in (f"ckpt/step_{step}", "ckpt/same"):  # "same": one directory, rewritten each step
+            dcp.save(state(step, rank), storage_writer=FileSystemWriter(os.path.join(mnt, directory)))
+        dist.barrier()
+    dist.destroy_process_group()
+    print("saved", rank)
+    """
+)
+
+LOAD = textwrap.dedent(
+    """
+    import os, sys, torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    mounts, directory, step, saved_by = sys.argv[1].split(","), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mnt = mounts[rank * len(mounts) // world]
+    # Every rank of this (smaller) job loads what all the saving ranks wrote: resharded.
+    wanted = {"shared.weight": torch.zeros(1000)}
+    for r in range(saved_by):
+        wanted[f"rank{r}.weight"], wanted[f"rank{r}.step"] = torch.zeros(256, 256), torch.zeros(1, dtype=torch.int64)
+    dcp.load(wanted, storage_reader=FileSystemReader(os.path.join(mnt, directory)))
+    assert torch.equal(wanted["shared.weight"], torch.arange(1000, dtype=torch.float32) * step)
+    for r in range(saved_by):
+        g = torch.Generator().manual_seed(step * 100 + r)
+        assert torch.equal(wanted[f"rank{r}.weight"], torch.randn(256, 256, generator=g)), r
+        assert wanted[f"rank{r}.step"].item() == step
+    dist.barrier()
+    dist.destroy_process_group()
+    print("loaded", rank)
+    """
+)
+
+
+def torchrun(script: str, ranks: int, *args: str, timeout: float = 300) -> list[str]:
+    """Run ``script`` under torchrun (gloo, CPU) with ``ranks`` processes; their output lines."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-addr=127.0.0.1",
+         f"--master-port={port}", "--no-python", sys.executable, "-c", script, *args],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout.split("\n")
+
+
+def test_dcp_loop_over_two_nodes_restored_elastically(mounted_factory: type[MountedFS], bucket: Bucket) -> None:
+    """4 ranks over 2 mounts save 3 steps (each into its own directory, and again into one
+    rewritten directory); 3 ranks over 2 fresh mounts load them resharded, bit-exact."""
+    pytest.importorskip("torch")
+    n0, n1 = node(mounted_factory, bucket, "n0"), node(mounted_factory, bucket, "n1")
+    out = torchrun(SAVE_LOOP, 4, f"{n0.path},{n1.path}")
+    assert sorted(line for line in out if line) == [f"saved {r}" for r in range(4)]
+    for fs in (n0, n1):
+        admin("wait", fs.path / "ckpt", timeout=300)
+    for directory in ("ckpt/step_1", "ckpt/step_2", "ckpt/step_3", "ckpt/same"):
+        wait_for(lambda d=directory: bucket.latest(d, expect=None).get("dir") == d, what=f"{directory} committed")
+    assert bucket.latest("ckpt")["dir"] in ("ckpt/step_3", "ckpt/same")
+    n2, n3 = node(mounted_factory, bucket, "n2"), node(mounted_factory, bucket, "n3")
+    for directory, step in (("ckpt/same", 3), ("ckpt/step_2", 2)):
+        out = torchrun(LOAD, 3, f"{n2.path},{n3.path}", directory, str(step), "4")
+        assert sorted(line for line in out if line) == [f"loaded {r}" for r in range(3)]
+
+
+def test_two_nodes_writing_one_name_leave_one_whole_object(mounted_factory: type[MountedFS], bucket: Bucket) -> None:
+    """Both nodes write ckpt/dup/blob (multipart-sized) in one round: the remote holds one
+    node's bytes, whole; a fresh node reads those bytes or EIO, never a mix."""
+    n0, n1 = node(mounted_factory, bucket, "n0"), node(mounted_factory, bucket, "n1")
+    ours, theirs = os.urandom(12 << 20), os.urandom(12 << 20)
+    write(n0, "ckpt/dup/blob", ours)
+    write(n1, "ckpt/dup/blob", theirs)
+    write(n0, "ckpt/dup/.metadata", b"m")
+    for fs in (n0, n1):
+        admin("wait", fs.path / "ckpt", timeout=120)
+    wait_for(lambda: "ckpt/dup/.metadata" in bucket.keys(), what="the marker")
+    stored = bucket.client.get_object(Bucket=bucket.name, Key="job/ckpt/dup/blob")["Body"].read()
+    assert stored in (ours, theirs)
+    fresh = node(mounted_factory, bucket, "n2")
+    fresh.expect_log("event=fetch_failed")
+    fresh.expect_log("mismatch")
+    try:
+        assert (fresh.path / "ckpt/dup/blob").read_bytes() in (ours, theirs)
+    except OSError as exc:
+        assert exc.errno == errno.EIO
+    doc = bucket.latest("ckpt/dup", expect=None)
+    assert doc["dir"] in (None, "ckpt/dup")
