@@ -38,7 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import CorruptDataError, RemoteError
-from .journal import DONE, InodeRow, Journal
+from .journal import DONE, INCOMPLETE, WRITING, InodeRow, Journal
 from .objects import Manifest, manifest_key
 from .remote import INTERNAL_DIR, Remote, RetryPolicy
 
@@ -125,6 +125,7 @@ class OwnGroup:
     round: str
     started: float
     members: set[int] = dataclasses.field(default_factory=set)
+    touches: int = 0  # writable opens and closes seen: a done is written only if none came while it was decided
     intent: bool = False  # published
     sealed: bool = False  # its done is written (or being written): a later open starts a new round
     done: bool = False  # published
@@ -205,7 +206,8 @@ class CommitGroups:
     # -- the FUSE thread -------------------------------------------------------------
 
     def writing_in(self, ino: int, dir_key: str, name: bytes) -> None:
-        """A file is opened for writing in ``dir_key``: join this node's round there, or start one."""
+        """A file is opened for writing, or closed, in ``dir_key``: join this node's round there,
+        or start one (if the round's done is already decided, the file was not in it)."""
         if self.is_marker(os.fsdecode(name)):
             return  # a marker is what the round waits for, never part of it
         with self._lock:
@@ -214,6 +216,7 @@ class CommitGroups:
                 group = OwnGroup(dir_key, new_round_id(), time.time(), previous=group.round if group else None)
                 self.groups[dir_key] = group
                 log.info("event=round_started dir=%s round=%s node=%s", dir_key, group.round, self.node_id)
+            group.touches += 1
             if ino not in group.members:
                 group.members.add(ino)
                 self._dirty.add(dir_key)
@@ -317,15 +320,21 @@ class CommitGroups:
             group.previous = None
 
     def _members(self, members: set[int], dir_key: str) -> list[InodeRow] | None:
-        """The member files still in ``dir_key``, or None while one is not durable.
+        """The closed member files still in ``dir_key``, or None while one is not durable.
 
         Files unlinked or renamed away are no longer part of the round, nor are
-        files renamed to a marker's name (DCP writes ``.metadata`` as a temp file)."""
+        files renamed to a marker's name (DCP writes ``.metadata`` as a temp file).
+        A file still open for writing (or left open by a crash: ``incomplete``) is
+        not waited for: a checkpoint's files are closed before its marker is
+        written, and a later close joins the next round (a log file kept open in
+        a checkpoint directory holds nothing back)."""
         rows = []
         for ino in sorted(members):
             row = self.journal.inode(ino)
             path = self.journal.path_of(ino) if row is not None and row.parent else None
             if row is None or path is None or _dir_of(path) != dir_key or self.is_marker(os.fsdecode(row.name)):
+                continue
+            if row.state in (WRITING, INCOMPLETE):
                 continue
             if row.state not in DONE or row.durable_generation != row.generation:
                 return None
@@ -334,13 +343,13 @@ class CommitGroups:
 
     async def _maybe_done(self, remote: Remote, group: OwnGroup) -> None:
         with self._lock:
-            members = set(group.members)
+            members, touches = set(group.members), group.touches
         rows = self._members(members, group.dir_key)
         if rows is None:
             return
         with self._lock:
-            if group.members != members or self.groups.get(group.dir_key) is not group:
-                return  # a file joined meanwhile: look again on the next pass
+            if group.touches != touches or self.groups.get(group.dir_key) is not group:
+                return  # a file was opened or closed meanwhile: look again on the next pass
             group.sealed = True  # from here on, an open in this directory starts the next round
             self._dirty.add(group.dir_key)
         files = [

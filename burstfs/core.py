@@ -83,8 +83,8 @@ class DrainHooks(Protocol):
         """Return once ``generation`` of ``ino`` is durable; raise if it cannot be."""
 
     def writing_in(self, ino: int, dir_key: str, name: bytes) -> None:
-        """``ino`` (named ``name``) is opened for writing in ``dir_key``: this node takes part in
-        the checkpoint there (a cross-node commit round)."""
+        """``ino`` (named ``name``) is opened for writing, or closed, in ``dir_key``: this node
+        takes part in the checkpoint there (a cross-node commit round)."""
 
     async def intent_published(self, dir_key: str) -> None:
         """Return once this node's part in ``dir_key``'s checkpoint is announced, or after a short bound."""
@@ -890,6 +890,7 @@ class BurstCore:
         await self.committer.commit(self._publish_ops(inode, undo), undo=undo)
         self._file_closed()
         if self.drain is not None and (dir_key := self._dir_key(inode)) is not None:
+            self.drain.writing_in(inode.ino, dir_key, inode.name)  # a close after the round's done starts the next
             await self.drain.intent_published(dir_key)  # bounded (--remote-wait); never fails the close
 
     async def release(self, fh: int) -> None:

@@ -52,7 +52,7 @@ class Node:
         ino = self.front.write(name, b"", parent) if (ino := self._child(parent, name)) is None else ino
         self.mover.groups.writing_in(ino, dir_key, name.encode())
         self.front.rewrite(ino, data)
-        self.mover.wake()
+        self.mover.groups.writing_in(ino, dir_key, name.encode())  # as flush does, after the close is journaled
         return ino
 
     def _child(self, parent: int, name: str) -> int | None:
@@ -176,16 +176,16 @@ def test_a_rewrite_of_the_same_directory_is_a_new_round(tmp_path: Path) -> None:
     run_nodes([a, b], scenario)
 
 
-def test_a_torn_file_holds_the_marker_and_a_marker_alone_needs_no_round(tmp_path: Path) -> None:
-    """A round member that never becomes durable (left incomplete) means no done: the other
-    node's marker waits; a node that only writes markers publishes no intent at all."""
+def test_a_file_that_cannot_drain_holds_the_marker_and_a_marker_alone_needs_no_round(tmp_path: Path) -> None:
+    """A closed round member that never becomes durable (its drain failed) means no done: the
+    other node's marker waits; a node that only writes markers publishes no intent at all."""
     remote_dir = tmp_path / "remote"
     remote_dir.mkdir()
     a, b = Node(tmp_path, "a", remote_dir), Node(tmp_path, "b", remote_dir)
 
     async def scenario() -> None:
-        torn = b.front._new(b.mkdirs("ckpt/s1"), "shard_b", "file", "incomplete")  # a crash left it torn
-        b.mover.groups.writing_in(torn, "ckpt/s1", b"shard_b")
+        broken = b.front._new(b.mkdirs("ckpt/s1"), "shard_b", "file", "failed")
+        b.mover.groups.writing_in(broken, "ckpt/s1", b"shard_b")
         await until(lambda: b.mover.groups.intent_out("ckpt/s1"), "b's intent")
         meta = a.write("ckpt/s1/.metadata", b"m")
         await asyncio.sleep(1.0)
@@ -195,25 +195,32 @@ def test_a_torn_file_holds_the_marker_and_a_marker_alone_needs_no_round(tmp_path
     run_nodes([a, b], scenario)
 
 
-def test_a_round_begun_after_the_marker_does_not_hold_it(tmp_path: Path) -> None:
-    """The next checkpoint already being written on this node (a file held open in a
-    subdirectory, opened after the marker's close) does not hold the marker back; one
-    opened before it does."""
+def test_open_files_and_later_rounds_do_not_hold_a_marker(tmp_path: Path) -> None:
+    """A file opened before the marker and still open (a log kept open) does not hold it, nor
+    does the next checkpoint already being written; a file closed before it but not yet
+    durable does, and a file closed after the round's done starts the next round."""
     remote_dir = tmp_path / "remote"
     remote_dir.mkdir()
     a = Node(tmp_path, "a", remote_dir)
 
     async def scenario() -> None:
-        early = a.front._new(a.mkdirs("run/early"), "open_before", "file", "writing")
-        a.mover.groups.writing_in(early, "run/early", b"open_before")
+        log = a.front._new(a.mkdirs("run/logs"), "train.log", "file", "writing")
+        a.mover.groups.writing_in(log, "run/logs", b"train.log")
+        entered, release = a.remote.hold("put", "run/step_1/shard")
         a.write("run/step_1/shard", b"s")
         meta = a.write("run/latest", b"1")
         later = a.front._new(a.mkdirs("run/step_2"), "shard", "file", "writing")
         await asyncio.sleep(0.01)
         a.mover.groups.writing_in(later, "run/step_2", b"shard")
-        await asyncio.sleep(1.0)
-        assert not a.durable(meta)  # the file opened before it is still being written
-        a.front.rewrite(early, b"done")
-        await until(lambda: a.durable(meta), "the marker, with step 2 still open")
+        await until(lambda: entered.is_set(), "the shard's upload")
+        await until(lambda: a.mover.groups.groups["run/logs"].done, "the log directory's done (the log still open)")
+        await asyncio.sleep(0.5)
+        assert not a.durable(meta)  # the shard closed before it is not durable yet
+        release.set()
+        await until(lambda: a.durable(meta), "the marker, with the log and step 2 still open")
+        first = a.mover.groups.groups["run/logs"].round
+        a.front.rewrite(log, b"log lines")  # the log is closed after its round's done: the next round
+        a.mover.groups.writing_in(log, "run/logs", b"train.log")
+        assert a.mover.groups.groups["run/logs"].round != first
 
     run_nodes([a], scenario)
