@@ -29,7 +29,7 @@ from typing import Any
 import click
 
 from .cachelock import CacheLock
-from .config import RemoteURL, S3Options, config_from_meta
+from .config import RemoteURL, S3Options, config_from_meta, parse_remote_url
 from .control import SOCKET_NAME, socket_address
 from .errors import BurstfsError
 from .journal import FILE_STATES, FileState, Journal
@@ -612,6 +612,40 @@ def latest(path: str | None, remote_url: str | None, endpoint_url: str | None, r
     file its nodes' done records list is on the remote with the recorded size and
     digest.  Works from any node, and with --remote without a mount (a restart script).
     """
+    found = latest_checkpoint(path, remote_url, endpoint_url, region)
+    if as_json:
+        emit_json({"schema": SCHEMA, **dataclasses.asdict(found)})
+    else:
+        for skipped in found.skipped:
+            click.echo(f"skipped {skipped['dir'] or '/'}: {skipped['reason']}", err=True)
+        if found.dir is not None:
+            click.echo(found.path or "/")
+        else:
+            click.echo(f"no complete checkpoint under {found.subdir or '/'} in {found.remote}", err=True)
+    if found.dir is None:
+        sys.exit(EXIT_ERROR)
+
+
+@dataclasses.dataclass
+class Latest:
+    """What ``latest`` found (``dir`` None: no complete checkpoint)."""
+
+    remote: str
+    subdir: str
+    dir: str | None  # relative to the remote prefix
+    path: str | None  # in the mount (the remote-relative dir with --remote)
+    marker: str | None
+    committed_at: float | None
+    files: int
+    skipped: list[dict[str, str]]  # newer checkpoints passed over: {"dir", "reason"}
+
+
+def latest_checkpoint(path: str | os.PathLike[str] | None, remote_url: str | None = None,
+                      endpoint_url: str | None = None, region: str | None = None) -> Latest:  # fmt: skip
+    """The newest complete checkpoint under ``path`` (in a mount), or under the subdirectory
+    ``path`` of ``remote_url`` (no mount); see commitgroups.find_latest."""
+    import asyncio
+
     from .commitgroups import find_latest
     from .remote import open_remote
 
@@ -620,13 +654,13 @@ def latest(path: str | None, remote_url: str | None, endpoint_url: str | None, r
             url, s3 = parse_remote_url(remote_url), S3Options(endpoint_url=endpoint_url, region=region)
         except BurstfsError as exc:
             raise AdminError(str(exc), EXIT_USAGE) from None
-        subdir, root = (path or "").strip("/"), None
+        subdir, root = str(path or "").strip("/"), None
     else:
         if path is None:
             raise AdminError("give a PATH inside a mount, or --remote URL", EXIT_USAGE)
         target = resolve([Path(path)], None)
         with target.journal() as journal:
-            url, s3 = _remote_of(journal)
+            url, s3 = _remote_of(journal, target.cache_dir)
         s3 = dataclasses.replace(s3, endpoint_url=endpoint_url or s3.endpoint_url, region=region or s3.region)
         subdir, root = target.rels[0], target.mountpoint
 
@@ -637,28 +671,16 @@ def latest(path: str | None, remote_url: str | None, endpoint_url: str | None, r
         finally:
             await remote.close()
 
-    import asyncio
-
     try:
         found, skipped = asyncio.run(look())
     except BurstfsError as exc:
         raise AdminError(f"{url}: {exc}") from None
     shown = None if found is None else str(root / found.dir) if root is not None else found.dir
-    if as_json:
-        emit_json({
-            "schema": SCHEMA, "remote": str(url), "dir": None if found is None else found.dir, "path": shown,
-            "marker": found.marker if found else None, "committed_at": found.committed_at if found else None,
-            "files": found.files if found else 0, "skipped": [{"dir": d, "reason": r} for d, r in skipped],
-        })  # fmt: skip
-    else:
-        for dir_key, reason in skipped:
-            click.echo(f"skipped {dir_key or '/'}: {reason}", err=True)
-        if found is not None:
-            click.echo(shown or "/")
-    if found is None:
-        if not as_json:
-            click.echo(f"no complete checkpoint under {subdir or '/'} in {url}", err=True)
-        sys.exit(EXIT_ERROR)
+    return Latest(
+        remote=str(url), subdir=subdir, dir=found.dir if found else None, path=shown,
+        marker=found.marker if found else None, committed_at=found.committed_at if found else None,
+        files=found.files if found else 0, skipped=[{"dir": d, "reason": r} for d, r in skipped],
+    )  # fmt: skip
 
 
 @main.command()

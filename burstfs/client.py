@@ -4,6 +4,7 @@
     client.wait_durable("/mnt/ckpt/step_1000", timeout=600)   # raises unless durable
     print(client.status("/mnt/ckpt").undrained.bytes)
     client.prefetch("/mnt/ckpt/step_1000")                    # before a restart reads it
+    client.latest("/mnt/ckpt")                                # newest complete checkpoint dir, or None
 
 It talks to the mount's control socket and reads its journal read-only, exactly
 as ``burstfs-admin`` does (it reuses admin.py's finding of the mount and its
@@ -22,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .admin import EXIT_USAGE, AccessDenied, AdminError, DaemonLost, Target, resolve, wait_durable as _wait_durable
+from .admin import EXIT_USAGE, AccessDenied, AdminError, DaemonLost, Target, latest_checkpoint, resolve, wait_durable as _wait_durable
 from .journal import BROKEN, DONE, FileState
 
 STATE_XATTR = "user.burstfs.state"  # every file's drain state, readable by anyone who may read the file
@@ -288,3 +289,14 @@ def _wait_by_xattrs(paths: Sequence[PathLike], timeout: float | None, started: f
         if timeout is not None and time.monotonic() - started > timeout:
             raise DurableTimeoutError(f"{len(pending)} of {len(files)} files not durable after {timeout:g}s", pending)
         time.sleep(XATTR_POLL_S)
+
+
+def latest(path: PathLike | None = None, *, remote: str | None = None, endpoint_url: str | None = None) -> Path | None:
+    """The newest complete checkpoint directory under ``path`` (a directory in a mount, mounted
+    or not), or under the subdirectory ``path`` of ``remote`` (``s3://B/P``, ``file:///D``: no
+    mount needed); None if there is none.  See docs/SEMANTICS.md "Many nodes"."""
+    try:
+        found = latest_checkpoint(path, remote, endpoint_url)
+    except AdminError as exc:
+        raise (NotAMountError if exc.exit_code == EXIT_USAGE and remote is None else ClientError)(exc.message) from None
+    return None if found.path is None else Path(found.path)

@@ -137,19 +137,21 @@ class DrainService:
         return await self.on_mover_loop(retry())
 
     def writing_in(self, ino: int, dir_key: str, name: bytes) -> None:
-        self.mover.groups.writing_in(ino, dir_key, name)
+        self.call_soon(self.mover.groups.writing_in, ino, dir_key, name)
 
     async def intent_published(self, dir_key: str) -> None:
         """close(2) of a file in ``dir_key``: give its intent record up to ``intent_wait`` to land, so
         that a marker written after the framework's barrier already sees this node.  Never fails:
-        local speed is the promise; a late intent still holds this node's own marker."""
-        groups = self.mover.groups
-        if groups.intent_out(dir_key) or self._intent_wait <= 0:
+        local speed is the promise; a late intent still holds this node's own marker.  Runs after
+        the ``writing_in`` this close queued (the mover's loop runs them in order)."""
+        if self._intent_wait <= 0:
             return
-        try:
-            published = await self._on_mover_loop(groups.wait_intent(dir_key, self._intent_wait))
-        except FsError:  # the mover is down: the intent goes out once it is back
-            published = False
+        published = False
+        with trio.move_on_after(self._intent_wait):  # a busy mover loop counts against the bound too
+            try:
+                published = await self.on_mover_loop(self.mover.groups.wait_intent(dir_key, self._intent_wait))
+            except FsError:  # the mover is down: the intent goes out once it is back
+                pass
         if not published:
             log.warning("event=intent_late dir=%s waited=%.1f", dir_key, self._intent_wait)
 
@@ -158,8 +160,8 @@ class DrainService:
         remote = self.mover.remote
         if remote is None:
             raise FsError(errno.EIO, "the mover is not running")
-        waiting = await self._on_mover_loop(self.mover.groups.abandon(remote, dir_key))
-        self.mover.wake()
+        waiting = await self.on_mover_loop(self.mover.groups.abandon(remote, dir_key))
+        self.call_soon(self.mover.wake)
         return [{"node": w.node, "dir": w.dir_key, "round": w.round, "intent_time": w.since} for w in waiting]
 
     async def wait_durable(self, ino: int, generation: int) -> None:

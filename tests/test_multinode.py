@@ -124,6 +124,11 @@ def test_marker_appears_only_after_every_node_shards_are_durable(mounted_factory
     for path, data in shards.items():
         assert bucket.client.get_object(Bucket=bucket.name, Key=f"job/{path}")["Body"].read() == data
     assert admin("latest", n0.path / "ckpt").stdout.strip() == str(n0.path / step)
+    from burstfs import client
+
+    assert client.latest(n1.path / "ckpt") == n1.path / step
+    assert client.latest("ckpt", remote=bucket.url, endpoint_url=bucket.endpoint) == Path(step)
+    assert client.latest("other", remote=bucket.url, endpoint_url=bucket.endpoint) is None
 
 
 def test_a_killed_node_holds_its_checkpoint_back_and_latest_returns_the_previous(
