@@ -13,7 +13,9 @@ from conftest import FUSE_OK, burstfs, is_mounted
 
 from burstfs import configfile
 from burstfs.cli import mount as mount_command
-from burstfs.config import DrainOptions, MountConfig, S3Options, TierOptions, config_from_meta, parse_remote_url
+from burstfs.config import (
+    DrainOptions, MountConfig, S3Options, TierOptions, config_from_meta, default_node_id, parse_remote_url,
+)
 from burstfs.journal import Journal
 
 DOC = Path(__file__).parent.parent / "docs" / "CONFIGURATION.md"
@@ -27,6 +29,7 @@ SAMPLES: dict[str, Any] = {
     "region": "eu-west-1",
     "cache-size": "20G",
     "metrics-addr": "127.0.0.1:9100",
+    "node-id": "n17",
 }
 
 
@@ -90,7 +93,8 @@ def test_a_minimal_file_and_the_command_line_build_the_same_tree(tmp_path: Path)
     config = configfile.build_with_file(values, loaded, mount_command)
     assert config == MountConfig(
         mountpoint=tmp_path / "mnt", cache_dir=Path("/var/cache/b"), remote=parse_remote_url("file:///srv/ckpt"),
-        drain=DrainOptions(commit_markers=("done",), compress="lz4"), tier=TierOptions(cache_size=2 << 30),
+        drain=DrainOptions(commit_markers=("done",), compress="lz4", node_id=default_node_id()),
+        tier=TierOptions(cache_size=2 << 30),
     )  # fmt: skip
     overridden = configfile.merge({**values, "compress": "none"}, loaded, {"compress"})  # --compress none given
     assert configfile.build_with_file(overridden, loaded, mount_command).drain.compress is None
