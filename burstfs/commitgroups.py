@@ -61,8 +61,9 @@ PUBLISH_BACKOFF_S = 0.5
 PUBLISH_BACKOFF_MAX_S = 30.0
 # Records read from the (shared) remote are bounded before they are parsed.
 MAX_RECORD_BYTES = 64 << 20
-# `latest` checks this many files of a checkpoint at once.
+# `latest` checks this many files of a checkpoint at once, each request retried like the drain's.
 VERIFY_CONCURRENCY = 16
+LATEST_RETRY = RetryPolicy()
 
 
 def group_prefix(dir_key: str) -> str:
@@ -316,7 +317,8 @@ class CommitGroups:
         if group.previous:  # our earlier round here is over: its records go (only ours, ever)
             for kind in (INTENT, DONE_RECORD):
                 with contextlib.suppress(RemoteError):
-                    await remote.delete(record_key(group.dir_key, self.node_id, group.previous, kind))
+                    key = record_key(group.dir_key, self.node_id, group.previous, kind)
+                    await self.retry.call(remote, remote.delete, key, what=f"delete {key}")
             group.previous = None
 
     def _members(self, members: set[int], dir_key: str) -> list[InodeRow] | None:
@@ -481,7 +483,7 @@ class CommitGroups:
         async for info in remote.list_all(prefix):  # our older commits of this marker: superseded
             if info.key != commit_key and info.key.endswith(".commit") and "/" not in info.key[len(prefix) :]:
                 with contextlib.suppress(RemoteError):
-                    await remote.delete(info.key)
+                    await self.retry.call(remote, remote.delete, info.key, what=f"delete {info.key}")
 
     # -- operators -------------------------------------------------------------------------
 
@@ -534,11 +536,12 @@ class Checkpoint:
 async def _check_file(remote: Remote, entry: dict[str, Any]) -> str | None:
     """Why ``entry`` (path, size, digest) does not match the remote, or None if it does."""
     path = entry["path"]
-    info = await remote.head(path)
+    info = await LATEST_RETRY.call(remote, remote.head, path, what=f"head {path}")
     if info is None:
         return f"{path}: missing"
     try:
-        manifest = Manifest.from_json(await remote.get_object(manifest_key(path)))
+        data = await LATEST_RETRY.call(remote, remote.get_object, manifest_key(path), what=f"get manifest {path}")
+        manifest = Manifest.from_json(data)
     except RemoteError as exc:
         return f"{path}: no manifest ({exc})"
     except CorruptDataError as exc:
@@ -584,7 +587,7 @@ async def find_latest(remote: Remote, subdir: str = "") -> tuple[Checkpoint | No
     skipped: list[tuple[str, str]] = []
     for dir_key, (mtime, key) in sorted(newest.items(), key=lambda item: item[1], reverse=True):
         try:
-            doc = _record(await remote.get_object(key))
+            doc = _record(await LATEST_RETRY.call(remote, remote.get_object, key, what=f"get {key}"))
             problem = await verify_commit(remote, doc)
         except (RemoteError, CorruptDataError) as exc:
             problem = str(exc)

@@ -40,6 +40,8 @@ DURABLE_POLL_S = 0.05
 RESTART_BACKOFF_S = 1.0
 RESTART_BACKOFF_MAX_S = 60.0
 RESTART_STABLE_S = 300.0
+# After an intent record did not land within the close's bound, closes do not wait for one for this long.
+INTENT_LATE_QUIET_S = 30.0
 
 
 class DrainService:
@@ -57,6 +59,7 @@ class DrainService:
         self._journal = journal
         self._fsync_timeout = fsync_timeout
         self._intent_wait = intent_wait
+        self._intents_late_until = 0.0
         self._thread = threading.Thread(target=self._run, name="burstfs-mover", daemon=True)
         self._stop = threading.Event()
         self.last_crash: BaseException | None = None
@@ -144,8 +147,8 @@ class DrainService:
         that a marker written after the framework's barrier already sees this node.  Never fails:
         local speed is the promise; a late intent still holds this node's own marker.  Runs after
         the ``writing_in`` this close queued (the mover's loop runs them in order)."""
-        if self._intent_wait <= 0:
-            return
+        if self._intent_wait <= 0 or time.monotonic() < self._intents_late_until:
+            return  # a late intent means a sick remote: closes do not each pay the bound again
         published = False
         with trio.move_on_after(self._intent_wait):  # a busy mover loop counts against the bound too
             try:
@@ -153,6 +156,7 @@ class DrainService:
             except FsError:  # the mover is down: the intent goes out once it is back
                 pass
         if not published:
+            self._intents_late_until = time.monotonic() + INTENT_LATE_QUIET_S
             log.warning("event=intent_late dir=%s waited=%.1f", dir_key, self._intent_wait)
 
     async def abandon(self, dir_key: str) -> list[dict[str, object]]:
