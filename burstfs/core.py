@@ -25,6 +25,7 @@ from typing import Protocol
 
 import trio
 
+from . import hardlinks
 from .capacity import StatFs, TierCapacity
 from .committer import GroupCommitter
 from .config import TierOptions
@@ -45,10 +46,12 @@ from .journal import (
     drop_unlinked_ops,
     event_op,
     insert_inode_op,
+    link_ops,
     mark_writing_op,
     recovered_incomplete_ops,
     set_meta_op,
     unchanged_close_op,
+    unlink_name_ops,
     unlink_ops,
     update_inode_op,
 )
@@ -167,7 +170,7 @@ class BurstCore:
         self.dir_handles: dict[int, list[tuple[bytes, int]]] = {}
         self._next_fh = itertools.count(1)
         self._recover()
-        self._next_ino = itertools.count(max(self.inodes) + 1)
+        self._next_ino = itertools.count(self._max_row + 1)  # hard links' rows take numbers too
         self._next_close_seq = itertools.count(journal.max_close_seq() + 1)
         self.capacity = TierCapacity(self.tier, journal, capacity, self.inodes)
 
@@ -184,8 +187,13 @@ class BurstCore:
             self.journal.apply([insert_inode_op(root)])
             rows = [root]
         ops: list[Op] = []
+        self._max_row = max(row.ino for row in rows)
+        link_rows = [row for row in rows if row.link_of is not None]
+        linked = {row.link_of for row in link_rows if row.parent}
         for row in rows:
-            if row.parent == 0:  # unlinked while open when the daemon stopped
+            if row.link_of is not None:
+                continue
+            if row.parent == 0 and row.ino not in linked:  # unlinked while open when the daemon stopped
                 ops.extend(drop_unlinked_ops(row.ino))
                 continue
             if row.state == WRITING:
@@ -200,7 +208,7 @@ class BurstCore:
             if ino in self.inodes:
                 self.inodes[ino].xattrs[name] = value
         for inode in list(self.inodes.values()):
-            if inode.ino == ROOT_INO:
+            if inode.ino == ROOT_INO or inode.parent == 0:  # the latter: only hard links name it
                 continue
             parent = self.inodes.get(inode.parent)
             if parent is None or parent.children is None:  # parent lost: should never happen
@@ -209,6 +217,14 @@ class BurstCore:
             parent.children[inode.name] = inode.ino
             if inode.kind == "dir":
                 parent.subdirs += 1
+        for row in link_rows:
+            target, parent = self.inodes.get(row.link_of or 0), self.inodes.get(row.parent)
+            if target is None or parent is None or parent.children is None:  # should never happen
+                log.error("event=recover_orphan_link row=%d ino=%s parent=%d", row.ino, row.link_of, row.parent)
+                ops.extend(unlink_name_ops(row.ino, row.name))
+                continue
+            target.links[row.ino] = (row.parent, row.name)
+            parent.children[row.name] = target.ino
         for ino in self.tier.data_inodes() - set(self.inodes):
             self.tier.remove(ino)
         if ops:
@@ -406,12 +422,53 @@ class BurstCore:
         await self._choose_io_path(inode, self.handles[fh])
         return fh, inode
 
+    async def link(self, ino: int, new_parent_ino: int, new_name: bytes) -> Inode:
+        """link(2): another name for a file, symlink or special node (directories: EPERM).
+
+        A file known only from the remote is fetched first: the new name drains
+        its own copy of the bytes from the local tier (see ``hardlinks``).
+        """
+        inode = self.inode(ino)
+        if inode.kind == "dir":
+            raise FsError(errno.EPERM, "directories cannot be hard-linked")
+        parent = self._dir(new_parent_ino)
+        for _ in range(3):  # evicted again meanwhile (a full tier): fetch again
+            if inode.local or inode.kind != "file":
+                break
+            await self._ensure_local(inode)
+        else:
+            raise FsError(errno.EAGAIN, "the file was evicted again while it was being fetched")
+        _check_new_name(parent, new_name)
+        if new_name in parent.children:  # type: ignore[operator]
+            raise FsError(errno.EEXIST)
+        if (parent.parent == 0 and parent.ino != ROOT_INO) or not inode.named:
+            raise FsError(errno.ENOENT)  # removed meanwhile
+        row = next(self._next_ino)
+        undo = Undo()
+        times = (parent.mtime_ns, parent.ctime_ns, inode.ctime_ns)
+        hardlinks.add_name(parent, inode, row, new_name, undo)
+        parent.mtime_ns = parent.ctime_ns = inode.ctime_ns = now = _now_ns()
+
+        def restore_times() -> None:
+            parent.mtime_ns, parent.ctime_ns, inode.ctime_ns = times
+
+        undo.add(restore_times)
+        inode.pending += 1
+        try:
+            await self.committer.commit([*link_ops(row, ino, parent.ino, new_name, now), self._touch_parent_op(parent)],
+                                        undo=undo)  # fmt: skip
+        finally:
+            inode.pending -= 1
+        inode.lookups += 1
+        self._file_closed()  # the new name has an object to drain
+        return inode
+
     async def unlink(self, parent_ino: int, name: bytes) -> None:
         parent = self._dir(parent_ino)
         inode = self.child(parent_ino, name)
         if inode.kind == "dir":
             raise FsError(errno.EISDIR)
-        await self._remove(parent, inode)
+        await self._remove(parent, inode, name)
         self._namespace_changed()
 
     async def rmdir(self, parent_ino: int, name: bytes) -> None:
@@ -421,11 +478,11 @@ class BurstCore:
             raise FsError(errno.ENOTDIR)
         if inode.children:
             raise FsError(errno.ENOTEMPTY)
-        await self._remove(parent, inode)
+        await self._remove(parent, inode, name)
 
-    async def _remove(self, parent: Inode, inode: Inode) -> None:
+    async def _remove(self, parent: Inode, inode: Inode, name: bytes) -> None:
         undo = Undo()
-        ops = self._unlink_ops(parent, inode, undo) + [self._touch_parent_op(parent)]
+        ops = self._unlink_ops(parent, name, inode, undo) + [self._touch_parent_op(parent)]
         inode.pending += 1
         try:
             await self.committer.commit(ops, undo=undo)
@@ -454,14 +511,25 @@ class BurstCore:
         undo.add(relink)
         return now
 
-    def _unlink_ops(self, parent: Inode, inode: Inode, undo: Undo) -> list[Op]:
-        """Detach ``inode`` from its name; the journal queues its remote object for deletion."""
-        self.listings.remember_removed(parent, inode.name, undo)
+    def _unlink_ops(self, parent: Inode, name: bytes, inode: Inode, undo: Undo) -> list[Op]:
+        """Detach ``inode`` from its name ``name``; the journal queues that name's remote object for deletion."""
+        self.listings.remember_removed(parent, name, undo)
+        row = hardlinks.name_row(inode, parent.ino, name)
+        if row != inode.ino:  # a hard link's name: the inode keeps its others
+            hardlinks.drop_name(parent, inode, row, undo)
+            times = (parent.mtime_ns, parent.ctime_ns, inode.ctime_ns)
+            parent.mtime_ns = parent.ctime_ns = inode.ctime_ns = now = _now_ns()
+
+            def restore_times() -> None:
+                parent.mtime_ns, parent.ctime_ns, inode.ctime_ns = times
+
+            undo.add(restore_times)
+            return [*unlink_name_ops(row, name), update_inode_op(inode.ino, ctime_ns=now)]
         return unlink_ops(inode.ino, inode.name, self._detach(parent, inode, undo))
 
     def _maybe_destroy(self, inode: Inode) -> None:
         """Drop an unlinked inode once nothing references it any more."""
-        if inode.parent or inode.lookups or inode.handles or inode.pending or inode.ino == ROOT_INO:
+        if inode.named or inode.lookups or inode.handles or inode.pending or inode.ino == ROOT_INO:
             return
         if self.inodes.get(inode.ino) is not inode:  # already dropped (or a failed create)
             return
@@ -510,15 +578,26 @@ class BurstCore:
                 ancestor = self.inodes[ancestor.parent]
         undo = Undo()
         if target is not None:
-            ops += self._unlink_ops(new_parent, target, undo)
+            ops += self._unlink_ops(new_parent, new_name, target, undo)
             target.pending += 1
         self.listings.remember_removed(old_parent, old_name, undo)
-        self._detach(old_parent, inode, undo)  # restores the old name and times on failure
+        row = hardlinks.name_row(inode, old_parent.ino, old_name)
+        if row == inode.ino:
+            self._detach(old_parent, inode, undo)  # restores the old name and times on failure
+            inode.parent, inode.name = new_parent.ino, new_name
+        else:  # one of a hard-linked file's other names moves
+            old_times = (old_parent.mtime_ns, old_parent.ctime_ns, inode.ctime_ns)
+            hardlinks.drop_name(old_parent, inode, row, undo)
+            inode.links[row] = (new_parent.ino, new_name)
+
+            def restore_old_times() -> None:
+                old_parent.mtime_ns, old_parent.ctime_ns, inode.ctime_ns = old_times
+
+            undo.add(restore_old_times)
         new_times = (new_parent.mtime_ns, new_parent.ctime_ns)
         new_parent.children[new_name] = inode.ino  # type: ignore[index]
         if inode.kind == "dir":
             new_parent.subdirs += 1
-        inode.parent, inode.name = new_parent.ino, new_name
         now = _now_ns()
         inode.ctime_ns = old_parent.mtime_ns = old_parent.ctime_ns = now
         new_parent.mtime_ns = new_parent.ctime_ns = now
@@ -532,10 +611,11 @@ class BurstCore:
 
         undo.add(unmove)
         ops += [
-            update_inode_op(inode.ino, parent=new_parent.ino, name=new_name, ctime_ns=now),
+            update_inode_op(row, parent=new_parent.ino, name=new_name, ctime_ns=now),
+            update_inode_op(inode.ino, ctime_ns=now),
             self._touch_parent_op(old_parent),
             self._touch_parent_op(new_parent),
-            event_op(inode.ino, "rename", f"{os.fsdecode(old_name)} -> {os.fsdecode(new_name)}"),
+            event_op(row, "rename", f"{os.fsdecode(old_name)} -> {os.fsdecode(new_name)}"),
         ]
         try:
             await self.committer.commit(ops, undo=undo)
@@ -883,7 +963,7 @@ class BurstCore:
         self._adopt_direct_writes(inode)  # passthrough writes since the last close make it dirty
         if not self._unpublished(inode):
             return
-        if inode.parent == 0:  # unlinked while open: nothing to publish
+        if not inode.named:  # unlinked while open: nothing to publish
             inode.dirty = inode.new = False
             return
         undo = Undo()
@@ -902,7 +982,7 @@ class BurstCore:
             self._adopt_direct_writes(inode)
             self.io_paths.close(inode, handle)
             if handle.writable and not self._has_writer(inode):
-                if self._unpublished(inode) and inode.parent:
+                if self._unpublished(inode) and inode.named:
                     undo = Undo()
                     await self.committer.commit(self._publish_ops(inode, undo), undo=undo)
                     self._file_closed()
@@ -921,11 +1001,11 @@ class BurstCore:
         self._adopt_direct_writes(inode)
         publish = inode.dirty or (handle.writable and self._unpublished(inode))
         undo = Undo()
-        ops = self._publish_ops(inode, undo) if publish and inode.parent else []
+        ops = self._publish_ops(inode, undo) if publish and inode.named else []
         await self.committer.commit(ops, sync=True, undo=undo)
         if ops:
             self._file_closed()
-        if self.fsync_remote and self.drain is not None and inode.parent:
+        if self.fsync_remote and self.drain is not None and inode.named:
             await self.drain.wait_durable(inode.ino, inode.generation)
 
     # -- directories ----------------------------------------------------------------

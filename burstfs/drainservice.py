@@ -173,13 +173,12 @@ class DrainService:
         self.drain_now()
         with trio.move_on_after(self._fsync_timeout):
             while True:
-                row = await trio.to_thread.run_sync(self._journal.inode, ino)
-                if row is None:
-                    return  # unlinked meanwhile: nothing left to make durable
-                if row.state in DONE and (row.durable_generation or 0) >= generation:
-                    return
-                if row.state in BROKEN:
-                    raise FsError(errno.EIO, f"cannot become durable ({row.state}): {row.error}")
+                names = await trio.to_thread.run_sync(self._journal.names_of, ino)  # hard links: each name
+                if all(row.state in DONE and (row.durable_generation or 0) >= generation for row in names):
+                    return  # (no names: unlinked meanwhile, nothing left to make durable)
+                for row in names:
+                    if row.state in BROKEN:
+                        raise FsError(errno.EIO, f"cannot become durable ({row.state}): {row.error}")
                 if self.crashed is not None:
                     raise FsError(errno.EIO, f"the mover stopped: {self.crashed}")
                 if self.mover.stats.halted is not None:

@@ -175,7 +175,7 @@ class BurstOperations(pyfuse3.Operations):
     @_errors_to_fuse
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:  # fmt: skip
-        raise pyfuse3.FUSEError(errno.EPERM)  # hard links: not supported (documented)
+        return entry_attributes(await self.core.link(inode, new_parent_inode, new_name))
 
     @_errors_to_fuse
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:

@@ -31,7 +31,8 @@ from typing import Any
 from .errors import ConfigError
 
 #: 2: inodes.upload_key, the uploads table, indexes on remote_key/upload_key and remote_deletes(key).
-SCHEMA_VERSION = 2
+#: 3: inodes.link_of (hard links: one row per extra name; an older burstfs would take them for files).
+SCHEMA_VERSION = 3
 ROOT_INO = 1
 
 class FileState(enum.StrEnum):
@@ -144,23 +145,27 @@ _ADDED_COLUMNS = (
     # The key an upload of this file is writing to (set while `draining`): no other
     # inode may upload to, relocate onto or delete that key meanwhile.
     ("inodes", "upload_key", "TEXT"),
+    # Hard links: a row per extra name of a file, with its own drain state and key;
+    # ``link_of`` is the inode (row) that holds the file's attributes and its data file.
+    ("inodes", "link_of", "INTEGER"),
 )
 _INDEXES = """
 CREATE INDEX IF NOT EXISTS inodes_by_remote_key ON inodes(remote_key) WHERE remote_key IS NOT NULL;
 CREATE INDEX IF NOT EXISTS inodes_by_upload_key ON inodes(upload_key) WHERE upload_key IS NOT NULL;
 CREATE INDEX IF NOT EXISTS remote_deletes_by_key ON remote_deletes(key);
+CREATE INDEX IF NOT EXISTS inodes_by_link ON inodes(link_of) WHERE link_of IS NOT NULL;
 """
 
 INODE_COLUMNS = (
     "ino", "parent", "name", "kind", "mode", "uid", "gid", "size", "atime_ns", "mtime_ns",
     "ctime_ns", "target", "state", "generation", "close_seq", "digest", "chunk_size", "chunks",
-    "remote_key", "durable_generation", "error", "attempts", "updated", "local_bytes",
+    "remote_key", "durable_generation", "error", "attempts", "updated", "local_bytes", "link_of",
 )  # fmt: skip
 
 
 @dataclasses.dataclass(kw_only=True)
 class InodeRow:
-    """One row of the ``inodes`` table, as stored (built by keyword only: 24 fields)."""
+    """One row of the ``inodes`` table, as stored (built by keyword only: 25 fields)."""
 
     ino: int
     parent: int
@@ -186,6 +191,12 @@ class InodeRow:
     attempts: int = 0
     updated: float = 0.0
     local_bytes: int = 0
+    link_of: int | None = None  # an extra name (hard link) of this inode: its data file and attributes
+
+    @property
+    def data_ino(self) -> int:
+        """The inode whose data file holds this row's bytes (``data/<ino>``)."""
+        return self.link_of if self.link_of is not None else self.ino
 
     def chunk_digests(self) -> tuple[str, ...]:
         return tuple(json.loads(self.chunks)) if self.chunks else ()
@@ -437,10 +448,12 @@ class Journal:
         return int(rows[0][0]) if rows else 0
 
     def record_digests(self, ino: int, generation: int, digest: str, chunks: Sequence[str], chunk_size: int) -> None:
-        """Digests the drain took of ``generation`` (for verify and the xattr); a newer close keeps its own."""
+        """Digests the drain took of ``generation`` (for verify and the xattr); a newer close keeps its own.
+        The same bytes under every name of the file: its other names' rows get them too."""
         self.execute(
-            "UPDATE inodes SET digest=?, chunks=?, chunk_size=? WHERE ino=? AND generation=?",
-            (digest, json.dumps(list(chunks)), chunk_size, ino, generation),
+            "UPDATE inodes SET digest=?, chunks=?, chunk_size=? WHERE generation=? AND (ino=? OR link_of=? "
+            "OR ino=(SELECT link_of FROM inodes WHERE ino=?) OR link_of=(SELECT link_of FROM inodes WHERE ino=?))",
+            (digest, json.dumps(list(chunks)), chunk_size, generation, ino, ino, ino, ino),
         )
 
     def prune_events(self, keep: int) -> None:
@@ -450,20 +463,30 @@ class Journal:
     # -- the local tier ----------------------------------------------------------------
 
     def evictable(self) -> list[tuple[int, int]]:
-        """``(ino, close_seq)`` of linked files whose local copy is what the remote holds
-        (``durable``, ``durable_generation = generation``): invariant 7's candidates."""
+        """``(ino, close_seq)`` of files whose local copy is what the remote holds under
+        every name (each name's row ``durable``, ``durable_generation = generation``):
+        invariant 7's candidates.  ``ino`` is the data's inode, also for hard links."""
         rows = self.query(
-            "SELECT ino, close_seq FROM inodes WHERE kind='file' AND parent!=0 AND state=? "
-            "AND durable_generation=generation",
+            "SELECT COALESCE(link_of, ino) AS data, MAX(close_seq) FROM inodes WHERE kind='file' AND parent!=0 "
+            "GROUP BY data HAVING SUM(CASE WHEN state=? AND durable_generation=generation THEN 0 ELSE 1 END)=0",
             (DURABLE,),
         )
         return [(int(ino), int(close_seq)) for ino, close_seq in rows]
 
     def evict(self, ino: int, generation: int) -> bool:
-        """``durable`` → ``evicted`` if ``generation`` is still the durable one; False otherwise."""
-        return bool(self.execute(
-            "UPDATE inodes SET state=?, local_bytes=0 WHERE ino=? AND state=? AND generation=?",
-            (EVICTED, ino, DURABLE, generation)))  # fmt: skip
+        """``durable`` → ``evicted`` (every name of the file) if ``generation`` is still the
+        durable one under each name; False otherwise."""
+        with self._transaction() as db:
+            undrained = db.execute(
+                "SELECT COUNT(*) FROM inodes WHERE (ino=? OR link_of=?) AND parent!=0 "
+                "AND NOT (state=? AND generation=? AND durable_generation=generation)",
+                (ino, ino, DURABLE, generation),
+            ).fetchone()[0]
+            if undrained:
+                return False
+            return bool(db.execute(
+                "UPDATE inodes SET state=?, local_bytes=0 WHERE (ino=? OR link_of=?) AND generation=?",
+                (EVICTED, ino, ino, generation)).rowcount)  # fmt: skip
 
     def finish_fetch(
         self,
@@ -475,15 +498,44 @@ class Journal:
         chunk_size: int | None = None,
     ) -> None:
         """A NOT_LOCAL file fetched whole: ``durable`` and local (with the manifest's digests, if any)."""
-        fields: dict[str, object] = {"state": DURABLE, "local_bytes": size, "updated": time.time()}
+        fields: dict[str, object] = {"state": DURABLE, "updated": time.time()}
         if digest is not None:
             fields.update(digest=digest, chunk_size=chunk_size, chunks=json.dumps(list(chunks or ())))
         assignments = ", ".join(f"{name}=?" for name in fields)
         marks, states = _marks(NOT_LOCAL)
+        # Every name of the file (hard links) holds the same bytes; the inode's own row counts them.
         self.execute(
-            f"UPDATE inodes SET {assignments}, durable_generation=generation WHERE ino=? AND state IN ({marks})",
-            (*fields.values(), ino, *states),
+            f"UPDATE inodes SET {assignments}, local_bytes=CASE WHEN ino=? THEN ? ELSE 0 END, "
+            f"durable_generation=generation WHERE (ino=? OR link_of=?) AND state IN ({marks})",
+            (*fields.values(), ino, size, ino, ino, *states),
         )
+
+    def fetch_row(self, ino: int) -> InodeRow | None:
+        """The row a fetch of ``ino`` reads: its own, with the key of a name that holds its
+        bytes when its own name is gone (a hard link outlived it; every name holds the same bytes)."""
+        row = self.inode(ino)
+        if row is None or row.remote_key:
+            return row
+        marks, states = _marks(DONE)
+        keys = self.query(
+            f"SELECT remote_key FROM inodes WHERE link_of=? AND parent!=0 AND remote_key IS NOT NULL "
+            f"AND state IN ({marks}) AND durable_generation=generation LIMIT 1",
+            (ino, *states),
+        )
+        if keys:
+            row.remote_key = str(keys[0][0])
+        return row
+
+    def state_row(self, ino: int) -> InodeRow | None:
+        """The row whose drain state stands for the file (``user.burstfs.*``): its own, or,
+        with hard links, that of the name least far along (the file is durable once every name is)."""
+        names = self.names_of(ino)
+        behind = [row for row in names if row.state not in DONE]
+        return behind[0] if behind else names[0] if names else self.inode(ino)
+
+    def names_of(self, ino: int) -> list[InodeRow]:
+        """The rows of every name ``ino`` has: its own (if still linked) and its hard links'."""
+        return self.inodes("WHERE (ino=? OR link_of=?) AND parent!=0 ORDER BY ino", (ino, ino))
 
     # -- restore listings --------------------------------------------------------------
 
@@ -797,9 +849,16 @@ def event_op(ino: int | None, event: str, detail: str = "") -> Op:
     return ("INSERT INTO events (time, ino, event, detail) VALUES (?, ?, ?, ?)", (time.time(), ino, event, detail))
 
 
+def update_file_op(ino: int, **fields: Any) -> Op:
+    """``update_inode_op`` for the rows of every name of the file (its hard links too):
+    what its bytes are (state, generation, digests) is the same under each name."""
+    assignments = ", ".join(f"{name}=?" for name in fields)
+    return (f"UPDATE inodes SET {assignments} WHERE ino=? OR link_of=?", (*fields.values(), ino, ino))
+
+
 def mark_writing_op(ino: int) -> Op:
-    """The first change after a close (invariant 2): ``writing`` until the next close."""
-    return update_inode_op(ino, state=WRITING, updated=time.time())
+    """The first change after a close (invariant 2): ``writing`` until the next close, under every name."""
+    return update_file_op(ino, state=WRITING, updated=time.time())
 
 
 def close_ops(
@@ -819,11 +878,12 @@ def close_ops(
     digests, or ``incomplete`` (with the reason) when it may lack bytes."""
     state = INCOMPLETE if incomplete else STAGED
     return [
-        update_inode_op(
+        update_file_op(
             ino, state=state, generation=generation, close_seq=close_seq, size=size, mtime_ns=mtime_ns,
             ctime_ns=ctime_ns, digest=digest, chunks=json.dumps(list(chunks)) if chunks is not None else None,
-            chunk_size=chunk_size, error=incomplete, attempts=0, updated=time.time(), local_bytes=size,
+            chunk_size=chunk_size, error=incomplete, attempts=0, updated=time.time(),
         ),  # fmt: skip
+        update_inode_op(ino, local_bytes=size),
         event_op(ino, "closed" if state == STAGED else "incomplete",
                  f"generation={generation} size={size} {incomplete or ''}".rstrip()),  # fmt: skip
     ]
@@ -833,15 +893,17 @@ def unchanged_close_op(ino: int) -> Op:
     """A file opened for writing and closed unchanged: back to the state it had (``durable``
     if the remote holds its generation, else ``staged``)."""
     return (
-        "UPDATE inodes SET state=CASE WHEN durable_generation=generation THEN ? ELSE ? END WHERE ino=? AND state=?",
-        (DURABLE, STAGED, ino, WRITING),
+        "UPDATE inodes SET state=CASE WHEN durable_generation=generation THEN ? ELSE ? END "
+        "WHERE (ino=? OR link_of=?) AND state=?",
+        (DURABLE, STAGED, ino, ino, WRITING),
     )
 
 
 def recovered_incomplete_ops(ino: int, size: int, error: str) -> list[Op]:
     """At start-up: a file the stopped daemon had open for writing is ``incomplete``."""
     return [
-        update_inode_op(ino, state=INCOMPLETE, size=size, error=error, local_bytes=size, updated=time.time()),
+        update_file_op(ino, state=INCOMPLETE, size=size, error=error, updated=time.time()),
+        update_inode_op(ino, local_bytes=size),
         event_op(ino, "incomplete", "open for writing at crash"),
     ]
 
@@ -853,6 +915,34 @@ def unlink_ops(ino: int, name: bytes, ctime_ns: int) -> list[Op]:
          "WHERE ino=? AND remote_key IS NOT NULL", (ino,)),
         update_inode_op(ino, parent=0, remote_key=None, ctime_ns=ctime_ns),
         event_op(ino, "unlink", os.fsdecode(name)),
+    ]  # fmt: skip
+
+
+def link_ops(row: int, ino: int, parent: int, name: bytes, ctime_ns: int) -> list[Op]:
+    """``ino`` gets another name (a hard link): row ``row`` in ``parent``, with no object yet.
+
+    The new name drains the file's current generation to its own key (``staged``),
+    unless the file is being written or incomplete: then it waits, like the others.
+    """
+    marks, states = _marks({WRITING, INCOMPLETE, META})
+    columns = [c for c in INODE_COLUMNS if c not in ("ino", "parent", "name", "remote_key", "durable_generation",
+                                                      "attempts", "local_bytes", "link_of", "state", "updated")]
+    return [
+        (f"INSERT INTO inodes (ino, parent, name, state, updated, link_of, {', '.join(columns)}) "
+         f"SELECT ?, ?, ?, CASE WHEN state IN ({marks}) THEN state ELSE ? END, ?, ino, {', '.join(columns)} "
+         "FROM inodes WHERE ino=?", (row, parent, name, *states, STAGED, time.time(), ino)),
+        update_inode_op(ino, ctime_ns=ctime_ns),
+        event_op(row, "link", f"{os.fsdecode(name)} of inode {ino}"),
+    ]  # fmt: skip
+
+
+def unlink_name_ops(row: int, name: bytes) -> list[Op]:
+    """A hard link's name goes: its row goes, its object (if any) is queued for deletion."""
+    return [
+        ("INSERT INTO remote_deletes (key, reason) SELECT remote_key, 'unlink' FROM inodes "
+         "WHERE ino=? AND remote_key IS NOT NULL", (row,)),
+        ("DELETE FROM inodes WHERE ino=? AND link_of IS NOT NULL", (row,)),
+        event_op(row, "unlink", os.fsdecode(name)),
     ]  # fmt: skip
 
 

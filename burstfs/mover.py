@@ -64,6 +64,9 @@ COALESCE_S = 0.005
 IDLE_RESCAN_S = 1.0
 # A halted drain (permanent error such as a missing bucket) re-probes the remote this often.
 HALT_PROBE_S = 15.0
+# A multipart upload whose abort failed is aborted again this often while nothing uploads
+# (not only at the next start: an unfinished upload holds storage on the remote).
+STALE_UPLOAD_RETRY_S = 30.0
 # Requeued files wait this long per failed attempt (capped), so a flapping remote is not hammered.
 REQUEUE_BACKOFF_S = 2.0
 REQUEUE_BACKOFF_MAX_S = 60.0
@@ -161,6 +164,7 @@ class Mover:
         self._mismatches: dict[tuple[int, int], int] = {}  # (ino, generation) -> checksum mismatches seen
         self._skip_delay = False
         self._next_prune = 0.0
+        self._next_stale_abort = 0.0
         # Relocation bookkeeping: a full scan at start (and now and then), otherwise
         # only the subtrees of renames journaled since `_rename_seq`.
         self._relocate_needed = True
@@ -268,6 +272,8 @@ class Mover:
                         continue
                 try:
                     await self.groups.step(self.remote)
+                    if not tasks:  # no upload in flight: every recorded one is left over
+                        await self._retry_stale_uploads()
                     await self._process_deletes()
                     self._prune_events()
                     await self._relocate_renamed()
@@ -339,6 +345,13 @@ class Mover:
             return
         if aborted:
             log.info("event=stale_uploads_aborted count=%d", aborted)
+
+    async def _retry_stale_uploads(self) -> None:
+        """Abort again the uploads whose abort failed (call only while none is in flight)."""
+        if time.monotonic() < self._next_stale_abort or not self.journal.own_uploads():
+            return
+        self._next_stale_abort = time.monotonic() + STALE_UPLOAD_RETRY_S
+        await self._abort_stale_uploads()
 
     def _prune_events(self) -> None:
         """Keep the event log bounded on long runs (status and `journal` read the recent end)."""
@@ -442,7 +455,7 @@ class Mover:
             digests = self._journaled_digests(row)
             assert self.store is not None
             manifest = await self.store.upload_file(
-                key, self.tier_paths.path(ino), digests, chunk_size=self.options.part_size, generation=generation,
+                key, self.tier_paths.path(row.data_ino), digests, chunk_size=self.options.part_size, generation=generation,
                 mtime_ns=row.mtime_ns, mode=row.mode, concurrency=self.options.concurrency,
                 compress=self.options.compress, cancel_check=lambda: self.journal.superseded(ino, generation),
             )  # fmt: skip
@@ -507,7 +520,7 @@ class Mover:
         if self.journal.superseded(row.ino, row.generation):
             return True
         try:
-            st = os.stat(self.tier_paths.path(row.ino))
+            st = os.stat(self.tier_paths.path(row.data_ino))
         except FileNotFoundError:
             return False
         if st.st_size == row.size and st.st_mtime_ns <= row.mtime_ns:

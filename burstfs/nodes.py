@@ -68,12 +68,18 @@ class Inode:
     direct: DirectIO | None = None  # passthrough state, from the first direct open on (burstfs/iopath.py)
     marking: trio.Event | None = None  # set while the `writing` record of a first change commits
     pending: int = 0  # namespace changes of this inode in flight (not destroyed meanwhile)
+    links: dict[int, tuple[int, bytes]] = dataclasses.field(default_factory=dict)  # hard links: row -> (parent, name)
 
     @property
     def nlink(self) -> int:
         if self.kind == "dir":
             return 2 + self.subdirs
-        return 1 if self.parent else 0
+        return (1 if self.parent else 0) + len(self.links)
+
+    @property
+    def named(self) -> bool:
+        """Has a name (its own or a hard link's): not unlinked."""
+        return bool(self.parent or self.links)
 
 
 @dataclasses.dataclass(slots=True, eq=False)

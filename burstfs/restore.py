@@ -219,7 +219,7 @@ class RestoreService:
             del self._opening[ino]
 
     async def _open(self, ino: int) -> _FileFetch:
-        row = await asyncio.to_thread(self.journal.inode, ino)
+        row = await asyncio.to_thread(self.journal.fetch_row, ino)
         if row is None or not row.remote_key:
             raise FsError(errno.EIO, f"inode {ino} has no remote object to fetch")
         manifest = await self.store.fetch_manifest(row.remote_key)

@@ -39,7 +39,7 @@ def check_local(cache_dir: Path, journal: Journal, row: InodeRow) -> Verdict:
         return "skipped", "open for writing"
     if not row.digest or not row.chunk_size:
         return "skipped", f"no digest recorded yet (state {row.state})"
-    digests = compute_digests(LocalTier(cache_dir).path(row.ino), row.chunk_size)
+    digests = compute_digests(LocalTier(cache_dir).path(row.data_ino), row.chunk_size)
     current = journal.inode(row.ino)
     if current is None or current.generation != row.generation:
         return "skipped", "changed while it was being verified"

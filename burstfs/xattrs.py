@@ -34,7 +34,7 @@ class ExtendedAttributes:
 
     async def reserved(self, inode: Inode, name: bytes) -> bytes:
         """``user.burstfs.*``: the file's drain state, read from the journal."""
-        row = await trio.to_thread.run_sync(self.journal.inode, inode.ino)
+        row = await trio.to_thread.run_sync(self.journal.state_row, inode.ino)  # hard links: least drained name
         if row is None or inode.kind != "file":
             raise FsError(errno.ENODATA)
         key = name[len(XATTR_RESERVED):].decode(errors="replace")

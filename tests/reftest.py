@@ -50,7 +50,7 @@ READ_CALLS = frozenset({"check", "get_object", "get_range", "head", "list_dir", 
                         "list_multipart_uploads", "is_temp_failure"})  # fmt: skip
 # The mover's waits, shortened so that a sequence of drains takes milliseconds.
 FAST_MOVER_TIMING = {"IDLE_RESCAN_S": 0.02, "REQUEUE_BACKOFF_S": 0.005, "REQUEUE_BACKOFF_MAX_S": 0.02,
-                     "HALT_PROBE_S": 0.02, "COALESCE_S": 0.001}  # fmt: skip
+                     "HALT_PROBE_S": 0.02, "COALESCE_S": 0.001, "STALE_UPLOAD_RETRY_S": 0.02}  # fmt: skip
 # Retries short enough that a few injected failures cost milliseconds.
 FAST_RETRY = RetryPolicy(attempts=4, base_delay=0.001, max_delay=0.005)
 
@@ -296,6 +296,12 @@ class Node:
         head, _, name = path.rpartition("/")
         return self.resolve(head), os.fsencode(name)
 
+    def name_row(self, path: str) -> int:
+        """The journal row of the name ``path``: its inode's own, or a hard link's (``link_of``)."""
+        parent, name = self.parent_and_name(path)
+        ((row,),) = self.rows("SELECT ino FROM inodes WHERE parent=? AND name=?", (parent, name))
+        return int(row)
+
     def rows(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         return self._reader.execute(sql, params).fetchall()
 
@@ -316,6 +322,8 @@ class Node:
             if not (state == "staged" and path in tolerated):
                 reasons.append(f"{state} {path} (ino {ino}, close_seq {seq}, error {error})")
         reasons += [f"delete {key} ({reason})" for key, reason in self.rows("SELECT key, reason FROM remote_deletes")]
+        reasons += [f"upload {key} ({upload_id}) not finished or aborted"
+                    for key, upload_id in self.rows("SELECT key, upload_id FROM uploads")]  # fmt: skip
         for ino, key in self.rows(
             "SELECT ino, remote_key FROM inodes WHERE kind='file' AND parent!=0 AND remote_key IS NOT NULL "
             "AND state IN ('durable','evicted')"

@@ -708,3 +708,80 @@ def test_digests_are_computed_as_written_and_journaled_at_close(tmp_path: Path) 
     assert (digest, chunk_size) == (expected.digest, 8 << 20)
     assert tuple(json.loads(chunks)) == expected.chunks and len(expected.chunks) == 3
     assert db_rows(tmp_path, "SELECT digest FROM inodes WHERE ino=?", (patched,))[0][0] is None
+
+
+def test_hard_links_share_one_inode_and_journal_a_row_per_name(tmp_path: Path) -> None:
+    """link(2): one inode, several names; each extra name is a journal row (``link_of``)
+    that drains on its own; a close restages every name; unlink of one name drops only
+    that name's row; the last name's unlink destroys the inode as before."""
+
+    async def body(core: BurstCore) -> int:
+        ino = await write_file(core, ROOT_INO, b"a", b"v1")
+        d = await core.mkdir(ROOT_INO, b"d", 0o755, UID, GID)
+        linked = await core.link(ino, d.ino, b"b")
+        assert linked.ino == ino and linked.nlink == 2
+        assert core.child(d.ino, b"b") is core.inode(ino)
+        with raises_errno(errno.EEXIST):
+            await core.link(ino, ROOT_INO, b"a")
+        with raises_errno(errno.EPERM):
+            await core.link(d.ino, ROOT_INO, b"dirlink")
+        # the new name is staged to drain the current generation; the first name is unchanged
+        rows = db_rows(tmp_path, "SELECT ino, parent, name, state, generation, link_of FROM inodes "
+                       "WHERE ino=? OR link_of=? ORDER BY ino", (ino, ino))  # fmt: skip
+        assert [(r[1], r[2], r[3], r[4], r[5]) for r in rows] == [
+            (ROOT_INO, b"a", STAGED, 1, None), (d.ino, b"b", STAGED, 1, ino)]  # fmt: skip
+        # a write through one name: every name is `writing`, then staged with the new generation
+        fh = await core.open(ino, os.O_WRONLY)
+        await core.write(fh, 0, b"v2")
+        assert {s for (s,) in db_rows(tmp_path, "SELECT state FROM inodes WHERE ino=? OR link_of=?",
+                                      (ino, ino))} == {WRITING}  # fmt: skip
+        await core.flush(fh)
+        await core.release(fh)
+        assert db_rows(tmp_path, "SELECT state, generation FROM inodes WHERE ino=? OR link_of=?",
+                       (ino, ino)) == [(STAGED, 2), (STAGED, 2)]  # fmt: skip
+        # unlink the first name: the inode lives on under its link, its own row keeps no name
+        await core.unlink(ROOT_INO, b"a")
+        assert core.inode(ino).nlink == 1 and await read_all(core, ino) == b"v2"
+        assert db_rows(tmp_path, "SELECT parent FROM inodes WHERE ino=?", (ino,)) == [(0,)]
+        # rename the link, and link it back under a third name
+        await core.rename(d.ino, b"b", ROOT_INO, b"c", 0)
+        await core.link(ino, ROOT_INO, b"e")
+        assert core.inode(ino).nlink == 2
+        core.forget(ino, core.inode(ino).lookups)
+        return ino
+
+    ino = run(tmp_path, body)
+
+    async def after_restart(core: BurstCore) -> None:
+        inode = core.inode(ino)
+        assert inode.nlink == 2 and core.child(ROOT_INO, b"c") is inode and core.child(ROOT_INO, b"e") is inode
+        assert await read_all(core, ino) == b"v2"
+        await core.unlink(ROOT_INO, b"c")
+        await core.unlink(ROOT_INO, b"e")
+        assert ino not in core.inodes and not core.tier.path(ino).exists()
+
+    run(tmp_path, after_restart)
+
+    async def nothing(core: BurstCore) -> None:
+        return None
+
+    run(tmp_path, nothing)  # start-up drops what is left of an inode without names
+    assert db_rows(tmp_path, "SELECT COUNT(*) FROM inodes WHERE ino=? OR link_of=?", (ino, ino)) == [(0,)]
+
+
+def test_rename_over_a_hard_link_and_between_names_of_one_file(tmp_path: Path) -> None:
+    async def body(core: BurstCore) -> None:
+        ino = await write_file(core, ROOT_INO, b"a", b"shared")
+        await core.link(ino, ROOT_INO, b"b")
+        other = await write_file(core, ROOT_INO, b"x", b"other")
+        await core.rename(ROOT_INO, b"a", ROOT_INO, b"b", 0)  # two names of one file: nothing happens
+        assert core.inode(ino).nlink == 2 and set(core.inode(ROOT_INO).children) == {b"a", b"b", b"x"}
+        await core.rename(ROOT_INO, b"x", ROOT_INO, b"b", 0)  # replaces the link name only
+        assert core.inode(ino).nlink == 1 and core.child(ROOT_INO, b"b").ino == other
+        assert await read_all(core, ino) == b"shared"
+        # the replaced name's row is gone; the file's own row still names it
+        assert db_rows(tmp_path, "SELECT name FROM inodes WHERE link_of=?", (ino,)) == []
+        assert db_rows(tmp_path, "SELECT parent, name FROM inodes WHERE ino=?", (ino,)) == [(ROOT_INO, b"a")]
+
+    run(tmp_path, body)
+

@@ -59,6 +59,26 @@ def test_changed_file_drains_again_and_rename_unlink_follow(remote_mount: Mounte
     wait_for(lambda: not {"b.bin", ".burstfs/manifests/b.bin.json"} & remote.keys(), what="delete")
 
 
+def test_each_name_of_a_hard_linked_file_drains_as_its_own_object(remote_mount: MountedFS, remote: RemoteTarget) -> None:
+    content = os.urandom(11 << 20)  # multipart on S3 (--part-size 5M)
+    (remote_mount.path / "run").mkdir()
+    (remote_mount.path / "run" / "model.pt").write_bytes(content)
+    os.link(remote_mount.path / "run" / "model.pt", remote_mount.path / "latest.pt")
+    wait_for(lambda: remote.read("run/model.pt") == content and remote.read("latest.pt") == content, what="both names")
+    manifests = [json.loads(remote.read(f".burstfs/manifests/{key}.json") or b"{}") for key in ("run/model.pt", "latest.pt")]
+    assert manifests[0]["digest"] == manifests[1]["digest"]
+    with open(remote_mount.path / "latest.pt", "r+b") as f:  # a change through one name drains under both
+        f.write(b"changed")
+    changed = b"changed" + content[7:]
+    wait_for(lambda: remote.read("run/model.pt") == changed and remote.read("latest.pt") == changed, what="new version")
+    os.rename(remote_mount.path / "latest.pt", remote_mount.path / "best.pt")  # moves that name's object only
+    wait_for(lambda: remote.read("best.pt") == changed and remote.read("latest.pt") is None, what="rename")
+    os.unlink(remote_mount.path / "run" / "model.pt")  # deletes that name's object only
+    wait_for(lambda: remote.read("run/model.pt") is None, what="unlink")
+    assert remote.read("best.pt") == changed and (remote_mount.path / "best.pt").read_bytes() == changed
+    assert remote.multipart_uploads() == []
+
+
 def test_atomic_replace_of_a_durable_file(remote_mount: MountedFS, remote: RemoteTarget) -> None:
     target = remote_mount.path / "model.pt"
     target.write_bytes(b"old" * 100)

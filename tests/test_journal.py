@@ -32,8 +32,10 @@ from burstfs.journal import (
     Journal,
     close_ops,
     insert_inode_op,
+    link_ops,
     mark_writing_op,
     unchanged_close_op,
+    unlink_name_ops,
     unlink_ops,
     update_inode_op,
 )
@@ -339,6 +341,54 @@ def test_finish_fetch_only_for_files_not_local(journal: Journal, tree: Tree) -> 
     journal.apply([update_inode_op(listed, state=REMOTE)])
     journal.finish_fetch(listed, 5)
     assert tree.state(listed) in DONE and tree.state(listed) == DURABLE
+
+
+# -- hard links: a row per extra name, its own key (invariant 6), evicted together (7) -------
+
+
+def test_a_hard_link_drains_its_own_key_and_the_file_evicts_only_when_every_name_is_durable(
+    journal: Journal, tree: Tree
+) -> None:
+    d = tree.mkdir("d")
+    ino, generation = tree.write_file("a")
+    link = 100
+    journal.apply(link_ops(link, ino, d, b"b", 1))
+    row = journal.inode(link)
+    assert row is not None and (row.state, row.generation, row.link_of, row.data_ino) == (STAGED, generation, ino, ino)
+    assert tree.durable(ino, generation) == "a"
+    assert journal.evictable() == [] and not journal.evict(ino, generation)  # d/b is not on the remote yet
+    assert tree.durable(link, generation) == "d/b"
+    assert [i for i, _ in journal.evictable()] == [ino]
+    # the first name goes: its object is queued, the file lives on under d/b and is fetched from there
+    journal.apply(unlink_ops(ino, b"a", 1))
+    assert [key for _, key, _ in journal.pending_deletes(10)] == ["a"]
+    assert journal.evict(ino, generation)
+    assert {r.state for r in journal.inodes("WHERE ino=? OR link_of=?", (ino, ino))} == {EVICTED}
+    fetch = journal.fetch_row(ino)
+    assert fetch is not None and fetch.remote_key == "d/b"
+    journal.finish_fetch(ino, 10)
+    assert [(r.ino, r.state, r.local_bytes) for r in journal.inodes("WHERE ino=? OR link_of=?", (ino, ino))] == [
+        (ino, DURABLE, 10), (link, DURABLE, 0)]  # fmt: skip
+    # a write marks every name writing; the close stages every name with the new generation
+    journal.apply([mark_writing_op(ino)])
+    assert journal.state_row(ino).state == WRITING  # type: ignore[union-attr]
+    assert journal.superseded(link, generation)
+    generation = tree.close(ino)
+    assert [r.ino for r in journal.names_of(ino)] == [link] and tree.state(link) == STAGED
+    assert journal.inode(link).generation == generation  # type: ignore[union-attr]
+    # unlink of the link name: its row goes, its object is queued for deletion
+    journal.apply(unlink_name_ops(link, b"b"))
+    assert journal.inode(link) is None and journal.names_of(ino) == []
+    assert [key for _, key, _ in journal.pending_deletes(10)] == ["a", "d/b"]
+
+
+def test_a_link_of_a_file_being_written_waits_like_its_other_names(journal: Journal, tree: Tree) -> None:
+    ino, _ = tree.write_file("a")
+    journal.apply([mark_writing_op(ino)])
+    journal.apply(link_ops(100, ino, ROOT_INO, b"b", 1))
+    assert tree.state(100) == WRITING
+    journal.apply([unchanged_close_op(ino)])  # closed unchanged: a name never drained is staged
+    assert (tree.state(ino), tree.state(100)) == (STAGED, STAGED)
 
 
 # -- status queries ------------------------------------------------------------------------

@@ -277,6 +277,8 @@ class BurstfsModel(RuleBasedStateMachine):
         sp, sn = self.node.parent_and_name(src)
         dp, dn = self.node.parent_and_name(dst)
         self.call("rename", sp, sn, dp, dn, 0)
+        if src in self.files and self.files.get(dst) == self.files[src]:
+            return  # two names of one file (a hard link): rename(2) does nothing
         if dst in self.files:
             del self.files[dst]
         self.dirs.discard(dst)
@@ -290,6 +292,26 @@ class BurstfsModel(RuleBasedStateMachine):
         parent, name = self.node.parent_and_name(path)
         self.call("unlink", parent, name)
         del self.files[path]
+
+    @rule(index=st.integers(0, 63), dst=st.sampled_from(PATHS))
+    def link(self, index: int, dst: str) -> None:
+        """A hard link: one more name of an existing file (the ``index``-th), drained as its own object."""
+        dst = file_path(dst)
+        if not self.files or dst in self.files or dst in self.dirs or not self.parent_exists(dst):
+            return
+        src = sorted(self.files)[index % len(self.files)]
+        ino = self.files[src]
+        parent, name = self.node.parent_and_name(dst)
+        self.call("link", ino, parent, name)
+        self.call("forget", ino, 1)
+        self.files[dst] = ino
+
+    @rule(index=st.integers(0, 63))
+    def unlink_a_link(self, index: int) -> None:
+        """Unlink one name of a file that has several (its other names and objects stay)."""
+        names = sorted(p for p, ino in self.files.items() if list(self.files.values()).count(ino) > 1)
+        if names:
+            self.unlink(names[index % len(names)])
 
     @rule(d=st.sampled_from(DIRS))
     def rmdir(self, d: str) -> None:
@@ -351,7 +373,7 @@ class BurstfsModel(RuleBasedStateMachine):
         if self.drain_step() == "crashed":
             self.restart()
 
-    @rule(at=st.integers(1, 6), op=st.sampled_from(("rename", "unlink", "rewrite", "rename_dir")),
+    @rule(at=st.integers(1, 6), op=st.sampled_from(("rename", "unlink", "rewrite", "rename_dir", "link")),
           src=st.sampled_from(PATHS), dst=st.sampled_from(PATHS + DIRS), seed=st.integers(0, 3))  # fmt: skip
     def drain_with_interleaving(self, at: int, op: str, src: str, dst: str, seed: int) -> None:
         """An operation lands while the ``at``-th remote change of this drain is in flight,
@@ -367,6 +389,8 @@ class BurstfsModel(RuleBasedStateMachine):
                     self.rename(src.split("/")[0] or "a", dst.split("/")[0] or "c")
                 elif op == "unlink":
                     self.unlink(src)
+                elif op == "link":
+                    self.link(seed, dst)
                 else:
                     self.write_file(src, seed, 70000, 1)
                     self.write_file(dst if dst not in DIRS else src, seed + 1, 100, 1)
@@ -430,9 +454,9 @@ class BurstfsModel(RuleBasedStateMachine):
         path = file_path(path)
         if path not in self.files:
             return
-        ino = self.files[path]
+        ino, row = self.files[path], self.node.name_row(path)
         rows = self.node.rows("SELECT remote_key FROM inodes WHERE ino=? AND state IN ('durable','evicted') "
-                              "AND durable_generation=generation", (ino,))  # fmt: skip
+                              "AND durable_generation=generation", (row,))  # fmt: skip
         if not rows or rows[0][0] is None:
             return
         data = bytearray(self.side.get(rows[0][0]) or b"")
@@ -550,7 +574,7 @@ class BurstfsModel(RuleBasedStateMachine):
     def journal_states_match(self) -> None:
         for path, ino in self.files.items():
             model = self.data[ino]
-            (state,) = self.node.rows("SELECT state FROM inodes WHERE ino=?", (ino,))[0]
+            (state,) = self.node.rows("SELECT state FROM inodes WHERE ino=?", (self.node.name_row(path),))[0]
             held = any(h_ino == ino for _, h_ino in self.held)
             if held and (model.dirty or model.unclosed):
                 assert state == "writing", (path, state)
@@ -562,7 +586,7 @@ class BurstfsModel(RuleBasedStateMachine):
     @invariant()
     def durable_rows_have_their_objects(self) -> None:
         for ino, key, digest in self.node.rows(
-            "SELECT ino, remote_key, digest FROM inodes WHERE kind='file' AND parent!=0 "
+            "SELECT COALESCE(link_of, ino), remote_key, digest FROM inodes WHERE kind='file' AND parent!=0 "
             "AND state IN ('durable','evicted') AND durable_generation=generation"
         ):
             assert key is not None, ino

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import MountedFS
+from conftest import BIN, MountedFS, wait_for
 
 pytestmark = pytest.mark.fuse
 
@@ -570,12 +570,46 @@ def test_many_processes_write_different_files(burst: MountedFS) -> None:
 # -- requests the file system refuses ----------------------------------------------------
 
 
-def test_hard_links_refused(burst: MountedFS) -> None:
-    (burst.path / "a").write_bytes(b"a")
+def test_hard_links(burst: MountedFS) -> None:
+    """link(2): one inode under several names, written through one and read through the
+    others; each name drains as its own object with the same bytes; a kill -9 keeps
+    every name; an evicted linked file reads back through any name."""
+    a, b = burst.path / "a", burst.path / "b"
+    a.write_bytes(b"first")
+    os.link(a, b)
+    assert os.stat(a).st_nlink == os.stat(b).st_nlink == 2 and os.stat(a).st_ino == os.stat(b).st_ino
+    with open(a, "r+b") as f:  # a change through one name is seen through the other
+        f.write(b"FIRST, then more")
+    assert b.read_bytes() == b"FIRST, then more"
+    (burst.path / "d").mkdir()
+    os.link(b, burst.path / "d" / "c")  # into another directory
+    assert os.stat(b).st_nlink == 3
     with oserror(errno.EPERM):
-        os.link(burst.path / "a", burst.path / "b")
-    assert os.listdir(burst.path) == ["a"]
-    assert os.stat(burst.path / "a").st_nlink == 1
+        os.link(burst.path / "d", burst.path / "dlink")  # directories cannot be linked
+    with oserror(errno.EEXIST):
+        os.link(a, b)
+    os.unlink(a)  # the other names keep the file
+    assert os.stat(b).st_nlink == 2 and b.read_bytes() == b"FIRST, then more"
+    (burst.path / "x").write_bytes(b"other")
+    os.rename(burst.path / "x", b)  # replaces one name of the linked file only
+    assert b.read_bytes() == b"other" and os.stat(burst.path / "d" / "c").st_nlink == 1
+    os.link(burst.path / "d" / "c", a)
+    _wait_state(a, (b"durable",))
+    assert (burst.remote_dir / "a").read_bytes() == (burst.remote_dir / "d" / "c").read_bytes() == b"FIRST, then more"
+    assert (burst.remote_dir / "b").read_bytes() == b"other"
+    burst.kill()  # kill -9 and remount: both names, the link count, the bytes
+    burst.mount()
+    assert os.stat(a).st_nlink == os.stat(burst.path / "d" / "c").st_nlink == 2
+    assert os.stat(a).st_ino == os.stat(burst.path / "d" / "c").st_ino
+    assert sorted(os.listdir(burst.path)) == ["a", "b", "d"]
+    subprocess.run([str(BIN / "burstfs-admin"), "evict", str(a)], check=True, capture_output=True, timeout=60)
+    assert os.getxattr(a, "user.burstfs.state") == b"evicted"
+    assert (burst.path / "d" / "c").read_bytes() == b"FIRST, then more"  # fetched back
+    assert a.read_bytes() == b"FIRST, then more"
+    os.unlink(burst.path / "d" / "c")  # one name's object goes, the other's stays
+    assert os.stat(a).st_nlink == 1
+    wait_for(lambda: not (burst.remote_dir / "d" / "c").exists(), what="delete of d/c")
+    assert (burst.remote_dir / "a").read_bytes() == b"FIRST, then more"
 
 
 def test_fifos_and_sockets_are_local_only_nodes_devices_refused(burst: MountedFS) -> None:

@@ -265,7 +265,7 @@ class FakeJournal:
         self.rows[ino] = types.SimpleNamespace(ino=ino, remote_key=key, size=size, digest=digest, chunk_size=chunk_size,
                                                chunks=json.dumps(chunks) if chunks is not None else None)  # fmt: skip
 
-    def inode(self, ino: int) -> types.SimpleNamespace | None:
+    def fetch_row(self, ino: int) -> types.SimpleNamespace | None:
         return self.rows.get(ino)
 
     def finish_fetch(self, ino: int, size: int, **digests: Any) -> None:
