@@ -18,6 +18,16 @@
  * server clears setuid/setgid bits itself (burstfs never stores them on files)
  * and lets it mark inodes S_NOSEC: without it every write(2) first sends a
  * GETXATTR of security.capability to the daemon.
+ *
+ * fallocate(2): pyfuse3 3.5 has no FALLOCATE handler (libfuse answers ENOSYS
+ * and the kernel then refuses every later fallocate with EOPNOTSUPP).  Once
+ * enable_fallocate(token) was called, the read hook turns a FALLOCATE request
+ * into a SETXATTR request of the reserved name "burstfs.fallocate" on the same
+ * inode, whose value carries a 16-byte token and the request's fh, offset,
+ * length and mode: pyfuse3 hands it to the daemon's setxattr on the request
+ * loop, in order with the file's other requests, and the daemon's reply (a bare
+ * error code) is exactly what FALLOCATE expects.  The token is random per
+ * daemon, so a setxattr(2) from a user can never pass for a fallocate.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -35,6 +45,8 @@
 
 /* Kernel protocol (include/uapi/linux/fuse.h), stable ABI. */
 #define OP_OPEN 14
+#define OP_SETXATTR 21
+#define OP_FALLOCATE 43
 #define OP_INIT 26
 #define OP_CREATE 35
 #define INIT_EXT (1u << 30)
@@ -71,6 +83,16 @@ struct open_out {
     int32_t backing_id;
 };
 #define ENTRY_OUT_SIZE 128
+struct fallocate_in {
+    uint64_t fh, offset, length;
+    uint32_t mode, padding;
+};
+/* FUSE_COMPAT_SETXATTR_IN_SIZE: pyfuse3 does not ask for FUSE_SETXATTR_EXT. */
+struct setxattr_in {
+    uint32_t size, flags;
+};
+#define FALLOCATE_TOKEN_SIZE 16
+static const char fallocate_name[] = "burstfs.fallocate";
 
 #define MAX_PENDING 4096
 
@@ -82,6 +104,8 @@ static int hooked_fd = -1;      /* /dev/fuse of the session we hooked */
 static int kernel_offers;       /* INIT request advertised FUSE_PASSTHROUGH */
 static int negotiated;          /* our INIT reply enabled it */
 static uint64_t init_unique;
+static int fallocate_enabled;
+static unsigned char fallocate_token[FALLOCATE_TOKEN_SIZE];
 
 /* OPEN/CREATE requests awaiting a reply: unique -> opcode. */
 static struct { uint64_t unique; uint32_t opcode; } pending_ops[MAX_PENDING];
@@ -113,12 +137,43 @@ static int32_t take_attached(uint64_t fh) {
     return 0;
 }
 
+/* Rewrite a FALLOCATE request in buf (res bytes) into the SETXATTR described above;
+ * returns its new length, or res if it stays as it is. */
+static ssize_t fallocate_as_setxattr(void *buf, size_t cap, ssize_t res) {
+    struct in_header *in = buf;
+    struct fallocate_in request;
+    size_t value_size = FALLOCATE_TOKEN_SIZE + sizeof request;
+    size_t total = sizeof *in + sizeof(struct setxattr_in) + sizeof fallocate_name + value_size;
+    if (res < (ssize_t)(sizeof *in + sizeof request) || total > cap)
+        return res;
+    memcpy(&request, (char *)buf + sizeof *in, sizeof request);
+    char *at = (char *)buf + sizeof *in;
+    struct setxattr_in header = {.size = (uint32_t)value_size, .flags = 0};
+    memcpy(at, &header, sizeof header);
+    at += sizeof header;
+    memcpy(at, fallocate_name, sizeof fallocate_name);
+    at += sizeof fallocate_name;
+    memcpy(at, fallocate_token, FALLOCATE_TOKEN_SIZE);
+    memcpy(at + FALLOCATE_TOKEN_SIZE, &request, sizeof request);
+    in->opcode = OP_SETXATTR;
+    in->len = (uint32_t)total;
+    in->total_extlen = 0;
+    return (ssize_t)total;
+}
+
 static ssize_t hook_read(int fd, void *buf, size_t len, void *userdata) {
     (void)userdata;
     ssize_t res = read(fd, buf, len);
     if (res < (ssize_t)sizeof(struct in_header))
         return res;
     int saved = errno;
+    if (((struct in_header *)buf)->opcode == OP_FALLOCATE) {
+        pthread_mutex_lock(&lock);
+        int enabled = fallocate_enabled;
+        pthread_mutex_unlock(&lock);
+        errno = saved;
+        return enabled ? fallocate_as_setxattr(buf, len, res) : res;
+    }
     const struct in_header *in = buf;
     pthread_mutex_lock(&lock);
     if (in->opcode == OP_INIT && res >= (ssize_t)(sizeof *in + sizeof(struct init_in))) {
@@ -263,11 +318,30 @@ static PyObject *py_attach(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_enable_fallocate(PyObject *self, PyObject *args) {
+    Py_buffer token;
+    if (!PyArg_ParseTuple(args, "y*", &token))
+        return NULL;
+    if (token.len != FALLOCATE_TOKEN_SIZE) {
+        PyBuffer_Release(&token);
+        PyErr_SetString(PyExc_ValueError, "the fallocate token must be 16 bytes");
+        return NULL;
+    }
+    pthread_mutex_lock(&lock);
+    memcpy(fallocate_token, token.buf, FALLOCATE_TOKEN_SIZE);
+    fallocate_enabled = 1;
+    pthread_mutex_unlock(&lock);
+    PyBuffer_Release(&token);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"request", py_request, METH_VARARGS,
      "request(max_stack_depth, nosec): at INIT ask for passthrough (depth 0: do not) and HANDLE_KILLPRIV_V2."},
     {"state", py_state, METH_NOARGS, "state() -> {fuse_fd, kernel_offers}."},
     {"attach", py_attach, METH_VARARGS, "attach(fh, backing_id): the reply to this open passes through."},
+    {"enable_fallocate", py_enable_fallocate, METH_VARARGS,
+     "enable_fallocate(token): FALLOCATE requests reach setxattr as 'burstfs.fallocate' (token + request)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import trio
 
-from . import hardlinks
+from . import fallocate, hardlinks
 from .capacity import StatFs, TierCapacity
 from .committer import GroupCommitter
 from .config import TierOptions
@@ -890,6 +890,41 @@ class BurstCore:
         inode.last_access = time.monotonic()
         inode.mtime_ns = inode.ctime_ns = _now_ns()
         return written
+
+    async def fallocate(self, fh: int, offset: int, length: int, mode: int) -> None:
+        """fallocate(2): the default mode and ``FALLOC_FL_KEEP_SIZE`` (see ``burstfs.fallocate``).
+
+        The range is claimed like a write first (capacity counts allocated bytes),
+        and growth of the size is a change: journaled ``writing`` before it lands
+        (invariant 2), published by the next close.  Allocation alone changes no
+        byte, so it journals nothing.
+        """
+        handle = self.handles.get(fh)
+        if handle is None or not handle.writable:
+            raise FsError(errno.EBADF)
+        if mode & ~fallocate.FALLOC_FL_KEEP_SIZE:
+            raise FsError(errno.EOPNOTSUPP, "only the default mode and FALLOC_FL_KEEP_SIZE are supported")
+        if offset < 0 or length <= 0:
+            raise FsError(errno.EINVAL)
+        inode = handle.inode
+        self._adopt_direct_writes(inode)
+        await self._ensure_local(inode)
+        end = offset + length
+        grows = not mode & fallocate.FALLOC_FL_KEEP_SIZE and end > inode.size
+        if grows and (not inode.dirty or inode.marking is not None):
+            await self._mark_writing(inode)
+        fd = self.tier.fd(inode.ino)
+        assert fd is not None
+        await self.capacity.claim_write(inode, fd, offset, end)
+        await trio.to_thread.run_sync(fallocate.allocate, fd, mode, offset, length)
+        if grows and end > inode.size:
+            inode.size = end
+            inode.mtime_ns = inode.ctime_ns = _now_ns()
+            if inode.direct is not None:
+                inode.direct.reopened_clean = False
+            if inode.digests is not None:
+                inode.digests = None  # zeros nobody wrote: the drain hashes the staged bytes
+        inode.last_access = time.monotonic()
 
     def _close_ops(self, inode: Inode, undo: Undo) -> list[Op]:
         """Journal a changed file as closed: a new generation, queued to drain.

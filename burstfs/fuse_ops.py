@@ -20,8 +20,9 @@ from . import passthrough  # noqa: I001 (before pyfuse3: the shim interposes fus
 
 import pyfuse3
 
+from . import fallocate
 from .core import BurstCore, Inode
-from .errors import BurstfsError, to_errno
+from .errors import BurstfsError, FsError, to_errno
 
 log = logging.getLogger("burstfs.fuse")
 
@@ -251,6 +252,13 @@ class BurstOperations(pyfuse3.Operations):
 
     @_errors_to_fuse
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
+        if name == fallocate.XATTR_NAME:  # a FALLOCATE request, forwarded by the passthrough shim
+            request = fallocate.parse_request(value)
+            if request is None:
+                raise FsError(errno.EPERM, "burstfs.fallocate is reserved")  # a user's setxattr of it
+            fh, offset, length, mode = request
+            await self.core.fallocate(fh, offset, length, mode)
+            return
         await self.core.setxattr(inode, name, value)
 
     @_errors_to_fuse

@@ -14,10 +14,15 @@ from __future__ import annotations
 import errno
 import fcntl
 import importlib
+import logging
 import os
 import struct
 import sys
 from types import ModuleType
+
+from . import fallocate
+
+log = logging.getLogger("burstfs.passthrough")
 
 # _IOW(229, 1, struct fuse_backing_map) and _IOW(229, 2, uint32_t), include/uapi/linux/fuse.h
 _BACKING_OPEN = 0x4010E501
@@ -67,9 +72,15 @@ def unavailable_reason() -> str:
 def request(enabled: bool) -> None:
     """What to ask for in the INIT reply of the next mount (call before ``pyfuse3.init``):
     passthrough if ``enabled``, and always FUSE_HANDLE_KILLPRIV_V2 (see ``_passthrough.c``;
-    the core keeps no setuid/setgid bits on files, so there is never a privilege to kill)."""
+    the core keeps no setuid/setgid bits on files, so there is never a privilege to kill).
+    FALLOCATE requests reach the daemon on either data path (``burstfs.fallocate``), unless
+    the shim was built before it could forward them (then fallocate(2) stays EOPNOTSUPP)."""
     if _shim is not None:
         _shim.request(MAX_STACK_DEPTH if enabled else 0, True)
+        if hasattr(_shim, "enable_fallocate"):
+            _shim.enable_fallocate(fallocate.TOKEN)
+        else:
+            log.warning("event=fallocate state=off reason=the passthrough shim predates it: rebuild it")
 
 
 def kernel_offers() -> bool:

@@ -785,3 +785,27 @@ def test_rename_over_a_hard_link_and_between_names_of_one_file(tmp_path: Path) -
 
     run(tmp_path, body)
 
+
+def test_fallocate_default_mode_grows_after_journaling_writing_and_keep_size_only_allocates(tmp_path: Path) -> None:
+    async def body(core: BurstCore) -> None:
+        ino = await write_file(core, ROOT_INO, b"f", b"head")
+        fh = await core.open(ino, os.O_RDWR)
+        await core.fallocate(fh, 0, 1 << 20, 1)  # FALLOC_FL_KEEP_SIZE: nothing visible changes
+        assert core.inode(ino).size == 4
+        assert db_rows(tmp_path, "SELECT state FROM inodes WHERE ino=?", (ino,)) == [(STAGED,)]
+        await core.fallocate(fh, 0, 8192, 0)
+        assert core.inode(ino).size == 8192 and await core.read(fh, 0, 8) == b"head\0\0\0\0"
+        assert db_rows(tmp_path, "SELECT state FROM inodes WHERE ino=?", (ino,)) == [(WRITING,)]
+        with raises_errno(errno.EOPNOTSUPP):
+            await core.fallocate(fh, 0, 4096, 3)  # punch hole
+        with raises_errno(errno.ENOSPC):  # 2 MiB limit, 1 s wait: more than fits
+            await core.fallocate(fh, 0, 4 << 20, 0)
+        await core.flush(fh)
+        await core.release(fh)
+        assert db_rows(tmp_path, "SELECT state, size FROM inodes WHERE ino=?", (ino,)) == [(STAGED, 8192)]
+        ro = await core.open(ino, os.O_RDONLY)
+        with raises_errno(errno.EBADF):
+            await core.fallocate(ro, 0, 4096, 0)
+        await core.release(ro)
+
+    run(tmp_path, body, TierOptions(cache_size=2 << 20, evict="none", full_timeout=1.0))

@@ -8,6 +8,7 @@ without taking the daemon down.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import mmap
@@ -469,6 +470,76 @@ def test_sparse_growth_counts_allocated_bytes_not_logical_size(mounted_factory: 
         _wait_state(fs.path / name, (b"durable",))
         assert (fs.remote_dir / name).stat().st_size == size, name
     assert (fs.remote_dir / "sparse.bin").read_bytes()[:8] == b"head\0\0\0\0"
+
+
+def _raw_fallocate(fd: int, mode: int, offset: int, length: int) -> None:
+    """fallocate(2) itself: glibc's posix_fallocate writes zeros when the file system
+    refuses fallocate, so only the raw call shows that the mount answers it."""
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    if libc.fallocate(fd, mode, offset, length) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def test_fallocate_default_mode_and_keep_size(burst: MountedFS) -> None:
+    """fallocate(2) reaches the daemon on both data paths (the passthrough shim forwards
+    FALLOCATE, which pyfuse3 does not handle); the growth is a change that drains."""
+    p = burst.path / "prealloc.bin"
+    fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        os.write(fd, b"head")
+        if "event=fallocate state=off" in burst.log_text():
+            pytest.fail("burstfs/_passthrough*.so was built before fallocate support: rebuild it")
+        _raw_fallocate(fd, 0, 0, 3 << 20)  # the default mode extends the file
+        assert os.fstat(fd).st_size == p.stat().st_size == 3 << 20
+        _raw_fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, 8 << 20)  # allocates, the size stays
+        assert os.fstat(fd).st_size == 3 << 20
+        with oserror(errno.EOPNOTSUPP):  # punch hole, zero range, collapse: not supported
+            _raw_fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4096)
+        _raw_fallocate(fd, 0, 4 << 20, 1 << 20)  # a refused mode does not turn fallocate off
+        os.posix_fallocate(fd, 0, 6 << 20)
+        assert os.fstat(fd).st_size == 6 << 20
+        assert os.pread(fd, 8, 0) == b"head\0\0\0\0"
+    finally:
+        os.close(fd)
+    _wait_state(p, (b"durable",))
+    assert (burst.remote_dir / "prealloc.bin").read_bytes() == b"head" + bytes((6 << 20) - 4)
+    with oserror(errno.EPERM):  # the name the shim uses cannot be set by hand
+        os.setxattr(p, "burstfs.fallocate", b"x" * 48)
+
+
+def test_fallocate_claims_tier_space_and_journals_growth_first(mounted_factory: type[MountedFS]) -> None:
+    """fallocate counts against --cache-size like a write (ENOSPC past the limit), and
+    growing a closed file is journaled `writing` before it lands: a kill -9 leaves it
+    `incomplete`, never drained as if finished."""
+    fs = mounted_factory(extra_args=("--cache-size", "4M", "--evict", "none", "--full-timeout", "1"))  # type: ignore[call-arg]
+    fs.mount()
+    fd = os.open(fs.path / "big.bin", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        with oserror(errno.ENOSPC):
+            _raw_fallocate(fd, 0, 0, 8 << 20)
+        _raw_fallocate(fd, 0, 0, 1 << 20)  # what fits still does
+    finally:
+        os.close(fd)
+    grown = fs.path / "grown.bin"
+    grown.write_bytes(b"closed")
+    _wait_state(grown, (b"durable",))
+    fd = os.open(grown, os.O_RDWR)
+    _raw_fallocate(fd, 0, 0, 1 << 20)
+    assert os.getxattr(grown, "user.burstfs.state") == b"writing"
+    fs.kill()
+    with contextlib.suppress(OSError):  # the mount died under it
+        os.close(fd)
+    fs.mount()
+    assert os.getxattr(grown, "user.burstfs.state") == b"incomplete"
+    assert (fs.remote_dir / "grown.bin").read_bytes() == b"closed"
 
 
 # -- extended attributes, statfs, mmap ------------------------------------------------
