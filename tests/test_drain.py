@@ -64,7 +64,8 @@ def test_each_name_of_a_hard_linked_file_drains_as_its_own_object(remote_mount: 
     (remote_mount.path / "run").mkdir()
     (remote_mount.path / "run" / "model.pt").write_bytes(content)
     os.link(remote_mount.path / "run" / "model.pt", remote_mount.path / "latest.pt")
-    wait_for(lambda: remote.read("run/model.pt") == content and remote.read("latest.pt") == content, what="both names")
+    wait_for(lambda: durable(remote_mount, "model.pt", "latest.pt"), what="both names")  # objects, then manifests
+    assert remote.read("run/model.pt") == remote.read("latest.pt") == content
     manifests = [json.loads(remote.read(f".burstfs/manifests/{key}.json") or b"{}") for key in ("run/model.pt", "latest.pt")]
     assert manifests[0]["digest"] == manifests[1]["digest"]
     with open(remote_mount.path / "latest.pt", "r+b") as f:  # a change through one name drains under both
