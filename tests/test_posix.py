@@ -667,6 +667,8 @@ def test_hard_links(burst: MountedFS) -> None:
     os.link(burst.path / "d" / "c", a)
     _wait_state(a, (b"durable",))
     assert (burst.remote_dir / "a").read_bytes() == (burst.remote_dir / "d" / "c").read_bytes() == b"FIRST, then more"
+    # x drained (or is draining) at its old name and moves to b: wait for the move
+    wait_for(lambda: (burst.remote_dir / "b").is_file() and not (burst.remote_dir / "x").exists(), what="x -> b")
     assert (burst.remote_dir / "b").read_bytes() == b"other"
     burst.kill()  # kill -9 and remount: both names, the link count, the bytes
     burst.mount()
