@@ -1,0 +1,426 @@
+"""burstfs beside the peers a user would pick otherwise, on ONE moto server in ONE run.
+
+Contenders (each in its own prefix of one bucket):
+  - ``reference``: boto3 ``upload_file`` / ``download_file`` with 8 threads and 8 MiB parts
+    (``torch.save`` / ``torch.load`` through a plain tmpfs directory);
+  - ``burstfs``: the default mount (FUSE passthrough where the kernel has it) and ``--no-passthrough``;
+  - ``rclone writes`` / ``rclone full``: ``rclone mount --vfs-cache-mode writes|full`` (Debian's
+    ``rclone``), 8 MiB chunks x 8 uploads in flight like the reference, ``--vfs-write-back 0s``
+    (rclone's default waits 5 s after close before uploading; this measures its transfer, not that delay).
+    Skipped, with the reason printed, where the ``rclone`` binary is missing.
+
+Cases, per contender, in this order (the durable cases write what the cold cases read back):
+  1. ``torch.save`` of a ``--size-mib`` state dict -> durable on S3 (burstfs: the journal says
+     ``durable``; rclone: the object has its full size on S3; reference: upload_file returned);
+  2. ``--ranks`` processes each writing a ``--shard-mib`` file at once -> all durable;
+  3. cold ``torch.load`` of the checkpoint (fresh mount with an empty cache, page cache dropped;
+     reference: download_file into tmpfs, then torch.load);
+  4. cold read of the ``--ranks`` files by as many processes at once (reference: 8 downloads at once).
+Ratios are to the reference.  ``--size`` preset ``issue`` = the issue's 1 GiB / 8 x 128 MiB.
+``--py-spy DIR`` records the default burstfs mount's daemon (py-spy, raw collapsed stacks,
+thread ids) during its cold cases into DIR, for the breakdown in bench/RESULTS.md.
+
+    .venv/bin/python bench/peers.py [--size small|issue] [--repeat 1] [--py-spy DIR] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (
+    BenchMount,
+    drop_page_cache,
+    make_bucket,
+    median,
+    moto_endpoint,
+    run_ranks,
+    state_dict,
+    timed,
+    wait_durable,
+)
+from drain import write_rank
+from restore import read_shards_parallel, retain_freed_memory, torch_load
+
+MiB = 1 << 20
+PART = 8 * MiB
+THREADS = 8
+SIZES = {"small": (256, 32), "issue": (1024, 128)}  # checkpoint MiB, each rank file MiB
+
+
+def fresh_base(tag: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=f"burstfs-bench-peers-{tag}-", dir="/dev/shm"))
+
+
+def rank_names(ranks: int) -> list[str]:
+    return [f"rank{r}.bin" for r in range(ranks)]
+
+
+def s3_client(endpoint: str) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    config = Config(max_pool_connections=THREADS * 8 + 4, s3={"addressing_style": "path"},
+                    request_checksum_calculation="when_required", response_checksum_validation="when_required")  # fmt: skip
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", config=config)
+
+
+class Contender:
+    """One way to get a checkpoint to S3 and back; every method returns seconds."""
+
+    name = ""
+
+    def save_durable(self, sd: dict[str, Any]) -> float:
+        raise NotImplementedError
+
+    def ranks_durable(self, ranks: int, shard: int) -> float:
+        raise NotImplementedError
+
+    def cold_load(self) -> float:
+        raise NotImplementedError
+
+    def cold_ranks(self, ranks: int) -> float:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class Reference(Contender):
+    """boto3's managed transfers, 8 threads x 8 MiB parts, through a tmpfs directory."""
+
+    name = "boto3 reference"
+
+    def __init__(self, endpoint: str, bucket: str) -> None:
+        from boto3.s3.transfer import TransferConfig
+
+        self.client, self.bucket, self.prefix = s3_client(endpoint), bucket, "reference"
+        self.config = TransferConfig(multipart_threshold=PART, multipart_chunksize=PART, max_concurrency=THREADS)
+        self.dir = fresh_base("ref")
+
+    def _upload(self, names: list[str]) -> None:
+        def one(name: str) -> None:
+            self.client.upload_file(str(self.dir / name), self.bucket, f"{self.prefix}/{name}", Config=self.config)
+
+        with ThreadPoolExecutor(len(names)) as pool:
+            list(pool.map(one, names))
+        for name in names:
+            (self.dir / name).unlink()
+
+    def _download(self, names: list[str]) -> None:
+        def one(name: str) -> None:
+            self.client.download_file(self.bucket, f"{self.prefix}/{name}", str(self.dir / name), Config=self.config)
+
+        with ThreadPoolExecutor(len(names)) as pool:
+            list(pool.map(one, names))
+
+    def save_durable(self, sd: dict[str, Any]) -> float:
+        import torch
+
+        start = time.perf_counter()
+        torch.save(sd, self.dir / "ckpt.pt")
+        self._upload(["ckpt.pt"])
+        return time.perf_counter() - start
+
+    def ranks_durable(self, ranks: int, shard: int) -> float:
+        names = rank_names(ranks)
+        start = time.perf_counter()
+        run_ranks(write_rank, [(str(self.dir / n), shard) for n in names])
+        self._upload(names)
+        return time.perf_counter() - start
+
+    def cold_load(self) -> float:
+        start = time.perf_counter()
+        self._download(["ckpt.pt"])
+        torch_load(self.dir / "ckpt.pt")
+        seconds = time.perf_counter() - start
+        (self.dir / "ckpt.pt").unlink()
+        return seconds
+
+    def cold_ranks(self, ranks: int) -> float:
+        names = rank_names(ranks)
+        seconds = timed(functools.partial(self._download, names))
+        for name in names:
+            (self.dir / name).unlink()
+        return seconds
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class MountContender(Contender):
+    """A FUSE mount over ``s3://bucket/prefix``: writes go through a fresh mount, cold reads
+    through another fresh mount with an empty cache."""
+
+    def __init__(self, name: str, tag: str) -> None:
+        self.name, self.tag = name, tag
+        self.base = fresh_base(tag)
+        self.generation = 0
+        self.mnt: Path | None = None
+
+    def mount(self) -> Path:  # a fresh mount, empty local cache
+        raise NotImplementedError
+
+    def unmount(self) -> None:
+        raise NotImplementedError
+
+    def wait_durable(self, names: list[str]) -> None:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def mounted(self) -> Iterator[Path]:
+        mnt = self.mount()
+        try:
+            yield mnt
+        finally:
+            self.unmount()
+
+    def save_durable(self, sd: dict[str, Any]) -> float:
+        import torch
+
+        with self.mounted() as mnt:
+            start = time.perf_counter()
+            torch.save(sd, mnt / "ckpt.pt")
+            self.wait_durable(["ckpt.pt"])
+            return time.perf_counter() - start
+
+    def ranks_durable(self, ranks: int, shard: int) -> float:
+        names = rank_names(ranks)
+        with self.mounted() as mnt:
+            start = time.perf_counter()
+            run_ranks(write_rank, [(str(mnt / n), shard) for n in names])
+            self.wait_durable(names)
+            return time.perf_counter() - start
+
+    def cold_load(self) -> float:
+        with self.mounted() as mnt:
+            drop_page_cache()
+            return timed(functools.partial(torch_load, mnt / "ckpt.pt"))
+
+    def cold_ranks(self, ranks: int) -> float:
+        with self.mounted() as mnt:
+            drop_page_cache()
+            return read_shards_parallel([mnt / n for n in rank_names(ranks)])
+
+    def close(self) -> None:
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+class Burstfs(MountContender):
+    def __init__(self, name: str, tag: str, endpoint: str, bucket: str, args: tuple[str, ...],
+                 profile_dir: Path | None = None) -> None:  # fmt: skip
+        super().__init__(name, tag)
+        self.url, self.args = f"s3://{bucket}/{tag}", ("--endpoint-url", endpoint, *args)
+        self.profile_dir = profile_dir
+        self.current: BenchMount | None = None
+        self.profiler: subprocess.Popen[bytes] | None = None
+
+    def mount(self) -> Path:
+        self.generation += 1
+        self.current = BenchMount(self.base / f"m{self.generation}", self.url, self.args)
+        self.current.mount()
+        return self.current.mnt
+
+    def unmount(self) -> None:
+        assert self.current is not None
+        self.current.unmount()
+        shutil.rmtree(self.current.base, ignore_errors=True)
+
+    def wait_durable(self, names: list[str]) -> None:
+        assert self.current is not None
+        wait_durable(self.current.cache, names)
+
+    @contextlib.contextmanager
+    def profiled(self, case: str) -> Iterator[None]:
+        """py-spy on the daemon of the current mount while ``case`` runs (when asked for)."""
+        if self.profile_dir is None or self.current is None:
+            yield
+            return
+        self.profile_dir.mkdir(parents=True, exist_ok=True)
+        out = self.profile_dir / f"{self.tag}-{case}.txt"
+        self.profiler = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid",
+                                          str(self.current.daemon_pid()), "--rate", "250", "--threads",
+                                          "--format", "raw", "--output", str(out), "--nonblocking"],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        time.sleep(1.0)  # py-spy attaches
+        try:
+            yield
+        finally:
+            self.profiler.send_signal(signal.SIGINT)
+            self.profiler.wait(timeout=60)
+
+    def cold_load(self) -> float:
+        with self.mounted() as mnt:
+            drop_page_cache()
+            with self.profiled("cold_load"):
+                return timed(functools.partial(torch_load, mnt / "ckpt.pt"))
+
+    def cold_ranks(self, ranks: int) -> float:
+        with self.mounted() as mnt:
+            drop_page_cache()
+            with self.profiled("cold_ranks"):
+                return read_shards_parallel([mnt / n for n in rank_names(ranks)])
+
+
+class Rclone(MountContender):
+    """``rclone mount`` of the same bucket, configured through RCLONE_CONFIG_* variables."""
+
+    def __init__(self, mode: str, endpoint: str, bucket: str) -> None:
+        super().__init__(f"rclone {mode}", f"rclone-{mode}")
+        self.mode, self.endpoint, self.bucket = mode, endpoint, bucket
+        self.client = s3_client(endpoint)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.sizes: dict[str, int] = {}
+
+    def env(self) -> dict[str, str]:
+        conf = {"TYPE": "s3", "PROVIDER": "Other", "ENV_AUTH": "false", "ACCESS_KEY_ID": os.environ["AWS_ACCESS_KEY_ID"],
+                "SECRET_ACCESS_KEY": os.environ["AWS_SECRET_ACCESS_KEY"], "REGION": "us-east-1",
+                "ENDPOINT": self.endpoint, "FORCE_PATH_STYLE": "true"}  # fmt: skip
+        return {**os.environ, **{f"RCLONE_CONFIG_MOTO_{k}": v for k, v in conf.items()}}
+
+    def mount(self) -> Path:
+        self.generation += 1
+        gen = self.base / f"m{self.generation}"
+        self.mnt = gen / "mnt"
+        self.mnt.mkdir(parents=True)
+        log = open(gen / "rclone.log", "wb")  # noqa: SIM115 - the child owns it
+        self.proc = subprocess.Popen(["rclone", "mount", f"moto:{self.bucket}/{self.tag}", str(self.mnt),
+                                      "--vfs-cache-mode", self.mode, "--cache-dir", str(gen / "cache"),
+                                      "--vfs-write-back", "0s", "--s3-chunk-size", "8M", "--s3-upload-concurrency",
+                                      str(THREADS), "--s3-upload-cutoff", "8M", "--dir-cache-time", "1s"],
+                                     env=self.env(), stdout=log, stderr=log)  # fmt: skip
+        log.close()
+        deadline = time.monotonic() + 30
+        while not os.path.ismount(self.mnt):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"rclone mount failed: {(gen / 'rclone.log').read_text()[-2000:]}")
+            time.sleep(0.05)
+        return self.mnt
+
+    def unmount(self) -> None:
+        assert self.proc is not None and self.mnt is not None
+        subprocess.run(["fusermount3", "-u", str(self.mnt)], check=False, capture_output=True)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            subprocess.run(["umount", "-l", str(self.mnt)], check=False, capture_output=True)
+
+    def wait_durable(self, names: list[str], timeout: float = 600.0) -> None:
+        """Until each object is on S3 with the size written (a multipart upload appears whole)."""
+        assert self.mnt is not None
+        want = {n: (self.mnt / n).stat().st_size for n in names}
+        deadline = time.monotonic() + timeout
+        pending = set(names)
+        while pending:
+            listed = self.client.list_objects_v2(Bucket=self.bucket, Prefix=f"{self.tag}/").get("Contents", ())
+            sizes = {o["Key"].rsplit("/", 1)[1]: o["Size"] for o in listed}
+            pending = {n for n in pending if sizes.get(n) != want[n]}
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"rclone: {sorted(pending)} not on S3 after {timeout:.0f}s")
+            time.sleep(0.01)
+
+
+CASES: list[tuple[str, Callable[[Contender, dict[str, Any], argparse.Namespace], float]]] = [
+    ("torch.save -> durable", lambda c, sd, a: c.save_durable(sd)),
+    ("ranks -> durable", lambda c, sd, a: c.ranks_durable(a.ranks, a.shard_mib * MiB)),
+    ("cold torch.load", lambda c, sd, a: c.cold_load()),
+    ("cold read of rank files", lambda c, sd, a: c.cold_ranks(a.ranks)),
+]
+
+
+def contenders(endpoint: str, bucket: str, args: argparse.Namespace) -> tuple[list[Contender], list[str]]:
+    found: list[Contender] = [Reference(endpoint, bucket),
+                              Burstfs("burstfs", "burstfs", endpoint, bucket, (), args.py_spy),
+                              Burstfs("burstfs --no-passthrough", "burstfs-nopt", endpoint, bucket, ("--no-passthrough",))]  # fmt: skip
+    skipped: list[str] = []
+    if args.py_spy is not None and shutil.which("py-spy", path=str(Path(sys.executable).parent)) is None:
+        skipped.append(f"py-spy profile: no py-spy next to {sys.executable} (pip install py-spy)")
+        found[1] = Burstfs("burstfs", "burstfs", endpoint, bucket, ())
+    if shutil.which("rclone") is None:
+        skipped.append("rclone writes, rclone full: no rclone binary on PATH (Debian: apt-get install rclone)")
+    else:
+        found += [Rclone("writes", endpoint, bucket), Rclone("full", endpoint, bucket)]
+    return found, skipped
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=sorted(SIZES), default="small",
+                        help="small: 256 MiB / 8 x 32 MiB (a few minutes on 2 cores); issue: 1 GiB / 8 x 128 MiB")  # fmt: skip
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=1, help="rounds (contender order rotates); medians")
+    parser.add_argument("--py-spy", type=Path, default=None, help="record the default mount's daemon into DIR")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    args.size_mib, args.shard_mib = SIZES[args.size]
+    retain_freed_memory()
+    load_start = os.getloadavg()[0]
+    sd = state_dict(args.size_mib)
+    warm = fresh_base("warm")  # first touch of fresh memory is slow on a VM: not in any timing
+    torch_path = warm / "warm.pt"
+    import torch
+
+    torch.save(sd, torch_path)
+    torch_load(torch_path)
+    shutil.rmtree(warm)
+
+    times: dict[str, dict[str, list[float]]] = {}
+    with moto_endpoint() as endpoint:
+        bucket = f"peers-{uuid.uuid4().hex[:8]}"
+        make_bucket(endpoint, bucket)
+        found, skipped = contenders(endpoint, bucket, args)
+        for line in skipped:
+            print(f"skipped: {line}", file=sys.stderr)
+        try:
+            for i in range(args.repeat):
+                order = found[i % len(found):] + found[: i % len(found)]
+                for c in order:
+                    for case, run in CASES:
+                        seconds = run(c, sd, args)
+                        times.setdefault(c.name, {}).setdefault(case, []).append(seconds)
+                        print(f"  [{i + 1}] {c.name:<26} {case:<26} {seconds:7.2f} s", file=sys.stderr)
+        finally:
+            for c in found:
+                c.close()
+
+    ref = Reference.name
+    names = [c.name for c in found]
+    labels = {"torch.save -> durable": f"torch.save {args.size_mib} MiB -> durable",
+              "ranks -> durable": f"{args.ranks} x {args.shard_mib} MiB ranks -> durable",
+              "cold torch.load": f"cold torch.load {args.size_mib} MiB",
+              "cold read of rank files": f"cold read of {args.ranks} x {args.shard_mib} MiB"}  # fmt: skip
+    med = {n: {case: median(v) for case, v in t.items()} for n, t in times.items()}
+    if args.json:
+        print(json.dumps({"size": args.size, "repeat": args.repeat, "medians_s": med, "raw_s": times,
+                          "skipped": skipped, "loadavg": [load_start, os.getloadavg()[0]]}))  # fmt: skip
+        return
+    print(f"\npeers on one moto server, medians of {args.repeat} (s; ratio to the {ref})")
+    print(f"| case | {' | '.join(names)} |")
+    print(f"|---|{'---|' * len(names)}")
+    for case, _ in CASES:
+        cells = [f"{med[n][case]:.2f}" + ("" if n == ref else f" ({med[n][case] / med[ref][case]:.2f}x)") for n in names]
+        print(f"| {labels[case]} | {' | '.join(cells)} |")
+    print(f"load average at start {load_start:.2f}, at end {os.getloadavg()[0]:.2f} (2 cores; others' jobs add noise)")
+    for line in skipped:
+        print(f"skipped: {line}")
+
+
+if __name__ == "__main__":
+    main()
