@@ -18,7 +18,7 @@ Cases, per contender, in this order (the durable cases write what the cold cases
   4. cold read of the ``--ranks`` files by as many processes at once (reference: 8 downloads at once).
 Ratios are to the reference.  ``--size`` preset ``issue`` = the issue's 1 GiB / 8 x 128 MiB.
 ``--py-spy DIR`` records the default burstfs mount's daemon (py-spy, raw collapsed stacks,
-thread ids) during its cold cases into DIR, for the breakdown in bench/RESULTS.md.
+thread ids) during its cold cases into DIR and prints where its samples went (PROFILE_GROUPS).
 
     .venv/bin/python bench/peers.py [--size small|issue] [--repeat 1] [--py-spy DIR] [--json]
 """
@@ -345,6 +345,32 @@ CASES: list[tuple[str, Callable[[Contender, dict[str, Any], argparse.Namespace],
 ]
 
 
+#: Where the daemon's py-spy samples go: the first rule whose words appear in a sample's stack
+#: (thread name first) wins; bench/RESULTS.md's breakdown uses these groups.
+PROFILE_GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    ("S3 client creation (first GET)", ("_PrefixTrie", "ClientCreatorContext")),
+    ("SSL context of the client session", ("_build_verify_context",)),
+    ("GET body read (aiohttp)", ("S3Remote._read_body", "data_received", "StreamReader")),
+    ("GET request/response (botocore)", ("S3Remote._call",)),
+    ("chunk verification (decode_chunk)", ("decode_chunk",)),
+    ("tier write (pwrite_full)", ("pwrite_full",)),
+    ("trio <-> mover hop", ("on_mover_loop", "WakeupSocketpair", "call_soon_threadsafe")),
+    ("thread-pool workers (handoff)", ("asyncio_",)),
+    ("FUSE request loop (trio, pyfuse3)", ("MainThread",)),
+    ("mover loop otherwise", ("",)),
+]
+
+
+def profile_breakdown(path: Path, rate: int = 250) -> dict[str, float]:
+    """Active thread-seconds per PROFILE_GROUPS group in a py-spy raw (collapsed) file."""
+    seconds = {group: 0.0 for group, _ in PROFILE_GROUPS}
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        group = next(g for g, words in PROFILE_GROUPS if any(w in stack for w in words))
+        seconds[group] += int(count) / rate
+    return seconds
+
+
 def contenders(endpoint: str, bucket: str, args: argparse.Namespace) -> tuple[list[Contender], list[str]]:
     found: list[Contender] = [Reference(endpoint, bucket),
                               Burstfs("burstfs", "burstfs", endpoint, bucket, (), args.py_spy),
@@ -420,6 +446,12 @@ def main() -> None:
     print(f"load average at start {load_start:.2f}, at end {os.getloadavg()[0]:.2f} (2 cores; others' jobs add noise)")
     for line in skipped:
         print(f"skipped: {line}")
+    for path in sorted(args.py_spy.glob("*.txt")) if args.py_spy is not None else ():
+        shares = profile_breakdown(path)
+        total = sum(shares.values())
+        print(f"\npy-spy {path.name}: {total:.2f} active thread-seconds (shares, not CPU, on a busy box)")
+        for group, secs in shares.items():
+            print(f"  {group:<36} {secs:6.2f} s {100 * secs / max(total, 1e-9):4.0f} %")
 
 
 if __name__ == "__main__":
