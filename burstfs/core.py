@@ -42,15 +42,12 @@ from .journal import (
     InodeRow,
     Journal,
     Op,
-    close_ops,
     drop_unlinked_ops,
     event_op,
     insert_inode_op,
     link_ops,
-    mark_writing_op,
     recovered_incomplete_ops,
     set_meta_op,
-    unchanged_close_op,
     unlink_name_ops,
     unlink_ops,
     update_inode_op,
@@ -59,6 +56,7 @@ from .listings import LISTING_WAIT, RemoteListings
 from .localtier import LocalTier
 from .nodes import NAME_MAX, RESERVED_ROOT_NAME, Handle, Inode, Undo
 from .objects import StreamingDigests
+from .publish import Publisher
 from .xattrs import ExtendedAttributes
 
 log = logging.getLogger("burstfs.core")
@@ -171,7 +169,7 @@ class BurstCore:
         self._next_fh = itertools.count(1)
         self._recover()
         self._next_ino = itertools.count(self._max_row + 1)  # hard links' rows take numbers too
-        self._next_close_seq = itertools.count(journal.max_close_seq() + 1)
+        self.publisher = Publisher(self.committer, journal.max_close_seq() + 1)
         self.capacity = TierCapacity(self.tier, journal, capacity, self.inodes)
 
     # -- start-up -----------------------------------------------------------------
@@ -700,7 +698,7 @@ class BurstCore:
         ops = [update_inode_op(ino, **fields)]
         closing = size is not None and not self._has_writer(inode) and fh is None
         if closing:
-            ops += self._close_ops(inode, undo)  # truncate(2) on a path: a complete change
+            ops += self.publisher.close_ops(inode, undo, writer_left=False)  # truncate(2) on a path: a complete change
         await self.committer.commit(ops, undo=undo)
         if closing:
             self._file_closed()
@@ -717,7 +715,7 @@ class BurstCore:
         emptying_remote = size == 0 and not inode.local
         if not emptying_remote:
             await self._ensure_local(inode)
-        await self._mark_writing(inode)
+        await self.publisher.mark_writing(inode)
         if emptying_remote and not inode.local:
             if self.fetcher is not None:
                 self.fetcher.forget(inode.ino)
@@ -790,10 +788,10 @@ class BurstCore:
         direct = inode.direct
         assert direct is not None
         inode.digests = None  # these bytes never reach the daemon: the drain hashes the file
-        if not self._unpublished(inode):
+        if not self.publisher.unpublished(inode):
             direct.reopened_clean = True  # undone at close if nothing changes
         try:
-            await self._mark_writing(inode)  # before any byte lands: a crash flags it incomplete
+            await self.publisher.mark_writing(inode)  # before any byte lands: a crash flags it incomplete
         except BaseException:
             direct.reopened_clean = False  # the open fails; a later close publishes normally
             raise
@@ -828,30 +826,6 @@ class BurstCore:
         if inode.kind == "file":
             await self._ensure_local(inode)
 
-    async def _mark_writing(self, inode: Inode) -> None:
-        """The first change after a close is journaled, so a crash flags the file incomplete.
-
-        Concurrent first writers wait for that one record: none writes a byte
-        before it is committed, and if it fails, none has (the next one retries).
-        """
-        while inode.marking is not None:
-            await inode.marking.wait()
-        if inode.dirty:
-            return
-        inode.dirty = True
-        if inode.new:  # a new file's row says `writing` since create
-            return
-        marking = inode.marking = trio.Event()
-
-        def undo() -> None:
-            inode.dirty = False
-
-        try:
-            await self.committer.commit([mark_writing_op(inode.ino)], undo=undo)
-        finally:
-            inode.marking = None
-            marking.set()
-
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self.handles[fh]
         inode = handle.inode
@@ -868,7 +842,7 @@ class BurstCore:
         if not handle.writable:
             raise FsError(errno.EBADF)
         if not inode.dirty or inode.marking is not None:
-            await self._mark_writing(inode)
+            await self.publisher.mark_writing(inode)
         end = offset + len(data)
         try:
             fd = self.tier.fd(inode.ino)
@@ -912,7 +886,7 @@ class BurstCore:
         end = offset + length
         grows = not mode & fallocate.FALLOC_FL_KEEP_SIZE and end > inode.size
         if grows and (not inode.dirty or inode.marking is not None):
-            await self._mark_writing(inode)
+            await self.publisher.mark_writing(inode)
         fd = self.tier.fd(inode.ino)
         assert fd is not None
         await self.capacity.claim_write(inode, fd, offset, end)
@@ -926,49 +900,6 @@ class BurstCore:
                 inode.digests = None  # zeros nobody wrote: the drain hashes the staged bytes
         inode.last_access = time.monotonic()
 
-    def _close_ops(self, inode: Inode, undo: Undo) -> list[Op]:
-        """Journal a changed file as closed: a new generation, queued to drain.
-
-        A file that may lack bytes (a lost write, a crash) is journaled
-        ``incomplete`` instead: it stays local and never drains until it is
-        emptied and written again.  Once no writer is left the streaming digests
-        are dropped (kilobytes per file: a million closed files must not keep
-        them); a later append leaves the hashing to the drain.
-        """
-        before = (inode.dirty, inode.new, inode.generation, inode.digests)
-
-        def reopen() -> None:
-            inode.dirty, inode.new, inode.generation, inode.digests = before
-
-        undo.add(reopen)
-        inode.dirty = inode.new = False
-        inode.generation += 1
-        seq = next(self._next_close_seq)
-        digests = inode.digests.result(inode.size) if inode.digests is not None else None
-        if not self._has_writer(inode):
-            inode.digests = None
-        return close_ops(
-            inode.ino, generation=inode.generation, close_seq=seq, size=inode.size, mtime_ns=inode.mtime_ns,
-            ctime_ns=inode.ctime_ns, digest=digests.digest if digests else None,
-            chunks=digests.chunks if digests else None, chunk_size=digests.chunk_size if digests else None,
-            incomplete=inode.incomplete or None,
-        )  # fmt: skip
-
-    def _publish_ops(self, inode: Inode, undo: Undo) -> list[Op]:
-        """What a close journals: a new generation, or, for a file opened for
-        writing through passthrough and left unchanged, its state from before."""
-        direct = inode.direct
-        if direct is None or not direct.reopened_clean:
-            return self._close_ops(inode, undo)
-        dirty = inode.dirty
-
-        def reopen() -> None:
-            inode.dirty, direct.reopened_clean = dirty, True
-
-        undo.add(reopen)
-        inode.dirty = direct.reopened_clean = False
-        return [unchanged_close_op(inode.ino)]
-
     def _file_closed(self) -> None:
         if self.drain is not None:
             self.drain.file_closed()
@@ -976,15 +907,6 @@ class BurstCore:
     def _dir_key(self, inode: Inode) -> str | None:
         """The remote key of ``inode``'s directory (None once unlinked)."""
         return self.path_of(self.inodes[inode.parent]) if inode.parent else None
-
-    @staticmethod
-    def _unpublished(inode: Inode) -> bool:
-        """Changed since its last journaled close, or new and never closed.
-
-        Not ``generation == 0``: files listed from the remote, and files left
-        incomplete by a crash, have that too but are not new.
-        """
-        return inode.dirty or inode.new
 
     async def flush(self, fh: int) -> None:
         """close(2): a changed or new file is journaled before close returns (tenet 1).
@@ -996,13 +918,14 @@ class BurstCore:
             return
         inode = handle.inode
         self._adopt_direct_writes(inode)  # passthrough writes since the last close make it dirty
-        if not self._unpublished(inode):
+        if not self.publisher.unpublished(inode):
             return
         if not inode.named:  # unlinked while open: nothing to publish
             inode.dirty = inode.new = False
             return
         undo = Undo()
-        await self.committer.commit(self._publish_ops(inode, undo), undo=undo)
+        ops = self.publisher.publish_ops(inode, undo, writer_left=self._has_writer(inode))
+        await self.committer.commit(ops, undo=undo)
         self._file_closed()
         if self.drain is not None and (dir_key := self._dir_key(inode)) is not None:
             self.drain.writing_in(inode.ino, dir_key, inode.name)  # a close after the round's done starts the next
@@ -1017,9 +940,9 @@ class BurstCore:
             self._adopt_direct_writes(inode)
             self.io_paths.close(inode, handle)
             if handle.writable and not self._has_writer(inode):
-                if self._unpublished(inode) and inode.named:
+                if self.publisher.unpublished(inode) and inode.named:
                     undo = Undo()
-                    await self.committer.commit(self._publish_ops(inode, undo), undo=undo)
+                    await self.committer.commit(self.publisher.publish_ops(inode, undo, writer_left=False), undo=undo)
                     self._file_closed()
                 inode.digests = None  # the last writer is gone (kept if the commit failed)
         finally:
@@ -1034,9 +957,11 @@ class BurstCore:
         assert fd is not None
         await trio.to_thread.run_sync(os.fdatasync if datasync else os.fsync, fd)
         self._adopt_direct_writes(inode)
-        publish = inode.dirty or (handle.writable and self._unpublished(inode))
+        publish = inode.dirty or (handle.writable and self.publisher.unpublished(inode))
         undo = Undo()
-        ops = self._publish_ops(inode, undo) if publish and inode.named else []
+        ops = []
+        if publish and inode.named:
+            ops = self.publisher.publish_ops(inode, undo, writer_left=self._has_writer(inode))
         await self.committer.commit(ops, sync=True, undo=undo)
         if ops:
             self._file_closed()
