@@ -25,36 +25,22 @@ from typing import Protocol
 
 import trio
 
-from . import fallocate, hardlinks
+from . import fallocate
 from .capacity import StatFs, TierCapacity
 from .committer import GroupCommitter
 from .config import TierOptions
 from .errors import BurstfsError, FsError, to_errno
 from .iopath import BackingFiles, IOPaths
 from .journal import (
-    INCOMPLETE,
-    META,
-    NOT_LOCAL,
-    REMOTE,
-    ROOT_INO,
     WRITING,
-    FileState,
-    InodeRow,
     Journal,
-    Op,
-    drop_unlinked_ops,
-    event_op,
-    insert_inode_op,
-    link_ops,
-    recovered_incomplete_ops,
     set_meta_op,
-    unlink_name_ops,
-    unlink_ops,
     update_inode_op,
 )
 from .listings import LISTING_WAIT, RemoteListings
 from .localtier import LocalTier
-from .nodes import NAME_MAX, RESERVED_ROOT_NAME, Handle, Inode, Undo
+from .namespace import Namespace, now_ns
+from .nodes import Handle, Inode, Undo
 from .objects import StreamingDigests
 from .publish import Publisher
 from .xattrs import ExtendedAttributes
@@ -113,25 +99,6 @@ def _write_hashed(fd: int, data: bytes, offset: int, digests: StreamingDigests |
     return written
 
 
-def _now_ns() -> int:
-    return time.time_ns()
-
-
-def _check_name(name: bytes) -> None:
-    if len(name) > NAME_MAX:
-        raise FsError(errno.ENAMETOOLONG)
-    if not name or name in (b".", b"..") or b"/" in name or b"\0" in name:
-        raise FsError(errno.EINVAL)
-
-
-def _check_new_name(parent: Inode, name: bytes) -> None:
-    """A name something is about to be made or renamed to; ``.burstfs`` is the
-    remote's own at the root (manifests, layout) and is refused with EPERM."""
-    _check_name(name)
-    if parent.ino == ROOT_INO and name == RESERVED_ROOT_NAME:
-        raise FsError(errno.EPERM, ".burstfs is reserved at the root of the mount")
-
-
 class BurstCore:
     """The namespace and data of one mount, journaled."""
 
@@ -163,115 +130,65 @@ class BurstCore:
         self.io_paths = IOPaths(self.tier, backing)
         self.xattrs = ExtendedAttributes(journal, self.committer)
         self.daemon_written_bytes = 0  # bytes clients wrote through the daemon (passthrough bypasses it)
-        self.inodes: dict[int, Inode] = {}
         self.handles: dict[int, Handle] = {}
         self.dir_handles: dict[int, list[tuple[bytes, int]]] = {}
         self._next_fh = itertools.count(1)
-        self._recover()
-        self._next_ino = itertools.count(self._max_row + 1)  # hard links' rows take numbers too
+        self.namespace = Namespace(journal, self.committer, self.tier,
+                                   remember_removed=self.listings.remember_removed, on_destroy=self._file_gone)
+        self.inodes = self.namespace.inodes  # the one inode table
         self.publisher = Publisher(self.committer, journal.max_close_seq() + 1)
         self.capacity = TierCapacity(self.tier, journal, capacity, self.inodes)
 
-    # -- start-up -----------------------------------------------------------------
-
-    def _recover(self) -> None:
-        """Rebuild the namespace from the journal after a clean stop or a crash."""
-        rows = self.journal.inodes()
-        if not rows:
-            now = _now_ns()
-            root = InodeRow(ino=ROOT_INO, parent=ROOT_INO, name=b"", kind="dir", mode=stat.S_IFDIR | 0o755,
-                            uid=os.getuid(), gid=os.getgid(), atime_ns=now, mtime_ns=now, ctime_ns=now,
-                            state=META, updated=time.time())  # fmt: skip
-            self.journal.apply([insert_inode_op(root)])
-            rows = [root]
-        ops: list[Op] = []
-        self._max_row = max(row.ino for row in rows)
-        link_rows = [row for row in rows if row.link_of is not None]
-        linked = {row.link_of for row in link_rows if row.parent}
-        for row in rows:
-            if row.link_of is not None:
-                continue
-            if row.parent == 0 and row.ino not in linked:  # unlinked while open when the daemon stopped
-                ops.extend(drop_unlinked_ops(row.ino))
-                continue
-            if row.state == WRITING:
-                # The data file is all there is of it: show its length, so that the bytes
-                # can be inspected and a later extension reads zeros, not stale bytes.
-                row.size = self.tier.data_size(row.ino)
-                row.state, row.error = INCOMPLETE, "open for writing when the daemon stopped"
-                ops.extend(recovered_incomplete_ops(row.ino, row.size, row.error))
-                log.warning("event=recover_incomplete ino=%d name=%s", row.ino, row.name)
-            self.inodes[row.ino] = self._inode_from_row(row)
-        for ino, name, value in self.journal.xattrs():
-            if ino in self.inodes:
-                self.inodes[ino].xattrs[name] = value
-        for inode in list(self.inodes.values()):
-            if inode.ino == ROOT_INO or inode.parent == 0:  # the latter: only hard links name it
-                continue
-            parent = self.inodes.get(inode.parent)
-            if parent is None or parent.children is None:  # parent lost: should never happen
-                log.error("event=recover_orphan ino=%d parent=%d", inode.ino, inode.parent)
-                continue
-            parent.children[inode.name] = inode.ino
-            if inode.kind == "dir":
-                parent.subdirs += 1
-        for row in link_rows:
-            target, parent = self.inodes.get(row.link_of or 0), self.inodes.get(row.parent)
-            if target is None or parent is None or parent.children is None:  # should never happen
-                log.error("event=recover_orphan_link row=%d ino=%s parent=%d", row.ino, row.link_of, row.parent)
-                ops.extend(unlink_name_ops(row.ino, row.name))
-                continue
-            target.links[row.ino] = (row.parent, row.name)
-            parent.children[row.name] = target.ino
-        for ino in self.tier.data_inodes() - set(self.inodes):
-            self.tier.remove(ino)
-        if ops:
-            self.journal.apply(ops)
-        log.info("event=recovered inodes=%d", len(self.inodes))
-
-    def _inode_from_row(self, row: InodeRow) -> Inode:
-        inode = Inode(
-            ino=row.ino, kind=row.kind, mode=row.mode, uid=row.uid, gid=row.gid,
-            parent=row.parent, name=row.name, size=row.size, atime_ns=row.atime_ns,
-            mtime_ns=row.mtime_ns, ctime_ns=row.ctime_ns, target=row.target,
-            generation=row.generation, local=row.state not in NOT_LOCAL,
-            listed=row.state == REMOTE, incomplete=(row.error or INCOMPLETE) if row.state == INCOMPLETE else "",
-        )  # fmt: skip
-        if row.kind == "dir":
-            inode.children = {}
-        return inode
-
-    # -- lookups ------------------------------------------------------------------
+    # -- names (burstfs/namespace.py) -------------------------------------------------
 
     def inode(self, ino: int) -> Inode:
-        try:
-            return self.inodes[ino]
-        except KeyError:
-            raise FsError(errno.ENOENT) from None
-
-    def _dir(self, ino: int) -> Inode:
-        inode = self.inode(ino)
-        if inode.children is None:
-            raise FsError(errno.ENOTDIR)
-        return inode
+        return self.namespace.inode(ino)
 
     def child(self, parent: int, name: bytes) -> Inode:
-        if name == b".":
-            return self._dir(parent)
-        if name == b"..":
-            return self.inode(self._dir(parent).parent)
-        if len(name) > NAME_MAX:
-            raise FsError(errno.ENAMETOOLONG)
-        ino = self._dir(parent).children.get(name)  # type: ignore[union-attr]
-        if ino is None:
-            raise FsError(errno.ENOENT)
-        return self.inodes[ino]
+        return self.namespace.child(parent, name)
+
+    def path_of(self, inode: Inode) -> str | None:
+        return self.namespace.path_of(inode)
+
+    def forget(self, ino: int, count: int) -> None:
+        self.namespace.forget(ino, count)
+
+    async def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
+        return await self.namespace.mkdir(parent_ino, name, mode, uid, gid)
+
+    async def symlink(self, parent_ino: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
+        return await self.namespace.symlink(parent_ino, name, target, uid, gid)
+
+    async def mknod_special(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
+        return await self.namespace.mknod_special(parent_ino, name, mode, uid, gid)
+
+    def readlink(self, ino: int) -> bytes:
+        return self.namespace.readlink(ino)
+
+    async def unlink(self, parent_ino: int, name: bytes) -> None:
+        await self.namespace.unlink(parent_ino, name)
+        self._namespace_changed()
+
+    async def rmdir(self, parent_ino: int, name: bytes) -> None:
+        await self.namespace.rmdir(parent_ino, name)
+
+    async def rename(self, old_parent_ino: int, old_name: bytes, new_parent_ino: int,
+                     new_name: bytes, flags: int) -> None:  # fmt: skip
+        if await self.namespace.rename(old_parent_ino, old_name, new_parent_ino, new_name, flags):
+            self._namespace_changed()
+
+    def _file_gone(self, inode: Inode) -> None:
+        """A file inode was destroyed: its data, its count on the tier and any fetch go."""
+        self.capacity.release(inode.accounted)
+        if not inode.local and self.fetcher is not None:
+            self.fetcher.forget(inode.ino)
+        self.tier.remove(inode.ino)
 
     async def lookup(self, parent: int, name: bytes) -> Inode:
         try:
             inode = self.child(parent, name)
         except FsError as exc:  # maybe another node drained it: look at the remote
-            if exc.errno != errno.ENOENT or not await self.listings.refresh_bounded(self._dir(parent)):
+            if exc.errno != errno.ENOENT or not await self.listings.refresh_bounded(self.namespace.dir(parent)):
                 raise
             inode = self.child(parent, name)
         inode.lookups += 1
@@ -287,134 +204,21 @@ class BurstCore:
         (see :meth:`RemoteListings.refresh`); True if one was merged."""
         return await self.listings.refresh(directory)
 
-    def forget(self, ino: int, count: int) -> None:
-        inode = self.inodes.get(ino)
-        if inode is None:
-            return
-        inode.lookups = max(0, inode.lookups - count)
-        self._maybe_destroy(inode)
-
-    def path_of(self, inode: Inode) -> str | None:
-        parts = []
-        while inode.ino != ROOT_INO:
-            if inode.parent == 0:
-                return None
-            parts.append(os.fsdecode(inode.name))
-            inode = self.inodes[inode.parent]
-        return "/".join(reversed(parts))
-
-    # -- creating and removing names -----------------------------------------------
-
-    def _new_inode(self, parent: Inode, name: bytes, kind: str, mode: int, uid: int, gid: int) -> Inode:
-        _check_new_name(parent, name)
-        if name in parent.children:  # type: ignore[operator]
-            raise FsError(errno.EEXIST)
-        if parent.parent == 0 and parent.ino != ROOT_INO:
-            raise FsError(errno.ENOENT)  # removed meanwhile
-        if parent.mode & stat.S_ISGID:  # BSD group semantics under a setgid directory
-            gid = parent.gid
-            if kind == "dir":
-                mode |= stat.S_ISGID
-        now = _now_ns()
-        inode = Inode(next(self._next_ino), kind, mode, uid, gid, parent.ino, name,
-                      atime_ns=now, mtime_ns=now, ctime_ns=now)  # fmt: skip
-        if kind == "dir":
-            inode.children = {}
-        return inode
-
-    def _row(self, inode: Inode, state: FileState) -> InodeRow:
-        return InodeRow(ino=inode.ino, parent=inode.parent, name=inode.name, kind=inode.kind, mode=inode.mode,
-                        uid=inode.uid, gid=inode.gid, size=inode.size, atime_ns=inode.atime_ns,
-                        mtime_ns=inode.mtime_ns, ctime_ns=inode.ctime_ns, target=inode.target, state=state,
-                        generation=inode.generation, updated=time.time())  # fmt: skip
-
-    def _link(self, parent: Inode, inode: Inode, undo: Undo) -> None:
-        """Give ``inode`` its name in ``parent``; ``undo`` takes it back."""
-        times = (parent.mtime_ns, parent.ctime_ns)
-        self.inodes[inode.ino] = inode
-        parent.children[inode.name] = inode.ino  # type: ignore[index]
-        if inode.kind == "dir":
-            parent.subdirs += 1
-        parent.mtime_ns = parent.ctime_ns = _now_ns()
-
-        def unlink() -> None:
-            if parent.children.get(inode.name) == inode.ino:  # type: ignore[union-attr]
-                del parent.children[inode.name]  # type: ignore[union-attr]
-                if inode.kind == "dir":
-                    parent.subdirs -= 1
-            self.inodes.pop(inode.ino, None)
-            parent.mtime_ns, parent.ctime_ns = times
-
-        undo.add(unlink)
-
-    def _touch_parent_op(self, parent: Inode) -> Op:
-        return update_inode_op(parent.ino, mtime_ns=parent.mtime_ns, ctime_ns=parent.ctime_ns)
-
-    async def _commit_new(self, parent: Inode, inode: Inode, state: FileState, undo: Undo) -> None:
-        """Journal a name just made; on failure it is gone again (no ghost in memory)."""
-        await self.committer.commit([insert_inode_op(self._row(inode, state)), self._touch_parent_op(parent)],
-                                    undo=undo)  # fmt: skip
-
-    async def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
-        parent = self._dir(parent_ino)
-        inode = self._new_inode(parent, name, "dir", stat.S_IFDIR | stat.S_IMODE(mode), uid, gid)
-        inode.listed_at = time.monotonic()  # just created here: nothing remote to merge yet
-        undo = Undo()
-        self._link(parent, inode, undo)
-        await self._commit_new(parent, inode, META, undo)
-        inode.lookups += 1
-        return inode
-
-    async def symlink(self, parent_ino: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
-        parent = self._dir(parent_ino)
-        inode = self._new_inode(parent, name, "symlink", stat.S_IFLNK | 0o777, uid, gid)
-        inode.target = target
-        inode.size = len(target)
-        undo = Undo()
-        self._link(parent, inode, undo)
-        await self._commit_new(parent, inode, META, undo)
-        inode.lookups += 1
-        return inode
-
-    async def mknod_special(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
-        """A FIFO or a UNIX socket: a local-only node (journaled, never drained).
-
-        The kernel opens, reads and writes FIFOs and binds sockets itself; the file
-        system only keeps the name, mode and owner.  Device nodes are refused (EPERM):
-        a checkpoint store has no use for them, and honouring them would let anyone
-        who can write the mount reach a device through it (the mount is not ``nodev``).
-        """
-        parent = self._dir(parent_ino)
-        if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
-            raise FsError(errno.EPERM, "device nodes are not supported")
-        inode = self._new_inode(parent, name, "special", stat.S_IFMT(mode) | stat.S_IMODE(mode), uid, gid)
-        undo = Undo()
-        self._link(parent, inode, undo)
-        await self._commit_new(parent, inode, META, undo)
-        inode.lookups += 1
-        return inode
-
-    def readlink(self, ino: int) -> bytes:
-        inode = self.inode(ino)
-        if inode.target is None:
-            raise FsError(errno.EINVAL)
-        return inode.target
-
     async def create(
         self, parent_ino: int, name: bytes, mode: int, flags: int, uid: int, gid: int
     ) -> tuple[int, Inode]:
         """Create and open a regular file (O_EXCL is the kernel's: we only see new names)."""
-        parent = self._dir(parent_ino)
+        parent = self.namespace.dir(parent_ino)
         if not stat.S_ISREG(mode) and stat.S_IFMT(mode) != 0:
             raise FsError(errno.EPERM, "only regular files, directories and symlinks are supported")
-        inode = self._new_inode(parent, name, "file", stat.S_IFREG | (stat.S_IMODE(mode) & ~FILE_MODE_DROPPED), uid, gid)
+        inode = self.namespace.new_inode(parent, name, "file", stat.S_IFREG | (stat.S_IMODE(mode) & ~FILE_MODE_DROPPED), uid, gid)
         inode.new = True
         inode.digests = StreamingDigests(self.digest_chunk_size)
         self.tier.create(inode.ino)
         undo = Undo()
         undo.add(lambda: self.tier.remove(inode.ino))
-        self._link(parent, inode, undo)
-        await self._commit_new(parent, inode, WRITING, undo)
+        self.namespace.attach(parent, inode, undo)
+        await self.namespace.commit_new(parent, inode, WRITING, undo)
         inode.lookups += 1
         fh = self._open_handle(inode, writable=True)
         await self._choose_io_path(inode, self.handles[fh])
@@ -429,200 +233,17 @@ class BurstCore:
         inode = self.inode(ino)
         if inode.kind == "dir":
             raise FsError(errno.EPERM, "directories cannot be hard-linked")
-        parent = self._dir(new_parent_ino)
+        parent = self.namespace.dir(new_parent_ino)
         for _ in range(3):  # evicted again meanwhile (a full tier): fetch again
             if inode.local or inode.kind != "file":
                 break
             await self._ensure_local(inode)
         else:
             raise FsError(errno.EAGAIN, "the file was evicted again while it was being fetched")
-        _check_new_name(parent, new_name)
-        if new_name in parent.children:  # type: ignore[operator]
-            raise FsError(errno.EEXIST)
-        if (parent.parent == 0 and parent.ino != ROOT_INO) or not inode.named:
-            raise FsError(errno.ENOENT)  # removed meanwhile
-        row = next(self._next_ino)
-        undo = Undo()
-        times = (parent.mtime_ns, parent.ctime_ns, inode.ctime_ns)
-        hardlinks.add_name(parent, inode, row, new_name, undo)
-        parent.mtime_ns = parent.ctime_ns = inode.ctime_ns = now = _now_ns()
-
-        def restore_times() -> None:
-            parent.mtime_ns, parent.ctime_ns, inode.ctime_ns = times
-
-        undo.add(restore_times)
-        inode.pending += 1
-        try:
-            await self.committer.commit([*link_ops(row, ino, parent.ino, new_name, now), self._touch_parent_op(parent)],
-                                        undo=undo)  # fmt: skip
-        finally:
-            inode.pending -= 1
+        await self.namespace.add_link(inode, parent, new_name)
         inode.lookups += 1
         self._file_closed()  # the new name has an object to drain
         return inode
-
-    async def unlink(self, parent_ino: int, name: bytes) -> None:
-        parent = self._dir(parent_ino)
-        inode = self.child(parent_ino, name)
-        if inode.kind == "dir":
-            raise FsError(errno.EISDIR)
-        await self._remove(parent, inode, name)
-        self._namespace_changed()
-
-    async def rmdir(self, parent_ino: int, name: bytes) -> None:
-        parent = self._dir(parent_ino)
-        inode = self.child(parent_ino, name)
-        if inode.kind != "dir":
-            raise FsError(errno.ENOTDIR)
-        if inode.children:
-            raise FsError(errno.ENOTEMPTY)
-        await self._remove(parent, inode, name)
-
-    async def _remove(self, parent: Inode, inode: Inode, name: bytes) -> None:
-        undo = Undo()
-        ops = self._unlink_ops(parent, name, inode, undo) + [self._touch_parent_op(parent)]
-        inode.pending += 1
-        try:
-            await self.committer.commit(ops, undo=undo)
-        finally:
-            inode.pending -= 1
-        self._maybe_destroy(inode)
-
-    def _detach(self, parent: Inode, inode: Inode, undo: Undo) -> int:
-        """Take ``inode``'s name away in memory; ``undo`` gives it back.  Returns the time."""
-        times = (parent.mtime_ns, parent.ctime_ns, inode.ctime_ns)
-        name = inode.name
-        del parent.children[name]  # type: ignore[union-attr]
-        if inode.kind == "dir":
-            parent.subdirs -= 1
-        inode.parent = 0
-        now = _now_ns()
-        parent.mtime_ns = parent.ctime_ns = inode.ctime_ns = now
-
-        def relink() -> None:
-            parent.children[name] = inode.ino  # type: ignore[index]
-            if inode.kind == "dir":
-                parent.subdirs += 1
-            inode.parent, inode.name = parent.ino, name
-            parent.mtime_ns, parent.ctime_ns, inode.ctime_ns = times
-
-        undo.add(relink)
-        return now
-
-    def _unlink_ops(self, parent: Inode, name: bytes, inode: Inode, undo: Undo) -> list[Op]:
-        """Detach ``inode`` from its name ``name``; the journal queues that name's remote object for deletion."""
-        self.listings.remember_removed(parent, name, undo)
-        row = hardlinks.name_row(inode, parent.ino, name)
-        if row != inode.ino:  # a hard link's name: the inode keeps its others
-            hardlinks.drop_name(parent, inode, row, undo)
-            times = (parent.mtime_ns, parent.ctime_ns, inode.ctime_ns)
-            parent.mtime_ns = parent.ctime_ns = inode.ctime_ns = now = _now_ns()
-
-            def restore_times() -> None:
-                parent.mtime_ns, parent.ctime_ns, inode.ctime_ns = times
-
-            undo.add(restore_times)
-            return [*unlink_name_ops(row, name), update_inode_op(inode.ino, ctime_ns=now)]
-        return unlink_ops(inode.ino, inode.name, self._detach(parent, inode, undo))
-
-    def _maybe_destroy(self, inode: Inode) -> None:
-        """Drop an unlinked inode once nothing references it any more."""
-        if inode.named or inode.lookups or inode.handles or inode.pending or inode.ino == ROOT_INO:
-            return
-        if self.inodes.get(inode.ino) is not inode:  # already dropped (or a failed create)
-            return
-        self.inodes.pop(inode.ino, None)
-        if inode.kind == "file":
-            self.capacity.release(inode.accounted)
-            if not inode.local and self.fetcher is not None:
-                self.fetcher.forget(inode.ino)
-            self.tier.remove(inode.ino)
-        # Not awaited: losing this record in a crash is harmless (start-up drops
-        # unlinked rows), and forget() must not block.
-        self.committer.enqueue(
-            drop_unlinked_ops(inode.ino)
-        )  # fmt: skip
-
-    async def rename(self, old_parent_ino: int, old_name: bytes, new_parent_ino: int,
-                     new_name: bytes, flags: int) -> None:  # fmt: skip
-        """rename(2): atomically replaces a file target or an empty directory target."""
-        from pyfuse3 import RENAME_EXCHANGE, RENAME_NOREPLACE
-
-        if flags & RENAME_EXCHANGE:
-            raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
-        old_parent = self._dir(old_parent_ino)
-        new_parent = self._dir(new_parent_ino)
-        _check_new_name(new_parent, new_name)
-        inode = self.child(old_parent_ino, old_name)
-        ops: list[Op] = []
-        target_ino = new_parent.children.get(new_name)  # type: ignore[union-attr]
-        target = self.inodes[target_ino] if target_ino is not None else None
-        if target is inode:
-            return
-        if target is not None:
-            if flags & RENAME_NOREPLACE:
-                raise FsError(errno.EEXIST)
-            if inode.kind == "dir" and target.kind != "dir":
-                raise FsError(errno.ENOTDIR)
-            if inode.kind != "dir" and target.kind == "dir":
-                raise FsError(errno.EISDIR)
-            if target.children:
-                raise FsError(errno.ENOTEMPTY)
-        if inode.kind == "dir":  # the VFS checks this too; keep the core safe on its own
-            ancestor = new_parent
-            while ancestor.ino != ROOT_INO:
-                if ancestor is inode:
-                    raise FsError(errno.EINVAL)
-                ancestor = self.inodes[ancestor.parent]
-        undo = Undo()
-        if target is not None:
-            ops += self._unlink_ops(new_parent, new_name, target, undo)
-            target.pending += 1
-        self.listings.remember_removed(old_parent, old_name, undo)
-        row = hardlinks.name_row(inode, old_parent.ino, old_name)
-        if row == inode.ino:
-            self._detach(old_parent, inode, undo)  # restores the old name and times on failure
-            inode.parent, inode.name = new_parent.ino, new_name
-        else:  # one of a hard-linked file's other names moves
-            old_times = (old_parent.mtime_ns, old_parent.ctime_ns, inode.ctime_ns)
-            hardlinks.drop_name(old_parent, inode, row, undo)
-            inode.links[row] = (new_parent.ino, new_name)
-
-            def restore_old_times() -> None:
-                old_parent.mtime_ns, old_parent.ctime_ns, inode.ctime_ns = old_times
-
-            undo.add(restore_old_times)
-        new_times = (new_parent.mtime_ns, new_parent.ctime_ns)
-        new_parent.children[new_name] = inode.ino  # type: ignore[index]
-        if inode.kind == "dir":
-            new_parent.subdirs += 1
-        now = _now_ns()
-        inode.ctime_ns = old_parent.mtime_ns = old_parent.ctime_ns = now
-        new_parent.mtime_ns = new_parent.ctime_ns = now
-
-        def unmove() -> None:
-            if new_parent.children.get(new_name) == inode.ino:  # type: ignore[union-attr]
-                del new_parent.children[new_name]  # type: ignore[union-attr]
-                if inode.kind == "dir":
-                    new_parent.subdirs -= 1
-            new_parent.mtime_ns, new_parent.ctime_ns = new_times
-
-        undo.add(unmove)
-        ops += [
-            update_inode_op(row, parent=new_parent.ino, name=new_name, ctime_ns=now),
-            update_inode_op(inode.ino, ctime_ns=now),
-            self._touch_parent_op(old_parent),
-            self._touch_parent_op(new_parent),
-            event_op(row, "rename", f"{os.fsdecode(old_name)} -> {os.fsdecode(new_name)}"),
-        ]
-        try:
-            await self.committer.commit(ops, undo=undo)
-        finally:
-            if target is not None:
-                target.pending -= 1
-        if target is not None:
-            self._maybe_destroy(target)
-        self._namespace_changed()
 
     def _namespace_changed(self) -> None:
         if self.drain is not None:
@@ -670,7 +291,7 @@ class BurstCore:
                 raise FsError(errno.EISDIR if inode.kind == "dir" else errno.EINVAL)
             await self._truncate_data(inode, size)
         # Attributes change in memory with the commit: a failed commit restores them.
-        now = _now_ns()
+        now = now_ns()
         before = (inode.mode, inode.uid, inode.gid, inode.atime_ns, inode.mtime_ns, inode.ctime_ns)
         undo = Undo()
 
@@ -778,7 +399,7 @@ class BurstCore:
         self.io_paths.close(handle.inode, handle)
         handle.inode.handles -= 1
         self.tier.release(handle.inode.ino)
-        self._maybe_destroy(handle.inode)
+        self.namespace.maybe_destroy(handle.inode)
 
     async def _choose_io_path(self, inode: Inode, handle: Handle) -> None:
         """Open ``handle`` direct when it can be (:meth:`IOPaths.open_direct`); a direct
@@ -862,7 +483,7 @@ class BurstCore:
             inode.size = end
         self.daemon_written_bytes += written
         inode.last_access = time.monotonic()
-        inode.mtime_ns = inode.ctime_ns = _now_ns()
+        inode.mtime_ns = inode.ctime_ns = now_ns()
         return written
 
     async def fallocate(self, fh: int, offset: int, length: int, mode: int) -> None:
@@ -893,7 +514,7 @@ class BurstCore:
         await trio.to_thread.run_sync(fallocate.allocate, fd, mode, offset, length)
         if grows and end > inode.size:
             inode.size = end
-            inode.mtime_ns = inode.ctime_ns = _now_ns()
+            inode.mtime_ns = inode.ctime_ns = now_ns()
             if inode.direct is not None:
                 inode.direct.reopened_clean = False
             if inode.digests is not None:
@@ -948,7 +569,7 @@ class BurstCore:
         finally:
             inode.handles -= 1
             self.tier.release(inode.ino)
-            self._maybe_destroy(inode)
+            self.namespace.maybe_destroy(inode)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         handle = self.handles[fh]
@@ -971,7 +592,7 @@ class BurstCore:
     # -- directories ----------------------------------------------------------------
 
     async def opendir(self, ino: int) -> int:
-        inode = self._dir(ino)
+        inode = self.namespace.dir(ino)
         await self.listings.refresh_bounded(inode)
         fh = next(self._next_fh)
         self.dir_handles[fh] = list(inode.children.items())  # type: ignore[union-attr]

@@ -42,8 +42,8 @@ LISTING_BACKOFF = 30.0
 
 
 class RemoteListings:
-    """Merges remote directory listings into the core's namespace (through its
-    ``_new_inode``/``_link``/``_detach``), and remembers what this mount removed."""
+    """Merges remote directory listings into the core's namespace (``Namespace.new_inode``,
+    ``attach``, ``detach``), and remembers what this mount removed."""
 
     def __init__(self, core: BurstCore, *, ttl: float, wait: float = LISTING_WAIT) -> None:
         self.core = core
@@ -131,7 +131,7 @@ class RemoteListings:
         if self.core.fetcher is None or now - directory.listed_at < self.ttl:
             return False
         directory.listed_at = now
-        dir_key = self.core.path_of(directory)
+        dir_key = self.core.namespace.path_of(directory)
         if dir_key is None:
             return False
         try:
@@ -210,7 +210,7 @@ class RemoteListings:
                 for gone in forgotten:
                     gone.pending -= 1
             for gone in forgotten:
-                self.core._maybe_destroy(gone)
+                self.core.namespace.maybe_destroy(gone)
         return True
 
     def _listed_name(self, dir_key: str, name: str, at_root: bool) -> bytes | None:
@@ -243,24 +243,24 @@ class RemoteListings:
 
     def _forget_listed_ops(self, directory: Inode, inode: Inode, undo: Undo) -> list[Op]:
         """A listed file that vanished from the remote: drop it here, delete nothing there."""
-        return forget_listed_ops(inode.ino, inode.name, self.core._detach(directory, inode, undo))
+        return forget_listed_ops(inode.ino, inode.name, self.core.namespace.detach(directory, inode, undo))
 
     def _add_listed(self, directory: Inode, name: bytes, kind: str, size: int, mtime_ns: int,
                     key: str | None, undo: Undo) -> list[Op]:  # fmt: skip
         mode = stat.S_IFDIR | 0o755 if kind == "dir" else stat.S_IFREG | 0o644
-        inode = self.core._new_inode(directory, name, kind, mode, directory.uid, directory.gid)
+        inode = self.core.namespace.new_inode(directory, name, kind, mode, directory.uid, directory.gid)
         inode.size, inode.mtime_ns, inode.ctime_ns = size, mtime_ns, mtime_ns
         if kind == "file":
             inode.local, inode.listed = False, True
-        self.core._link(directory, inode, undo)
-        row = self.core._row(inode, REMOTE if kind == "file" else META)
+        self.core.namespace.attach(directory, inode, undo)
+        row = self.core.namespace.row(inode, REMOTE if kind == "file" else META)
         row.remote_key = key
         return [insert_inode_op(row)]
 
     def remember_removed(self, parent: Inode, name: bytes, undo: Undo) -> None:
         """Remember that this mount removed the object at ``parent/name`` (if any), so a
         listing taken before the remote delete completes does not bring it back."""
-        dir_key = self.core.path_of(parent)
+        dir_key = self.core.namespace.path_of(parent)
         if dir_key is None:
             return
         key = f"{dir_key}/{os.fsdecode(name)}" if dir_key else os.fsdecode(name)

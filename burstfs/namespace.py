@@ -1,0 +1,469 @@
+"""The namespace of one mount: the inode table, its names, and its recovery from the journal.
+
+Every change of a name (mkdir, symlink, a FIFO or socket, unlink, rmdir, rename)
+changes memory and hands the committer an undo, so a failed commit leaves memory
+equal to the journal.  An inode is destroyed (row and data file) only when it has
+no name, no open handle, no kernel lookup reference and no change in flight.
+The core decides what a destroyed file's data means (``on_destroy``); the remote
+listings are told which keys this mount removed (``remember_removed``).
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable
+
+from . import hardlinks
+from .committer import GroupCommitter
+from .errors import FsError
+from .journal import (
+    INCOMPLETE,
+    META,
+    NOT_LOCAL,
+    REMOTE,
+    ROOT_INO,
+    WRITING,
+    FileState,
+    InodeRow,
+    Journal,
+    Op,
+    drop_unlinked_ops,
+    event_op,
+    insert_inode_op,
+    link_ops,
+    recovered_incomplete_ops,
+    unlink_name_ops,
+    unlink_ops,
+    update_inode_op,
+)
+from .localtier import LocalTier
+from .nodes import NAME_MAX, RESERVED_ROOT_NAME, Inode, Undo
+
+log = logging.getLogger("burstfs.namespace")
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
+def check_name(name: bytes) -> None:
+    if len(name) > NAME_MAX:
+        raise FsError(errno.ENAMETOOLONG)
+    if not name or name in (b".", b"..") or b"/" in name or b"\0" in name:
+        raise FsError(errno.EINVAL)
+
+
+def check_new_name(parent: Inode, name: bytes) -> None:
+    """A name something is about to be made or renamed to; ``.burstfs`` is the
+    remote's own at the root (manifests, layout) and is refused with EPERM."""
+    check_name(name)
+    if parent.ino == ROOT_INO and name == RESERVED_ROOT_NAME:
+        raise FsError(errno.EPERM, ".burstfs is reserved at the root of the mount")
+
+
+class Namespace:
+    """The inodes of one mount by number, and the names that link them."""
+
+    def __init__(self, journal: Journal, committer: GroupCommitter, tier: LocalTier, *,
+                 remember_removed: Callable[[Inode, bytes, Undo], None],
+                 on_destroy: Callable[[Inode], None]) -> None:  # fmt: skip
+        self.journal = journal
+        self.committer = committer
+        self.tier = tier
+        self.remember_removed = remember_removed  # a name this mount removed: listings must not bring it back
+        self.on_destroy = on_destroy  # a file inode is gone: drop its data and what is counted for it
+        self.inodes: dict[int, Inode] = {}
+        self._recover()
+        self._next_ino = itertools.count(self._max_row + 1)  # hard links' rows take numbers too
+
+    def _recover(self) -> None:
+        """Rebuild the namespace from the journal after a clean stop or a crash."""
+        rows = self.journal.inodes()
+        if not rows:
+            now = now_ns()
+            root = InodeRow(ino=ROOT_INO, parent=ROOT_INO, name=b"", kind="dir", mode=stat.S_IFDIR | 0o755,
+                            uid=os.getuid(), gid=os.getgid(), atime_ns=now, mtime_ns=now, ctime_ns=now,
+                            state=META, updated=time.time())  # fmt: skip
+            self.journal.apply([insert_inode_op(root)])
+            rows = [root]
+        ops: list[Op] = []
+        self._max_row = max(row.ino for row in rows)
+        link_rows = [row for row in rows if row.link_of is not None]
+        linked = {row.link_of for row in link_rows if row.parent}
+        for row in rows:
+            if row.link_of is not None:
+                continue
+            if row.parent == 0 and row.ino not in linked:  # unlinked while open when the daemon stopped
+                ops.extend(drop_unlinked_ops(row.ino))
+                continue
+            if row.state == WRITING:
+                # The data file is all there is of it: show its length, so that the bytes
+                # can be inspected and a later extension reads zeros, not stale bytes.
+                row.size = self.tier.data_size(row.ino)
+                row.state, row.error = INCOMPLETE, "open for writing when the daemon stopped"
+                ops.extend(recovered_incomplete_ops(row.ino, row.size, row.error))
+                log.warning("event=recover_incomplete ino=%d name=%s", row.ino, row.name)
+            self.inodes[row.ino] = self._inode_from_row(row)
+        for ino, name, value in self.journal.xattrs():
+            if ino in self.inodes:
+                self.inodes[ino].xattrs[name] = value
+        for inode in list(self.inodes.values()):
+            if inode.ino == ROOT_INO or inode.parent == 0:  # the latter: only hard links name it
+                continue
+            parent = self.inodes.get(inode.parent)
+            if parent is None or parent.children is None:  # parent lost: should never happen
+                log.error("event=recover_orphan ino=%d parent=%d", inode.ino, inode.parent)
+                continue
+            parent.children[inode.name] = inode.ino
+            if inode.kind == "dir":
+                parent.subdirs += 1
+        for row in link_rows:
+            target, parent = self.inodes.get(row.link_of or 0), self.inodes.get(row.parent)
+            if target is None or parent is None or parent.children is None:  # should never happen
+                log.error("event=recover_orphan_link row=%d ino=%s parent=%d", row.ino, row.link_of, row.parent)
+                ops.extend(unlink_name_ops(row.ino, row.name))
+                continue
+            target.links[row.ino] = (row.parent, row.name)
+            parent.children[row.name] = target.ino
+        for ino in self.tier.data_inodes() - set(self.inodes):
+            self.tier.remove(ino)
+        if ops:
+            self.journal.apply(ops)
+        log.info("event=recovered inodes=%d", len(self.inodes))
+
+    def _inode_from_row(self, row: InodeRow) -> Inode:
+        inode = Inode(
+            ino=row.ino, kind=row.kind, mode=row.mode, uid=row.uid, gid=row.gid,
+            parent=row.parent, name=row.name, size=row.size, atime_ns=row.atime_ns,
+            mtime_ns=row.mtime_ns, ctime_ns=row.ctime_ns, target=row.target,
+            generation=row.generation, local=row.state not in NOT_LOCAL,
+            listed=row.state == REMOTE, incomplete=(row.error or INCOMPLETE) if row.state == INCOMPLETE else "",
+        )  # fmt: skip
+        if row.kind == "dir":
+            inode.children = {}
+        return inode
+
+    def inode(self, ino: int) -> Inode:
+        try:
+            return self.inodes[ino]
+        except KeyError:
+            raise FsError(errno.ENOENT) from None
+
+    def dir(self, ino: int) -> Inode:
+        inode = self.inode(ino)
+        if inode.children is None:
+            raise FsError(errno.ENOTDIR)
+        return inode
+
+    def child(self, parent: int, name: bytes) -> Inode:
+        if name == b".":
+            return self.dir(parent)
+        if name == b"..":
+            return self.inode(self.dir(parent).parent)
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG)
+        ino = self.dir(parent).children.get(name)  # type: ignore[union-attr]
+        if ino is None:
+            raise FsError(errno.ENOENT)
+        return self.inodes[ino]
+
+    def forget(self, ino: int, count: int) -> None:
+        inode = self.inodes.get(ino)
+        if inode is None:
+            return
+        inode.lookups = max(0, inode.lookups - count)
+        self.maybe_destroy(inode)
+
+    def path_of(self, inode: Inode) -> str | None:
+        parts = []
+        while inode.ino != ROOT_INO:
+            if inode.parent == 0:
+                return None
+            parts.append(os.fsdecode(inode.name))
+            inode = self.inodes[inode.parent]
+        return "/".join(reversed(parts))
+
+    def new_inode(self, parent: Inode, name: bytes, kind: str, mode: int, uid: int, gid: int) -> Inode:
+        check_new_name(parent, name)
+        if name in parent.children:  # type: ignore[operator]
+            raise FsError(errno.EEXIST)
+        if parent.parent == 0 and parent.ino != ROOT_INO:
+            raise FsError(errno.ENOENT)  # removed meanwhile
+        if parent.mode & stat.S_ISGID:  # BSD group semantics under a setgid directory
+            gid = parent.gid
+            if kind == "dir":
+                mode |= stat.S_ISGID
+        now = now_ns()
+        inode = Inode(next(self._next_ino), kind, mode, uid, gid, parent.ino, name,
+                      atime_ns=now, mtime_ns=now, ctime_ns=now)  # fmt: skip
+        if kind == "dir":
+            inode.children = {}
+        return inode
+
+    def row(self, inode: Inode, state: FileState) -> InodeRow:
+        return InodeRow(ino=inode.ino, parent=inode.parent, name=inode.name, kind=inode.kind, mode=inode.mode,
+                        uid=inode.uid, gid=inode.gid, size=inode.size, atime_ns=inode.atime_ns,
+                        mtime_ns=inode.mtime_ns, ctime_ns=inode.ctime_ns, target=inode.target, state=state,
+                        generation=inode.generation, updated=time.time())  # fmt: skip
+
+    def attach(self, parent: Inode, inode: Inode, undo: Undo) -> None:
+        """Give ``inode`` its name in ``parent``; ``undo`` takes it back."""
+        times = (parent.mtime_ns, parent.ctime_ns)
+        self.inodes[inode.ino] = inode
+        parent.children[inode.name] = inode.ino  # type: ignore[index]
+        if inode.kind == "dir":
+            parent.subdirs += 1
+        parent.mtime_ns = parent.ctime_ns = now_ns()
+
+        def unlink() -> None:
+            if parent.children.get(inode.name) == inode.ino:  # type: ignore[union-attr]
+                del parent.children[inode.name]  # type: ignore[union-attr]
+                if inode.kind == "dir":
+                    parent.subdirs -= 1
+            self.inodes.pop(inode.ino, None)
+            parent.mtime_ns, parent.ctime_ns = times
+
+        undo.add(unlink)
+
+    def touch_parent_op(self, parent: Inode) -> Op:
+        return update_inode_op(parent.ino, mtime_ns=parent.mtime_ns, ctime_ns=parent.ctime_ns)
+
+    async def commit_new(self, parent: Inode, inode: Inode, state: FileState, undo: Undo) -> None:
+        """Journal a name just made; on failure it is gone again (no ghost in memory)."""
+        await self.committer.commit([insert_inode_op(self.row(inode, state)), self.touch_parent_op(parent)],
+                                    undo=undo)  # fmt: skip
+
+    async def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
+        parent = self.dir(parent_ino)
+        inode = self.new_inode(parent, name, "dir", stat.S_IFDIR | stat.S_IMODE(mode), uid, gid)
+        inode.listed_at = time.monotonic()  # just created here: nothing remote to merge yet
+        undo = Undo()
+        self.attach(parent, inode, undo)
+        await self.commit_new(parent, inode, META, undo)
+        inode.lookups += 1
+        return inode
+
+    async def symlink(self, parent_ino: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
+        parent = self.dir(parent_ino)
+        inode = self.new_inode(parent, name, "symlink", stat.S_IFLNK | 0o777, uid, gid)
+        inode.target = target
+        inode.size = len(target)
+        undo = Undo()
+        self.attach(parent, inode, undo)
+        await self.commit_new(parent, inode, META, undo)
+        inode.lookups += 1
+        return inode
+
+    async def mknod_special(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
+        """A FIFO or a UNIX socket: a local-only node (journaled, never drained).
+
+        The kernel opens, reads and writes FIFOs and binds sockets itself; the file
+        system only keeps the name, mode and owner.  Device nodes are refused (EPERM):
+        a checkpoint store has no use for them, and honouring them would let anyone
+        who can write the mount reach a device through it (the mount is not ``nodev``).
+        """
+        parent = self.dir(parent_ino)
+        if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+            raise FsError(errno.EPERM, "device nodes are not supported")
+        inode = self.new_inode(parent, name, "special", stat.S_IFMT(mode) | stat.S_IMODE(mode), uid, gid)
+        undo = Undo()
+        self.attach(parent, inode, undo)
+        await self.commit_new(parent, inode, META, undo)
+        inode.lookups += 1
+        return inode
+
+    def readlink(self, ino: int) -> bytes:
+        inode = self.inode(ino)
+        if inode.target is None:
+            raise FsError(errno.EINVAL)
+        return inode.target
+
+    async def add_link(self, inode: Inode, parent: Inode, new_name: bytes) -> None:
+        """Give ``inode`` (a local file, a symlink or a special node) the extra name
+        ``new_name`` in ``parent``: a row of its own, journaled before this returns."""
+        check_new_name(parent, new_name)
+        if new_name in parent.children:  # type: ignore[operator]
+            raise FsError(errno.EEXIST)
+        if (parent.parent == 0 and parent.ino != ROOT_INO) or not inode.named:
+            raise FsError(errno.ENOENT)  # removed meanwhile
+        row = next(self._next_ino)
+        undo = Undo()
+        times = (parent.mtime_ns, parent.ctime_ns, inode.ctime_ns)
+        hardlinks.add_name(parent, inode, row, new_name, undo)
+        parent.mtime_ns = parent.ctime_ns = inode.ctime_ns = now = now_ns()
+
+        def restore_times() -> None:
+            parent.mtime_ns, parent.ctime_ns, inode.ctime_ns = times
+
+        undo.add(restore_times)
+        inode.pending += 1
+        try:
+            await self.committer.commit([*link_ops(row, inode.ino, parent.ino, new_name, now), self.touch_parent_op(parent)],
+                                        undo=undo)  # fmt: skip
+        finally:
+            inode.pending -= 1
+
+    async def unlink(self, parent_ino: int, name: bytes) -> None:
+        parent = self.dir(parent_ino)
+        inode = self.child(parent_ino, name)
+        if inode.kind == "dir":
+            raise FsError(errno.EISDIR)
+        await self._remove(parent, inode, name)
+
+    async def rmdir(self, parent_ino: int, name: bytes) -> None:
+        parent = self.dir(parent_ino)
+        inode = self.child(parent_ino, name)
+        if inode.kind != "dir":
+            raise FsError(errno.ENOTDIR)
+        if inode.children:
+            raise FsError(errno.ENOTEMPTY)
+        await self._remove(parent, inode, name)
+
+    async def _remove(self, parent: Inode, inode: Inode, name: bytes) -> None:
+        undo = Undo()
+        ops = self._unlink_ops(parent, name, inode, undo) + [self.touch_parent_op(parent)]
+        inode.pending += 1
+        try:
+            await self.committer.commit(ops, undo=undo)
+        finally:
+            inode.pending -= 1
+        self.maybe_destroy(inode)
+
+    def detach(self, parent: Inode, inode: Inode, undo: Undo) -> int:
+        """Take ``inode``'s name away in memory; ``undo`` gives it back.  Returns the time."""
+        times = (parent.mtime_ns, parent.ctime_ns, inode.ctime_ns)
+        name = inode.name
+        del parent.children[name]  # type: ignore[union-attr]
+        if inode.kind == "dir":
+            parent.subdirs -= 1
+        inode.parent = 0
+        now = now_ns()
+        parent.mtime_ns = parent.ctime_ns = inode.ctime_ns = now
+
+        def relink() -> None:
+            parent.children[name] = inode.ino  # type: ignore[index]
+            if inode.kind == "dir":
+                parent.subdirs += 1
+            inode.parent, inode.name = parent.ino, name
+            parent.mtime_ns, parent.ctime_ns, inode.ctime_ns = times
+
+        undo.add(relink)
+        return now
+
+    def _unlink_ops(self, parent: Inode, name: bytes, inode: Inode, undo: Undo) -> list[Op]:
+        """Detach ``inode`` from its name ``name``; the journal queues that name's remote object for deletion."""
+        self.remember_removed(parent, name, undo)
+        row = hardlinks.name_row(inode, parent.ino, name)
+        if row != inode.ino:  # a hard link's name: the inode keeps its others
+            hardlinks.drop_name(parent, inode, row, undo)
+            times = (parent.mtime_ns, parent.ctime_ns, inode.ctime_ns)
+            parent.mtime_ns = parent.ctime_ns = inode.ctime_ns = now = now_ns()
+
+            def restore_times() -> None:
+                parent.mtime_ns, parent.ctime_ns, inode.ctime_ns = times
+
+            undo.add(restore_times)
+            return [*unlink_name_ops(row, name), update_inode_op(inode.ino, ctime_ns=now)]
+        return unlink_ops(inode.ino, inode.name, self.detach(parent, inode, undo))
+
+    def maybe_destroy(self, inode: Inode) -> None:
+        """Drop an unlinked inode once nothing references it any more."""
+        if inode.named or inode.lookups or inode.handles or inode.pending or inode.ino == ROOT_INO:
+            return
+        if self.inodes.get(inode.ino) is not inode:  # already dropped (or a failed create)
+            return
+        self.inodes.pop(inode.ino, None)
+        if inode.kind == "file":
+            self.on_destroy(inode)
+        # Not awaited: losing this record in a crash is harmless (start-up drops
+        # unlinked rows), and forget() must not block.
+        self.committer.enqueue(
+            drop_unlinked_ops(inode.ino)
+        )  # fmt: skip
+
+    async def rename(self, old_parent_ino: int, old_name: bytes, new_parent_ino: int,
+                     new_name: bytes, flags: int) -> bool:  # fmt: skip
+        """rename(2): atomically replaces a file target or an empty directory target.
+        False when there was nothing to do (the target is the same inode)."""
+        from pyfuse3 import RENAME_EXCHANGE, RENAME_NOREPLACE
+
+        if flags & RENAME_EXCHANGE:
+            raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
+        old_parent = self.dir(old_parent_ino)
+        new_parent = self.dir(new_parent_ino)
+        check_new_name(new_parent, new_name)
+        inode = self.child(old_parent_ino, old_name)
+        ops: list[Op] = []
+        target_ino = new_parent.children.get(new_name)  # type: ignore[union-attr]
+        target = self.inodes[target_ino] if target_ino is not None else None
+        if target is inode:
+            return False
+        if target is not None:
+            if flags & RENAME_NOREPLACE:
+                raise FsError(errno.EEXIST)
+            if inode.kind == "dir" and target.kind != "dir":
+                raise FsError(errno.ENOTDIR)
+            if inode.kind != "dir" and target.kind == "dir":
+                raise FsError(errno.EISDIR)
+            if target.children:
+                raise FsError(errno.ENOTEMPTY)
+        if inode.kind == "dir":  # the VFS checks this too; keep the core safe on its own
+            ancestor = new_parent
+            while ancestor.ino != ROOT_INO:
+                if ancestor is inode:
+                    raise FsError(errno.EINVAL)
+                ancestor = self.inodes[ancestor.parent]
+        undo = Undo()
+        if target is not None:
+            ops += self._unlink_ops(new_parent, new_name, target, undo)
+            target.pending += 1
+        self.remember_removed(old_parent, old_name, undo)
+        row = hardlinks.name_row(inode, old_parent.ino, old_name)
+        if row == inode.ino:
+            self.detach(old_parent, inode, undo)  # restores the old name and times on failure
+            inode.parent, inode.name = new_parent.ino, new_name
+        else:  # one of a hard-linked file's other names moves
+            old_times = (old_parent.mtime_ns, old_parent.ctime_ns, inode.ctime_ns)
+            hardlinks.drop_name(old_parent, inode, row, undo)
+            inode.links[row] = (new_parent.ino, new_name)
+
+            def restore_old_times() -> None:
+                old_parent.mtime_ns, old_parent.ctime_ns, inode.ctime_ns = old_times
+
+            undo.add(restore_old_times)
+        new_times = (new_parent.mtime_ns, new_parent.ctime_ns)
+        new_parent.children[new_name] = inode.ino  # type: ignore[index]
+        if inode.kind == "dir":
+            new_parent.subdirs += 1
+        now = now_ns()
+        inode.ctime_ns = old_parent.mtime_ns = old_parent.ctime_ns = now
+        new_parent.mtime_ns = new_parent.ctime_ns = now
+
+        def unmove() -> None:
+            if new_parent.children.get(new_name) == inode.ino:  # type: ignore[union-attr]
+                del new_parent.children[new_name]  # type: ignore[union-attr]
+                if inode.kind == "dir":
+                    new_parent.subdirs -= 1
+            new_parent.mtime_ns, new_parent.ctime_ns = new_times
+
+        undo.add(unmove)
+        ops += [
+            update_inode_op(row, parent=new_parent.ino, name=new_name, ctime_ns=now),
+            update_inode_op(inode.ino, ctime_ns=now),
+            self.touch_parent_op(old_parent),
+            self.touch_parent_op(new_parent),
+            event_op(row, "rename", f"{os.fsdecode(old_name)} -> {os.fsdecode(new_name)}"),
+        ]
+        try:
+            await self.committer.commit(ops, undo=undo)
+        finally:
+            if target is not None:
+                target.pending -= 1
+        if target is not None:
+            self.maybe_destroy(target)
+        return True
