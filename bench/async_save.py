@@ -39,6 +39,7 @@ LAYERS = 8  # tensors per state entry: enough that per-tensor overhead shows, li
 def build_state(size_mib: int, device: torch.device) -> dict[str, Any]:
     """A model + AdamW-like state of about ``size_mib``: fp32 params, exp_avg, exp_avg_sq."""
     per_tensor = (size_mib << 20) // (3 * LAYERS * 4)  # fp32 elements per tensor
+
     # uniform_ is cheap to fill; the values do not matter to torch.save or a copy
     def tensor() -> torch.Tensor:
         return torch.empty(per_tensor, device=device).uniform_()
@@ -47,7 +48,9 @@ def build_state(size_mib: int, device: torch.device) -> dict[str, Any]:
     return {
         "model": params,
         "optim": {
-            "state": {i: {"step": torch.tensor(100.0), "exp_avg": tensor(), "exp_avg_sq": tensor()} for i in range(LAYERS)},
+            "state": {
+                i: {"step": torch.tensor(100.0), "exp_avg": tensor(), "exp_avg_sq": tensor()} for i in range(LAYERS)
+            },
             "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "params": list(range(LAYERS))}],
         },
         "step": 100,
@@ -113,9 +116,15 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
     result: dict[str, Any] = {
         "config": {
-            "dir": str(directory), "size_mib": args.size_mib, "bytes": nbytes, "repeat": args.repeat,
-            "device": str(device), "torch": torch.__version__, "cpus": os.cpu_count(), "pool_pinned": pool.pinned,
-        },  # fmt: skip
+            "dir": str(directory),
+            "size_mib": args.size_mib,
+            "bytes": nbytes,
+            "repeat": args.repeat,
+            "device": str(device),
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "pool_pinned": pool.pinned,
+        },
         "runs": runs,
         "cold_async_blocking_s": cold_blocking,
         "cold_async_total_s": cold_total,
@@ -128,15 +137,20 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     if device.type == "cuda":
         copy_s = time_plain_pinned_copy(nbytes, device, args.repeat)
         result["median"]["plain_pinned_copy_s"] = copy_s
-        result["gbps"] = {"snapshot_d2h": nbytes / med["async_blocking_s"] / 1e9, "plain_pinned_copy_d2h": nbytes / copy_s / 1e9}
+        result["gbps"] = {
+            "snapshot_d2h": nbytes / med["async_blocking_s"] / 1e9,
+            "plain_pinned_copy_d2h": nbytes / copy_s / 1e9,
+        }
         result["ratios"]["snapshot_vs_plain_copy_bandwidth"] = copy_s / med["async_blocking_s"]
     return result
 
 
 def print_table(result: dict[str, Any]) -> None:
     cfg, med = result["config"], result["median"]
-    print(f"state {cfg['bytes'] / 2**20:.0f} MiB on {cfg['device']}, dir {cfg['dir']}, "
-          f"{cfg['repeat']} repeats (median), torch {cfg['torch']}, {cfg['cpus']} CPUs, pinned pool: {cfg['pool_pinned']}")  # fmt: skip
+    print(
+        f"state {cfg['bytes'] / 2**20:.0f} MiB on {cfg['device']}, dir {cfg['dir']}, "
+        f"{cfg['repeat']} repeats (median), torch {cfg['torch']}, {cfg['cpus']} CPUs, pinned pool: {cfg['pool_pinned']}"
+    )
     rows = [
         ("torch.save (blocking = whole write)", med["torch_save_s"]),
         ("async_save blocking (snapshot)", med["async_blocking_s"]),
@@ -155,7 +169,9 @@ def print_table(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", type=Path, help="checkpoint directory (default: a temp dir under /dev/shm, removed after)")
+    parser.add_argument(
+        "--dir", type=Path, help="checkpoint directory (default: a temp dir under /dev/shm, removed after)"
+    )
     parser.add_argument("--size-mib", type=int, default=1024, help="state size in MiB (default 1024)")
     parser.add_argument("--repeat", type=int, default=3, help="measured repetitions (default 3)")
     parser.add_argument("--cpu", action="store_true", help="keep the state on the CPU even if CUDA is available")

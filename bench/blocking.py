@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_mount, median, report, run_ranks, state_dict, timed  # noqa: E402
 
 
-
 def write_shard(path: str, size: int, start: multiprocessing.Barrier) -> None:  # type: ignore[valid-type]
     block = os.urandom(1 << 20)
     start.wait()
@@ -75,7 +74,7 @@ def main() -> None:
             # Interleaved, and each repeat starts with another contender: the VM makes
             # touching recently freed memory slow, which hits whoever runs first.
             names = list(targets)
-            order = [(where, targets[where]) for where in names[i % len(names):] + names[: i % len(names)]]
+            order = [(where, targets[where]) for where in names[i % len(names) :] + names[: i % len(names)]]
             for where, directory in order:
                 target = directory / f"ckpt{i}.pt"
                 settle()
@@ -100,8 +99,9 @@ def main() -> None:
     }
     rows = [
         (f"{names[case][0]} [{path}]", median(results[case][path]), median(results[case]["plain"]), names[case][1])
-        for case in cases for path in ("passthrough", "daemon")
-    ]  # fmt: skip
+        for case in cases
+        for path in ("passthrough", "daemon")
+    ]
     report("blocking time: burstfs mount vs plain tmpfs (medians)", rows, args.json)
     if not args.json:
         for path, mib in rss.items():

@@ -32,8 +32,21 @@ class BenchMount:
         self.args = args
 
     def mount(self) -> None:
-        subprocess.run([str(BIN / "burstfs"), "mount", str(self.mnt), "--cache", str(self.cache),
-                        "--remote", self.remote_url, "--log-level", "WARNING", *self.args], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                str(BIN / "burstfs"),
+                "mount",
+                str(self.mnt),
+                "--cache",
+                str(self.cache),
+                "--remote",
+                self.remote_url,
+                "--log-level",
+                "WARNING",
+                *self.args,
+            ],
+            check=True,
+        )
 
     def unmount(self) -> None:
         subprocess.run([str(BIN / "burstfs"), "unmount", str(self.mnt)], check=False, capture_output=True)
@@ -49,8 +62,10 @@ class BenchMount:
         while time.monotonic() < deadline:
             db = sqlite3.connect(f"file:{self.cache / 'journal.db'}?mode=ro", uri=True)
             try:
-                (busy,) = db.execute("SELECT count(*) FROM inodes WHERE kind='file' AND parent!=0 "
-                                     "AND state IN ('writing', 'staged', 'draining')").fetchone()  # fmt: skip
+                (busy,) = db.execute(
+                    "SELECT count(*) FROM inodes WHERE kind='file' AND parent!=0 "
+                    "AND state IN ('writing', 'staged', 'draining')"
+                ).fetchone()
             finally:
                 db.close()
             if not busy:
@@ -97,9 +112,16 @@ def median(values: list[float]) -> float:
 def report(title: str, rows: list[tuple[str, float, float, float | None]], as_json: bool) -> None:
     """rows: (case, burstfs seconds, baseline seconds, target ratio)."""
     if as_json:
-        print(json.dumps({"title": title, "rows": [
-            {"case": c, "burstfs_s": b, "baseline_s": p, "ratio": b / p, "target": t} for c, b, p, t in rows
-        ]}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "title": title,
+                    "rows": [
+                        {"case": c, "burstfs_s": b, "baseline_s": p, "ratio": b / p, "target": t} for c, b, p, t in rows
+                    ],
+                }
+            )
+        )
         return
     print(f"\n{title}")
     print(f"{'case':<44} {'burstfs s':>10} {'baseline s':>11} {'ratio':>7} {'target':>7}")

@@ -49,11 +49,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     BenchMount,
-    state_dict,
     make_bucket,
     median,
     moto_endpoint,
     report,
+    state_dict,
     timed,
     wait_durable,
 )
@@ -81,6 +81,7 @@ def raw_copy_hash(src: Path, dst: Path, part: int, threads: int) -> None:
     fin = os.open(src, os.O_RDONLY)
     fout = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
+
         def one(offset: int) -> str:
             data = os.pread(fin, min(part, size - offset), offset)
             digest = xxhash.xxh3_64_hexdigest(data)
@@ -138,6 +139,7 @@ class RawUploader:
         slots = asyncio.Semaphore(self.inflight)
         fd = os.open(src, os.O_RDONLY)
         try:
+
             async def send(number: int, offset: int) -> dict[str, Any]:
                 async with slots:
                     data = await asyncio.to_thread(os.pread, fd, min(part, size - offset), offset)
@@ -149,8 +151,9 @@ class RawUploader:
             parts = await asyncio.gather(*(send(n + 1, off) for n, off in enumerate(range(0, size, part))))
         finally:
             os.close(fd)
-        await client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id,
-                                               MultipartUpload={"Parts": list(parts)})  # fmt: skip
+        await client.complete_multipart_upload(
+            Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": list(parts)}
+        )
 
 
 def empty_bucket(endpoint: str, bucket: str) -> None:
@@ -178,8 +181,9 @@ class Timeline:
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:
-                row = db.execute("SELECT state FROM inodes WHERE name=? AND parent!=0",
-                                 (self.name.encode(),)).fetchone()  # fmt: skip
+                row = db.execute(
+                    "SELECT state FROM inodes WHERE name=? AND parent!=0", (self.name.encode(),)
+                ).fetchone()
                 now = time.perf_counter()
                 if row is not None:
                     (state,) = row
@@ -196,8 +200,9 @@ class Timeline:
         raise TimeoutError(f"{self.name} not durable after {timeout:.0f}s")
 
 
-def burstfs_to_durable(sd: dict[str, Any], args: argparse.Namespace, remote_url: str | None,
-                       extra: tuple[str, ...]) -> tuple[float, dict[str, float], float]:  # fmt: skip
+def burstfs_to_durable(
+    sd: dict[str, Any], args: argparse.Namespace, remote_url: str | None, extra: tuple[str, ...]
+) -> tuple[float, dict[str, float], float]:
     """(seconds to durable, breakdown, daemon peak RSS MiB) of one torch.save into a fresh mount."""
     import torch
 
@@ -235,8 +240,9 @@ def raw_to_durable(sd: dict[str, Any], plain: Path, ship: Any) -> tuple[float, f
     return total, saved - start
 
 
-def durable_case(label: str, sd: dict[str, Any], args: argparse.Namespace, remote_for: Any,
-                 ship_for: Any, cleanup: Any = None) -> dict[str, Any]:  # fmt: skip
+def durable_case(
+    label: str, sd: dict[str, Any], args: argparse.Namespace, remote_for: Any, ship_for: Any, cleanup: Any = None
+) -> dict[str, Any]:
     """Alternate burstfs and raw ``args.repeat`` times; ``remote_for(i)`` -> (url, mount args)."""
     fs, raw, raw_save, rss = [], [], [], []
     parts: dict[str, list[float]] = {}
@@ -327,8 +333,10 @@ def ranks_rss(args: argparse.Namespace) -> dict[str, Any]:
     try:
         ctx = multiprocessing.get_context("fork")
         barrier = ctx.Barrier(args.ranks + 1)
-        procs = [ctx.Process(target=write_rank, args=(str(m.mnt / f"rank{r}.bin"), args.shard_mib * MiB, barrier))
-                 for r in range(args.ranks)]  # fmt: skip
+        procs = [
+            ctx.Process(target=write_rank, args=(str(m.mnt / f"rank{r}.bin"), args.shard_mib * MiB, barrier))
+            for r in range(args.ranks)
+        ]
         for p in procs:
             p.start()
         barrier.wait()
@@ -338,8 +346,12 @@ def ranks_rss(args: argparse.Namespace) -> dict[str, Any]:
         written = time.perf_counter()
         rss_written = m.daemon_peak_rss_mib()
         durable = wait_durable(m.cache, [f"rank{r}.bin" for r in range(args.ranks)])
-        return {"rss": [m.daemon_peak_rss_mib()], "rss_after_writes": rss_written,
-                "write_s": written - start, "durable_s": durable - start}  # fmt: skip
+        return {
+            "rss": [m.daemon_peak_rss_mib()],
+            "rss_after_writes": rss_written,
+            "write_s": written - start,
+            "durable_s": durable - start,
+        }
     finally:
         m.unmount()
         shutil.rmtree(base, ignore_errors=True)
@@ -380,6 +392,7 @@ def main() -> None:
             remote.mkdir()
             raw_copy_hash(src, remote / src.name, part, inflight)
             shutil.rmtree(remote)
+
         return ship
 
     results["file"] = durable_case("file", sd, args, file_remote, file_ship)
@@ -399,8 +412,9 @@ def main() -> None:
                 return lambda src: uploader.upload(bucket, f"raw{i}/ckpt.pt", src, part)
 
             try:
-                results["s3"] = durable_case("s3", sd_s3, args, s3_remote, s3_ship,
-                                             cleanup=lambda: empty_bucket(endpoint, bucket))  # fmt: skip
+                results["s3"] = durable_case(
+                    "s3", sd_s3, args, s3_remote, s3_ship, cleanup=lambda: empty_bucket(endpoint, bucket)
+                )
             finally:
                 uploader.close()
         del sd_s3
@@ -410,47 +424,84 @@ def main() -> None:
     results["ranks"] = ranks_rss(args)
 
     rows: list[tuple[str, float, float, float | None]] = []
-    rows.append((f"file remote: torch.save {args.size_mib} MiB -> durable", median(results["file"]["fs"]),
-                 median(results["file"]["raw"]), 1.25))  # fmt: skip
+    rows.append(
+        (
+            f"file remote: torch.save {args.size_mib} MiB -> durable",
+            median(results["file"]["fs"]),
+            median(results["file"]["raw"]),
+            1.25,
+        )
+    )
     if "s3" in results:
-        rows.append((f"moto S3: torch.save {args.s3_size_mib} MiB -> durable", median(results["s3"]["fs"]),
-                     median(results["s3"]["raw"]), 1.25))  # fmt: skip
-    rows.append((f"B {args.size_mib} MiB while A drains (blocking)", median(results["blocking"]["fs"]),
-                 median(results["blocking"]["plain"]), 1.15))  # fmt: skip
+        rows.append(
+            (
+                f"moto S3: torch.save {args.s3_size_mib} MiB -> durable",
+                median(results["s3"]["fs"]),
+                median(results["s3"]["raw"]),
+                1.25,
+            )
+        )
+    rows.append(
+        (
+            f"B {args.size_mib} MiB while A drains (blocking)",
+            median(results["blocking"]["fs"]),
+            median(results["blocking"]["plain"]),
+            1.15,
+        )
+    )
     all_rss = [r for key in ("file", "s3", "blocking", "ranks") if key in results for r in results[key]["rss"]]
     peak_rss = max(all_rss)
-    title = (f"time to durable vs raw pipeline; blocking while draining (medians of {args.repeat}; "
-             f"part {args.part_mib} MiB x {inflight} in flight)")  # fmt: skip
+    title = (
+        f"time to durable vs raw pipeline; blocking while draining (medians of {args.repeat}; "
+        f"part {args.part_mib} MiB x {inflight} in flight)"
+    )
     report(title, rows, args.json)
     remotes = [where for where in ("file", "s3") if where in results]
     breakdown = {where: {k: median(v) for k, v in results[where]["parts"].items()} for where in remotes}
     raw_save = {where: median(results[where]["raw_save"]) for where in remotes}
     if args.json:
-        print(json.dumps({"title": "details", "daemon_peak_rss_mib": peak_rss, "burstfs_breakdown_s": breakdown,
-                          "loadavg": [load_start[0], os.getloadavg()[0]],
-                          "raw_save_s": raw_save, "raw": results}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "title": "details",
+                    "daemon_peak_rss_mib": peak_rss,
+                    "burstfs_breakdown_s": breakdown,
+                    "loadavg": [load_start[0], os.getloadavg()[0]],
+                    "raw_save_s": raw_save,
+                    "raw": results,
+                }
+            )
+        )
         return
     print(f"daemon peak RSS: {peak_rss:.0f} MiB over {len(all_rss)} mounts (target <= 300 MiB)")
     per_case = {k: max(results[k]["rss"]) for k in ("file", "s3", "blocking", "ranks") if k in results}
     print("  peak RSS per case (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in per_case.items()))
     rk = results["ranks"]
-    print(f"  (c) {args.ranks} ranks x {args.shard_mib} MiB written at once: RSS {rk['rss_after_writes']:.0f} MiB "
-          f"after the writes ({rk['write_s']:.2f}s), {rk['rss'][0]:.0f} MiB once all durable ({rk['durable_s']:.2f}s)")  # fmt: skip
+    print(
+        f"  (c) {args.ranks} ranks x {args.shard_mib} MiB written at once: RSS {rk['rss_after_writes']:.0f} MiB "
+        f"after the writes ({rk['write_s']:.2f}s), {rk['rss'][0]:.0f} MiB once all durable ({rk['durable_s']:.2f}s)"
+    )
     load_end = os.getloadavg()[0]
     print(f"load average at start {load_start[0]:.2f}, at end {load_end:.2f} (2 cores; others' jobs add noise)")
     if "s3" in results:
-        print(f"note: the moto case uses {args.s3_size_mib} MiB (moto uploads at ~60-80 MiB/s), "
-              f"the file remote case {args.size_mib} MiB")  # fmt: skip
+        print(
+            f"note: the moto case uses {args.s3_size_mib} MiB (moto uploads at ~60-80 MiB/s), "
+            f"the file remote case {args.size_mib} MiB"
+        )
     for where, parts in breakdown.items():
         ship = median(results[where]["raw"]) - raw_save[where]
-        print(f"where the burstfs time goes, {where} remote (medians; raw: torch.save into tmpfs "
-              f"{raw_save[where]:.3f}s, then ship {ship:.3f}s):")  # fmt: skip
+        print(
+            f"where the burstfs time goes, {where} remote (medians; raw: torch.save into tmpfs "
+            f"{raw_save[where]:.3f}s, then ship {ship:.3f}s):"
+        )
         for k, v in parts.items():
             print(f"  {k:<34} {v:8.3f} s")
     busy = results["blocking"]["a_drain_after_b_start"]
     b_med = median(results["blocking"]["fs"])
-    print(f"(b) A became durable a median {median(busy):.2f}s after B started (B took {b_med:.2f}s): "
-          + ("B overlapped all of A's drain" if median(busy) >= b_med else "A's drain ended while B was written"))
+    print(
+        f"(b) A became durable a median {median(busy):.2f}s after B started (B took {b_med:.2f}s): "
+        + ("B overlapped all of A's drain" if median(busy) >= b_med else "A's drain ended while B was written")
+    )
 
 
 if __name__ == "__main__":

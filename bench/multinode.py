@@ -68,9 +68,10 @@ def marker_case(endpoint: str, repeat: int) -> list[float]:
     make_bucket(endpoint, "marker")
     admin = str(BIN / "burstfs-admin")
     gaps = []
-    with bench_mount("s3://marker/run", ("--endpoint-url", endpoint, "--node-id", "n0")) as n0, \
-         bench_mount("s3://marker/run", ("--endpoint-url", endpoint, "--node-id", "n1",
-                                         "--drain-delay", "3600")) as n1:  # fmt: skip
+    with (
+        bench_mount("s3://marker/run", ("--endpoint-url", endpoint, "--node-id", "n0")) as n0,
+        bench_mount("s3://marker/run", ("--endpoint-url", endpoint, "--node-id", "n1", "--drain-delay", "3600")) as n1,
+    ):
         for i in range(repeat):
             step = f"ckpt/step_{i}"
             for rank, mount in enumerate((n0, n0, n1, n1)):
@@ -114,8 +115,16 @@ def latest_case(endpoint: str, count: int) -> tuple[float, float, str]:
                 raise TimeoutError("commits did not all land")
             time.sleep(1.0)
     written = time.perf_counter() - started
-    command = [str(BIN / "burstfs-admin"), "latest", "--remote", "s3://latest/run", "--endpoint-url", endpoint,
-               "--json", "ckpt"]  # fmt: skip
+    command = [
+        str(BIN / "burstfs-admin"),
+        "latest",
+        "--remote",
+        "s3://latest/run",
+        "--endpoint-url",
+        endpoint,
+        "--json",
+        "ckpt",
+    ]
     start = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True)
     took = time.perf_counter() - start
@@ -142,12 +151,18 @@ def main() -> None:
     if args.json:
         print(json.dumps(doc))
         return
-    print(f"torch.save {args.size_mib} MiB (medians of {args.repeat}): fresh directory {fresh:.3f} s, "
-          f"round already open {open_round:.3f} s: intent adds {100 * (fresh / open_round - 1):+.1f}% (target <= 2%)")
-    print(f"last done -> marker on the remote: {', '.join(f'{g:.3f}' for g in gaps)} s (max {max(gaps):.3f}, "
-          "target <= 1 s)")
-    print(f"latest --remote over {args.checkpoints} checkpoints: {took:.2f} s (whole command) -> {answer}; "
-          f"writing and committing them took {written:.0f} s")
+    print(
+        f"torch.save {args.size_mib} MiB (medians of {args.repeat}): fresh directory {fresh:.3f} s, "
+        f"round already open {open_round:.3f} s: intent adds {100 * (fresh / open_round - 1):+.1f}% (target <= 2%)"
+    )
+    print(
+        f"last done -> marker on the remote: {', '.join(f'{g:.3f}' for g in gaps)} s (max {max(gaps):.3f}, "
+        "target <= 1 s)"
+    )
+    print(
+        f"latest --remote over {args.checkpoints} checkpoints: {took:.2f} s (whole command) -> {answer}; "
+        f"writing and committing them took {written:.0f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -75,8 +75,12 @@ def s3_client(endpoint: str) -> Any:
     import boto3
     from botocore.config import Config
 
-    config = Config(max_pool_connections=THREADS * 8 + 4, s3={"addressing_style": "path"},
-                    request_checksum_calculation="when_required", response_checksum_validation="when_required")  # fmt: skip
+    config = Config(
+        max_pool_connections=THREADS * 8 + 4,
+        s3={"addressing_style": "path"},
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
     return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", config=config)
 
 
@@ -222,8 +226,9 @@ class MountContender(Contender):
 
 
 class Burstfs(MountContender):
-    def __init__(self, name: str, tag: str, endpoint: str, bucket: str, args: tuple[str, ...],
-                 profile_dir: Path | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, name: str, tag: str, endpoint: str, bucket: str, args: tuple[str, ...], profile_dir: Path | None = None
+    ) -> None:
         super().__init__(name, tag)
         self.url, self.args = f"s3://{bucket}/{tag}", ("--endpoint-url", endpoint, *args)
         self.profile_dir = profile_dir
@@ -253,10 +258,24 @@ class Burstfs(MountContender):
             return
         self.profile_dir.mkdir(parents=True, exist_ok=True)
         out = self.profile_dir / f"{self.tag}-{case}.txt"
-        self.profiler = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid",
-                                          str(self.current.daemon_pid()), "--rate", "250", "--threads",
-                                          "--format", "raw", "--output", str(out), "--nonblocking"],
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        self.profiler = subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "py-spy"),
+                "record",
+                "--pid",
+                str(self.current.daemon_pid()),
+                "--rate",
+                "250",
+                "--threads",
+                "--format",
+                "raw",
+                "--output",
+                str(out),
+                "--nonblocking",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         time.sleep(1.0)  # py-spy attaches
         try:
             yield
@@ -288,9 +307,16 @@ class Rclone(MountContender):
         self.sizes: dict[str, int] = {}
 
     def env(self) -> dict[str, str]:
-        conf = {"TYPE": "s3", "PROVIDER": "Other", "ENV_AUTH": "false", "ACCESS_KEY_ID": os.environ["AWS_ACCESS_KEY_ID"],
-                "SECRET_ACCESS_KEY": os.environ["AWS_SECRET_ACCESS_KEY"], "REGION": "us-east-1",
-                "ENDPOINT": self.endpoint, "FORCE_PATH_STYLE": "true"}  # fmt: skip
+        conf = {
+            "TYPE": "s3",
+            "PROVIDER": "Other",
+            "ENV_AUTH": "false",
+            "ACCESS_KEY_ID": os.environ["AWS_ACCESS_KEY_ID"],
+            "SECRET_ACCESS_KEY": os.environ["AWS_SECRET_ACCESS_KEY"],
+            "REGION": "us-east-1",
+            "ENDPOINT": self.endpoint,
+            "FORCE_PATH_STYLE": "true",
+        }
         return {**os.environ, **{f"RCLONE_CONFIG_MOTO_{k}": v for k, v in conf.items()}}
 
     def mount(self) -> Path:
@@ -299,11 +325,31 @@ class Rclone(MountContender):
         self.mnt = gen / "mnt"
         self.mnt.mkdir(parents=True)
         log = open(gen / "rclone.log", "wb")  # noqa: SIM115 - the child owns it
-        self.proc = subprocess.Popen(["rclone", "mount", f"moto:{self.bucket}/{self.tag}", str(self.mnt),
-                                      "--vfs-cache-mode", self.mode, "--cache-dir", str(gen / "cache"),
-                                      "--vfs-write-back", "0s", "--s3-chunk-size", "8M", "--s3-upload-concurrency",
-                                      str(THREADS), "--s3-upload-cutoff", "8M", "--dir-cache-time", "1s"],
-                                     env=self.env(), stdout=log, stderr=log)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [
+                "rclone",
+                "mount",
+                f"moto:{self.bucket}/{self.tag}",
+                str(self.mnt),
+                "--vfs-cache-mode",
+                self.mode,
+                "--cache-dir",
+                str(gen / "cache"),
+                "--vfs-write-back",
+                "0s",
+                "--s3-chunk-size",
+                "8M",
+                "--s3-upload-concurrency",
+                str(THREADS),
+                "--s3-upload-cutoff",
+                "8M",
+                "--dir-cache-time",
+                "1s",
+            ],
+            env=self.env(),
+            stdout=log,
+            stderr=log,
+        )
         log.close()
         deadline = time.monotonic() + 30
         while not os.path.ismount(self.mnt):
@@ -372,9 +418,11 @@ def profile_breakdown(path: Path, rate: int = 250) -> dict[str, float]:
 
 
 def contenders(endpoint: str, bucket: str, args: argparse.Namespace) -> tuple[list[Contender], list[str]]:
-    found: list[Contender] = [Reference(endpoint, bucket),
-                              Burstfs("burstfs", "burstfs", endpoint, bucket, (), args.py_spy),
-                              Burstfs("burstfs --no-passthrough", "burstfs-nopt", endpoint, bucket, ("--no-passthrough",))]  # fmt: skip
+    found: list[Contender] = [
+        Reference(endpoint, bucket),
+        Burstfs("burstfs", "burstfs", endpoint, bucket, (), args.py_spy),
+        Burstfs("burstfs --no-passthrough", "burstfs-nopt", endpoint, bucket, ("--no-passthrough",)),
+    ]
     skipped: list[str] = []
     if args.py_spy is not None and shutil.which("py-spy", path=str(Path(sys.executable).parent)) is None:
         skipped.append(f"py-spy profile: no py-spy next to {sys.executable} (pip install py-spy)")
@@ -388,8 +436,12 @@ def contenders(endpoint: str, bucket: str, args: argparse.Namespace) -> tuple[li
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=sorted(SIZES), default="small",
-                        help="small: 256 MiB / 8 x 32 MiB (a few minutes on 2 cores); issue: 1 GiB / 8 x 128 MiB")  # fmt: skip
+    parser.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default="small",
+        help="small: 256 MiB / 8 x 32 MiB (a few minutes on 2 cores); issue: 1 GiB / 8 x 128 MiB",
+    )
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=1, help="rounds (contender order rotates); medians")
     parser.add_argument("--py-spy", type=Path, default=None, help="record the default mount's daemon into DIR")
@@ -416,7 +468,7 @@ def main() -> None:
             print(f"skipped: {line}", file=sys.stderr)
         try:
             for i in range(args.repeat):
-                order = found[i % len(found):] + found[: i % len(found)]
+                order = found[i % len(found) :] + found[: i % len(found)]
                 for c in order:
                     for case, run in CASES:
                         seconds = run(c, sd, args)
@@ -428,20 +480,34 @@ def main() -> None:
 
     ref = Reference.name
     names = [c.name for c in found]
-    labels = {"torch.save -> durable": f"torch.save {args.size_mib} MiB -> durable",
-              "ranks -> durable": f"{args.ranks} x {args.shard_mib} MiB ranks -> durable",
-              "cold torch.load": f"cold torch.load {args.size_mib} MiB",
-              "cold read of rank files": f"cold read of {args.ranks} x {args.shard_mib} MiB"}  # fmt: skip
+    labels = {
+        "torch.save -> durable": f"torch.save {args.size_mib} MiB -> durable",
+        "ranks -> durable": f"{args.ranks} x {args.shard_mib} MiB ranks -> durable",
+        "cold torch.load": f"cold torch.load {args.size_mib} MiB",
+        "cold read of rank files": f"cold read of {args.ranks} x {args.shard_mib} MiB",
+    }
     med = {n: {case: median(v) for case, v in t.items()} for n, t in times.items()}
     if args.json:
-        print(json.dumps({"size": args.size, "repeat": args.repeat, "medians_s": med, "raw_s": times,
-                          "skipped": skipped, "loadavg": [load_start, os.getloadavg()[0]]}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "size": args.size,
+                    "repeat": args.repeat,
+                    "medians_s": med,
+                    "raw_s": times,
+                    "skipped": skipped,
+                    "loadavg": [load_start, os.getloadavg()[0]],
+                }
+            )
+        )
         return
     print(f"\npeers on one moto server, medians of {args.repeat} (s; ratio to the {ref})")
     print(f"| case | {' | '.join(names)} |")
     print(f"|---|{'---|' * len(names)}")
     for case, _ in CASES:
-        cells = [f"{med[n][case]:.2f}" + ("" if n == ref else f" ({med[n][case] / med[ref][case]:.2f}x)") for n in names]
+        cells = [
+            f"{med[n][case]:.2f}" + ("" if n == ref else f" ({med[n][case] / med[ref][case]:.2f}x)") for n in names
+        ]
         print(f"| {labels[case]} | {' | '.join(cells)} |")
     print(f"load average at start {load_start:.2f}, at end {os.getloadavg()[0]:.2f} (2 cores; others' jobs add noise)")
     for line in skipped:

@@ -53,13 +53,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     BenchMount,
-    run_ranks,
-    state_dict,
     drop_page_cache,
     make_bucket,
     median,
     moto_endpoint,
     report,
+    run_ranks,
+    state_dict,
     timed,
     wait_durable,
 )
@@ -68,7 +68,6 @@ MiB = 1 << 20
 RANGE = 8 * MiB  # burstfs' default part size = its fetch chunk
 FETCH_CONCURRENCY = 16  # burstfs.restore.FETCH_CONCURRENCY
 READ_BUF = 8 * MiB  # what each shard reader asks read() for
-
 
 
 def retain_freed_memory() -> None:
@@ -141,6 +140,7 @@ def raw_file_ranges(paths: list[Path], dest: list[Path] | None = None, threads: 
     sink = Sink(sizes, dest)
     fds = [os.open(p, os.O_RDONLY) for p in paths]
     try:
+
         def one(job: tuple[int, int]) -> None:
             i, offset = job
             data = os.pread(fds[i], RANGE, offset)
@@ -163,14 +163,20 @@ class RawS3Reader:
         from aiobotocore.config import AioConfig
         from aiobotocore.session import get_session
 
-        config = AioConfig(max_pool_connections=FETCH_CONCURRENCY + 4, s3={"addressing_style": "path"},
-                           retries={"mode": "standard", "total_max_attempts": 1},
-                           request_checksum_calculation="when_required",
-                           response_checksum_validation="when_required")  # fmt: skip
+        config = AioConfig(
+            max_pool_connections=FETCH_CONCURRENCY + 4,
+            s3={"addressing_style": "path"},
+            retries={"mode": "standard", "total_max_attempts": 1},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
         self.runner = asyncio.Runner()
         self.stack = contextlib.AsyncExitStack()
-        self.client = self.runner.run(self.stack.enter_async_context(
-            get_session().create_client("s3", region_name="us-east-1", endpoint_url=endpoint, config=config)))  # fmt: skip
+        self.client = self.runner.run(
+            self.stack.enter_async_context(
+                get_session().create_client("s3", region_name="us-east-1", endpoint_url=endpoint, config=config)
+            )
+        )
 
     def close(self) -> None:
         self.runner.run(self.stack.aclose())
@@ -228,13 +234,26 @@ def write_checkpoint(m: BenchMount, sd: dict[str, Any], ranks: int, shard_mib: i
     return ["ckpt.pt", *[f"shards/rank{r}.bin" for r in range(ranks)]]
 
 
-def run_remote(label: str, remote: Remote, sd: dict[str, Any], args: argparse.Namespace, ranks: int,
-               shard_mib: int, warm: bool) -> dict[str, Any]:  # fmt: skip
+def run_remote(
+    label: str, remote: Remote, sd: dict[str, Any], args: argparse.Namespace, ranks: int, shard_mib: int, warm: bool
+) -> dict[str, Any]:
     root = fresh_base()
-    res: dict[str, list[float]] = {k: [] for k in ("cold_load_fs", "cold_load_raw", "cold_raw_read_only",
-                                                   "cold_shards_fs", "cold_shards_raw", "warm_load_fs",
-                                                   "warm_load_plain", "warm_shards_fs", "warm_shards_plain",
-                                                   "hot_load_fs", "hot_shards_fs")}  # fmt: skip
+    res: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "cold_load_fs",
+            "cold_load_raw",
+            "cold_raw_read_only",
+            "cold_shards_fs",
+            "cold_shards_raw",
+            "warm_load_fs",
+            "warm_load_plain",
+            "warm_shards_fs",
+            "warm_shards_plain",
+            "hot_load_fs",
+            "hot_shards_fs",
+        )
+    }
     rss: list[float] = []
     try:
         writer = BenchMount(root / "writer", remote.url, remote.extra)
@@ -302,8 +321,10 @@ def run_remote(label: str, remote: Remote, sd: dict[str, Any], args: argparse.Na
             finally:
                 reader.unmount()
                 shutil.rmtree(root / f"reader{i}", ignore_errors=True)
-            print(f"  [{label}] repeat {i + 1}: " + " ".join(f"{k}={v[-1]:.2f}" for k, v in res.items() if v),
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"  [{label}] repeat {i + 1}: " + " ".join(f"{k}={v[-1]:.2f}" for k, v in res.items() if v),
+                file=sys.stderr,
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {"times": res, "rss": rss}
@@ -318,8 +339,12 @@ def main() -> None:
     parser.add_argument("--s3-shard-mib", type=int, default=8, help="each shard on moto")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--skip-s3", action="store_true")
-    parser.add_argument("--read-ahead-kb", type=int, default=None,
-                        help="set the reader mounts' bdi read_ahead_kb (an experiment; default: the kernel's 128)")
+    parser.add_argument(
+        "--read-ahead-kb",
+        type=int,
+        default=None,
+        help="set the reader mounts' bdi read_ahead_kb (an experiment; default: the kernel's 128)",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--mount-arg", action="append", default=[], help="extra mount argument for the reader")
     args = parser.parse_args()
@@ -329,6 +354,7 @@ def main() -> None:
     results: dict[str, Any] = {}
     remote_dir = fresh_base()
     try:
+
         def raw_file(keys: list[str], dest: list[Path] | None = None) -> None:
             raw_file_ranges([remote_dir / k for k in keys], dest)
 
@@ -372,24 +398,50 @@ def main() -> None:
         s = results["s3"]["times"]
         s3_shards = f"{args.ranks} x {args.s3_shard_mib} MiB shards"
         rows += [
-            (f"cold torch.load {args.s3_size_mib} MiB (moto)", median(s["cold_load_fs"]), median(s["cold_load_raw"]), 1.3),
+            (
+                f"cold torch.load {args.s3_size_mib} MiB (moto)",
+                median(s["cold_load_fs"]),
+                median(s["cold_load_raw"]),
+                1.3,
+            ),
             (f"cold {s3_shards} (moto)", median(s["cold_shards_fs"]), median(s["cold_shards_raw"]), 1.3),
-        ]  # fmt: skip
+        ]
     rows += [
-        (f"warm torch.load {args.size_mib} MiB (remount)", median(t["warm_load_fs"]), median(t["warm_load_plain"]), 1.1),
+        (
+            f"warm torch.load {args.size_mib} MiB (remount)",
+            median(t["warm_load_fs"]),
+            median(t["warm_load_plain"]),
+            1.1,
+        ),
         (f"warm {shards} (remount)", median(t["warm_shards_fs"]), median(t["warm_shards_plain"]), 1.1),
-        (f"page cache hot: torch.load {args.size_mib} MiB", median(t["hot_load_fs"]), median(t["warm_load_plain"]), None),
+        (
+            f"page cache hot: torch.load {args.size_mib} MiB",
+            median(t["hot_load_fs"]),
+            median(t["warm_load_plain"]),
+            None,
+        ),
         (f"page cache hot: {shards}", median(t["hot_shards_fs"]), median(t["warm_shards_plain"]), None),
-    ]  # fmt: skip
-    title = (f"restore through the mount vs raw ranged reads (cold) / plain tmpfs (warm), medians of {args.repeat}; "
-             f"raw = {RANGE >> 20} MiB ranges x {FETCH_CONCURRENCY} in flight + xxh3")  # fmt: skip
+    ]
+    title = (
+        f"restore through the mount vs raw ranged reads (cold) / plain tmpfs (warm), medians of {args.repeat}; "
+        f"raw = {RANGE >> 20} MiB ranges x {FETCH_CONCURRENCY} in flight + xxh3"
+    )
     report(title, rows, args.json)
     rss = max(r for v in results.values() for r in v["rss"])
     raw_only = {k: median(v["times"]["cold_raw_read_only"]) for k, v in results.items()}
     if args.json:
-        print(json.dumps({"title": "details", "reader_daemon_peak_rss_mib": rss, "raw_read_only_s": raw_only,
-                          "loadavg": [load_start[0], os.getloadavg()[0]], "read_ahead_kb": args.read_ahead_kb,
-                          "raw": results}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "title": "details",
+                    "reader_daemon_peak_rss_mib": rss,
+                    "raw_read_only_s": raw_only,
+                    "loadavg": [load_start[0], os.getloadavg()[0]],
+                    "read_ahead_kb": args.read_ahead_kb,
+                    "raw": results,
+                }
+            )
+        )
         return
     print(f"reader daemon peak RSS: {rss:.0f} MiB (target <= 300 MiB)")
     load_end = os.getloadavg()[0]
@@ -400,8 +452,10 @@ def main() -> None:
         print(f"raw ranged reads of the checkpoint alone ({k}) into a local file, before its torch.load: {v:.3f} s")
     print("cold = fresh cache + drop_caches; the file remote lives on tmpfs, so its bytes stay in RAM")
     if "s3" in results:
-        print(f"moto sizes: checkpoint {args.s3_size_mib} MiB, shards {args.s3_shard_mib} MiB (moto reads the "
-              "whole object for every ranged GET, both contenders alike); no warm rows on moto (same local tier)")  # fmt: skip
+        print(
+            f"moto sizes: checkpoint {args.s3_size_mib} MiB, shards {args.s3_shard_mib} MiB (moto reads the "
+            "whole object for every ranged GET, both contenders alike); no warm rows on moto (same local tier)"
+        )
 
 
 if __name__ == "__main__":

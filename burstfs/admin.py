@@ -33,11 +33,11 @@ from .config import RemoteURL, S3Options, config_from_meta, parse_remote_url
 from .control import SOCKET_NAME, socket_address
 from .errors import BurstfsError
 from .journal import FILE_STATES, FileState, Journal
+from .mountinfo import FSNAME_PREFIX, find_burstfs_mount, mounts
+from .progress import Progress, fmt_bytes, fmt_duration
 from .status import SCHEMA, Durability, journal_events, journal_status, list_files, short_reason
 from .status import wait_durable as wait_in_journal
 from .verify import verify_stopped
-from .mountinfo import FSNAME_PREFIX, find_burstfs_mount, mounts
-from .progress import Progress, fmt_bytes, fmt_duration
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -96,17 +96,22 @@ class Daemon:
                 sock.connect(address)
         except PermissionError:
             sock.close()
-            raise AccessDenied(f"permission denied on {self.path}: only the user who started the mount "
-                             "(and root) may use it") from None  # fmt: skip
+            raise AccessDenied(
+                f"permission denied on {self.path}: only the user who started the mount (and root) may use it"
+            ) from None
         except BaseException:
             sock.close()
             raise
         return sock
 
     def call(
-        self, op: str, *, timeout: float | None = REQUEST_TIMEOUT_S,
-        progress: Callable[[dict[str, Any]], None] | None = None, **args: Any,
-    ) -> dict[str, Any]:  # fmt: skip
+        self,
+        op: str,
+        *,
+        timeout: float | None = REQUEST_TIMEOUT_S,
+        progress: Callable[[dict[str, Any]], None] | None = None,
+        **args: Any,
+    ) -> dict[str, Any]:
         """Send one request; return the final response (``ok``/``more`` removed)."""
         try:
             with self._connect(timeout) as sock, sock.makefile("rwb") as stream:
@@ -118,7 +123,9 @@ class Daemon:
                         code = message.get("errno")
                         name = errno.errorcode.get(code, "") if isinstance(code, int) else ""
                         text = str(message.get("error"))
-                        raise AdminError(f"the daemon refused {op}: {text}" + (f" ({name})" if name and name not in text else ""))
+                        raise AdminError(
+                            f"the daemon refused {op}: {text}" + (f" ({name})" if name and name not in text else "")
+                        )
                     if message.pop("more", False):
                         if progress is not None:
                             progress(message)
@@ -164,8 +171,10 @@ def read_journal(cache_dir: Path) -> Iterator[Journal]:
         finally:
             journal.close()
     except sqlite3.Error as exc:
-        raise AdminError(f"cannot read the journal of {cache_dir} read-only ({exc}); mount the cache again, "
-                         f"or run: burstfs drain --cache {cache_dir}") from None  # fmt: skip
+        raise AdminError(
+            f"cannot read the journal of {cache_dir} read-only ({exc}); mount the cache again, "
+            f"or run: burstfs drain --cache {cache_dir}"
+        ) from None
 
 
 def _live_mount_of(cache_dir: Path) -> Path | None:
@@ -190,9 +199,11 @@ def resolve(paths: Sequence[Path], cache: Path | None) -> Target:
         elif _is_cache_dir(Path(os.path.realpath(paths[0]))):
             cache_dir = Path(os.path.realpath(paths[0]))
         else:
-            raise AdminError(f"{paths[0]} is not inside a burstfs mount and is not a burstfs cache dir; "
-                             f"{START_HINT} (or give --cache DIR to read a stopped mount's journal)",
-                             EXIT_USAGE)  # fmt: skip
+            raise AdminError(
+                f"{paths[0]} is not inside a burstfs mount and is not a burstfs cache dir; "
+                f"{START_HINT} (or give --cache DIR to read a stopped mount's journal)",
+                EXIT_USAGE,
+            )
     mountpoint = _live_mount_of(cache_dir)
     root = mountpoint
     if root is None:
@@ -233,7 +244,9 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=False))
+        ).rstrip()
 
     return "\n".join([line(headers), *(line(r) for r in rows)])
 
@@ -246,8 +259,11 @@ def emit_json(doc: dict[str, Any]) -> None:
 
 
 def cache_option(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option("--cache", type=click.Path(path_type=Path, file_okay=False),
-                        help="Cache dir of the mount (to read a stopped mount's journal).")(fn)  # fmt: skip
+    return click.option(
+        "--cache",
+        type=click.Path(path_type=Path, file_okay=False),
+        help="Cache dir of the mount (to read a stopped mount's journal).",
+    )(fn)
 
 
 def json_option(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -293,13 +309,17 @@ def _print_status(doc: dict[str, Any]) -> None:
     drain = doc["drain"]
     outage = drain.get("outage")  # absent from an older daemon's document
     if outage:
-        click.echo(f"REMOTE {'UNREACHABLE' if outage['unreachable'] else 'FAILING'} since "
-                   f"{fmt_time(outage['since'])}: {outage['reason']}  (nothing drained since; "
-                   f"{outage['errors']} errors)")  # fmt: skip
+        click.echo(
+            f"REMOTE {'UNREACHABLE' if outage['unreachable'] else 'FAILING'} since "
+            f"{fmt_time(outage['since'])}: {outage['reason']}  (nothing drained since; "
+            f"{outage['errors']} errors)"
+        )
     if doc["live"]:
         eta = "nothing to drain" if drain["eta_s"] == 0 else f"ETA {fmt_duration(drain['eta_s'])}"
-        click.echo(f"drain: {fmt_bytes(drain['throughput_bps'])}/s, {eta}; "
-                   f"{drain['files_drained']} files ({fmt_bytes(drain['bytes_drained'])}) drained since mount")  # fmt: skip
+        click.echo(
+            f"drain: {fmt_bytes(drain['throughput_bps'])}/s, {eta}; "
+            f"{drain['files_drained']} files ({fmt_bytes(drain['bytes_drained'])}) drained since mount"
+        )
     if doc.get("node_id"):
         click.echo(f"node id: {doc['node_id']}")
     for held in doc.get("checkpoints_waiting", ()):
@@ -332,8 +352,11 @@ def status(path: Path, cache: Path | None, as_json: bool, watch: bool) -> None:
     """Files and bytes per state, drain rate and ETA, errors, local tier use."""
     target = resolve([path], cache)
     if target.mountpoint is not None and target.daemon is None:
-        click.echo(f"warning: {target.mountpoint} is mounted but its daemon does not answer (crashed?); "
-                   f"showing the journal; clean up with: fusermount3 -u {target.mountpoint}", err=True)  # fmt: skip
+        click.echo(
+            f"warning: {target.mountpoint} is mounted but its daemon does not answer (crashed?); "
+            f"showing the journal; clean up with: fusermount3 -u {target.mountpoint}",
+            err=True,
+        )
     try:
         while True:
             doc = _status_doc(target)
@@ -354,8 +377,11 @@ def _held_line(held: dict[str, Any]) -> str:
     where = held["dir"] or "/"
     if held["abandoned"]:
         return f"checkpoint {where} abandoned (its marker is never published)"
-    others = [f"node {w['node']} (intent {datetime.datetime.fromtimestamp(w['intent_time']):%H:%M}, no done)"
-              + ("" if w["dir"] == held["dir"] else f" in {w['dir']}") for w in held["waiting"]]  # fmt: skip
+    others = [
+        f"node {w['node']} (intent {datetime.datetime.fromtimestamp(w['intent_time']):%H:%M}, no done)"
+        + ("" if w["dir"] == held["dir"] else f" in {w['dir']}")
+        for w in held["waiting"]
+    ]
     if held["own_pending"]:
         others.append("this node's own files")
     return f"checkpoint {where} waiting for " + ", ".join(others)
@@ -373,23 +399,35 @@ def ls_command(path: Path, cache: Path | None, as_json: bool) -> None:
     if as_json:
         emit_json(doc)
         return
-    rows = [[f["state"], fmt_bytes(f["size"]), str(f["generation"]), f["digest"] or "-", f["path"],
-             f["remote_key"] or "-"] for f in doc["files"]]  # fmt: skip
+    rows = [
+        [f["state"], fmt_bytes(f["size"]), str(f["generation"]), f["digest"] or "-", f["path"], f["remote_key"] or "-"]
+        for f in doc["files"]
+    ]
     click.echo(table(["STATE", "SIZE", "GEN", "DIGEST", "PATH", "REMOTE KEY"], rows, right=(1, 2)))
     for f in doc["files"]:
         if f["error"]:
             click.echo(f"{f['path']}: {f['error']}")
 
 
-def wait_durable(target: Target, timeout: float | None, on_poll: Callable[[Durability], None] | None = None,
-                 ignore: frozenset[FileState] = frozenset()) -> Durability:  # fmt: skip
+def wait_durable(
+    target: Target,
+    timeout: float | None,
+    on_poll: Callable[[Durability], None] | None = None,
+    ignore: frozenset[FileState] = frozenset(),
+) -> Durability:
     """status.wait_durable on the target's journal (read-only), asking its daemon, if one runs,
     whether the drain is halted; the last poll's outcome (``result`` "waiting": timed out)."""
     daemon = target.daemon
     with target.journal() as journal:
         try:
-            return wait_in_journal(journal, target.rels, timeout=timeout, on_poll=on_poll, ignore=ignore,
-                                   halted=None if daemon is None else lambda: daemon.call("status")["drain"]["halted"])  # fmt: skip
+            return wait_in_journal(
+                journal,
+                target.rels,
+                timeout=timeout,
+                on_poll=on_poll,
+                ignore=ignore,
+                halted=None if daemon is None else lambda: daemon.call("status")["drain"]["halted"],
+            )
         except BurstfsError as exc:
             raise AdminError(str(exc)) from None
 
@@ -410,8 +448,12 @@ def wait(paths: tuple[Path, ...], cache: Path | None, as_json: bool, timeout: fl
 
     def progress(outcome: Durability) -> None:
         if bar is not None:
-            bar.update(len(outcome.done), len(outcome.files), sum(r.size for _, r in outcome.done),
-                       sum(r.size for _, r in outcome.files))  # fmt: skip
+            bar.update(
+                len(outcome.done),
+                len(outcome.files),
+                sum(r.size for _, r in outcome.done),
+                sum(r.size for _, r in outcome.files),
+            )
 
     try:
         outcome = wait_durable(target, timeout, progress)
@@ -422,10 +464,16 @@ def wait(paths: tuple[Path, ...], cache: Path | None, as_json: bool, timeout: fl
     pending = outcome.pending
     result = "timeout" if outcome.result == "waiting" else outcome.result
     if as_json:
-        emit_json({
-            "schema": SCHEMA, "result": result, "files": len(files), "durable": len(done), "halted": halted,
-            "pending": [{"path": p, "state": r.state, "error": r.error} for p, r in pending],
-        })  # fmt: skip
+        emit_json(
+            {
+                "schema": SCHEMA,
+                "result": result,
+                "files": len(files),
+                "durable": len(done),
+                "halted": halted,
+                "pending": [{"path": p, "state": r.state, "error": r.error} for p, r in pending],
+            }
+        )
     if result == "failed":
         reasons = [f"{p}: {r.state}" + (f" ({r.error})" if r.error else "") for p, r in broken]
         if halted:
@@ -433,8 +481,9 @@ def wait(paths: tuple[Path, ...], cache: Path | None, as_json: bool, timeout: fl
         raise AdminError("not durable: " + "; ".join(reasons), EXIT_FAILED)
     if result == "timeout":
         sample = ", ".join(f"{p} ({r.state})" for p, r in pending[:5]) + (" ..." if len(pending) > 5 else "")
-        raise AdminError(f"timeout after {timeout:g}s: {len(pending)} of {len(files)} files not durable: {sample}",
-                         EXIT_TIMEOUT)  # fmt: skip
+        raise AdminError(
+            f"timeout after {timeout:g}s: {len(pending)} of {len(files)} files not durable: {sample}", EXIT_TIMEOUT
+        )
 
 
 @main.command()
@@ -445,9 +494,13 @@ def wait(paths: tuple[Path, ...], cache: Path | None, as_json: bool, timeout: fl
 def drain(path: Path, cache: Path | None, as_json: bool, now: bool) -> None:
     """Start draining at once (--now)."""
     if not now:
-        raise click.UsageError("say --now to drain at once; to block until files are durable, use: burstfs-admin wait PATH")
+        raise click.UsageError(
+            "say --now to drain at once; to block until files are durable, use: burstfs-admin wait PATH"
+        )
     target = resolve([path], cache)
-    daemon = target.need_daemon("drain --now", f"drain a stopped mount's cache with: burstfs drain --cache {target.cache_dir}")
+    daemon = target.need_daemon(
+        "drain --now", f"drain a stopped mount's cache with: burstfs drain --cache {target.cache_dir}"
+    )
     doc = daemon.call("drain_now")
     emit_json(doc) if as_json else click.echo("draining now (delays and retry backoff skipped)")
 
@@ -481,8 +534,11 @@ def evict(paths: tuple[Path, ...], cache: Path | None, as_json: bool) -> None:
         emit_json(doc)
     else:
         for f in doc["files"]:
-            click.echo(f"evicted {f['path']} ({fmt_bytes(f['bytes_freed'])})" if f["ok"]
-                       else f"not evicted {f['path']}: {f['error']}")  # fmt: skip
+            click.echo(
+                f"evicted {f['path']} ({fmt_bytes(f['bytes_freed'])})"
+                if f["ok"]
+                else f"not evicted {f['path']}: {f['error']}"
+            )
         click.echo(f"freed {fmt_bytes(doc['bytes_freed'])}")
     _per_file_failures(doc, "evicted")
 
@@ -501,7 +557,9 @@ def prefetch(paths: tuple[Path, ...], cache: Path | None, as_json: bool) -> None
         file = message["file"]
         what = f"fetched {file['path']}" if file["ok"] else f"failed {file['path']}: {file['error']}"
         if bar is not None:
-            bar.update(message["done_files"], message["total_files"], message["done_bytes"], message["total_bytes"], what)
+            bar.update(
+                message["done_files"], message["total_files"], message["done_bytes"], message["total_bytes"], what
+            )
 
     try:
         doc = daemon.call("prefetch", paths=target.rels, timeout=None, progress=progress)
@@ -512,8 +570,10 @@ def prefetch(paths: tuple[Path, ...], cache: Path | None, as_json: bool) -> None
         emit_json(doc)
     else:
         failed = sum(not f["ok"] for f in doc["files"])
-        click.echo(f"fetched {fmt_bytes(doc['bytes'])} in {len(doc['files']) - failed} files"
-                   + (f"; {failed} failed" if failed else ""))  # fmt: skip
+        click.echo(
+            f"fetched {fmt_bytes(doc['bytes'])} in {len(doc['files']) - failed} files"
+            + (f"; {failed} failed" if failed else "")
+        )
     _per_file_failures(doc, "fetched")
 
 
@@ -551,8 +611,11 @@ def verify_command(paths: tuple[Path, ...], cache: Path | None, as_json: bool, c
         raise AdminError(f"{doc['mismatches']} of {len(doc['files'])} files do not match their checksums", EXIT_FAILED)
     skipped = sum(f["result"] == "SKIPPED" for f in doc["files"])  # an older daemon's document has no "skipped"
     if skipped:  # nothing was checked for them: never a success
-        raise AdminError(f"{skipped} of {len(doc['files'])} files could not be checked (SKIPPED); "
-                         "verify them once they are closed, hashed or drained", EXIT_ERROR)  # fmt: skip
+        raise AdminError(
+            f"{skipped} of {len(doc['files'])} files could not be checked (SKIPPED); "
+            "verify them once they are closed, hashed or drained",
+            EXIT_ERROR,
+        )
 
 
 class Since(click.ParamType):
@@ -578,7 +641,9 @@ class Since(click.ParamType):
 @click.argument("path", type=click.Path(path_type=Path))
 @cache_option
 @json_option
-@click.option("--since", type=Since(), default=0.0, help="Only events newer than this: 10m, 2h, 1d ago, or an ISO time.")
+@click.option(
+    "--since", type=Since(), default=0.0, help="Only events newer than this: 10m, 2h, 1d ago, or an ISO time."
+)
 @click.option("--limit", default=200, show_default=True, help="At most this many (the newest).")
 def journal_command(path: Path, cache: Path | None, as_json: bool, since: float, limit: int) -> None:
     """Recent journal events (closes, durable, renames, failures...) of files under PATH."""
@@ -596,16 +661,20 @@ def journal_command(path: Path, cache: Path | None, as_json: bool, since: float,
         click.echo(f"{fmt_time(event['time'])}  {event['event']:<10}  {name}  {event['detail']}".rstrip())
 
 
-
 @main.command()
 @click.argument("path", required=False, default=None)
-@click.option("--remote", "remote_url", default=None,
-              help="Look at s3://BUCKET/PREFIX or file:///DIR directly (no mount); PATH is then a subdirectory.")
+@click.option(
+    "--remote",
+    "remote_url",
+    default=None,
+    help="Look at s3://BUCKET/PREFIX or file:///DIR directly (no mount); PATH is then a subdirectory.",
+)
 @click.option("--endpoint-url", default=None, help="S3 endpoint (with --remote); default $AWS_ENDPOINT_URL or AWS.")
 @click.option("--region", default=None, help="S3 region (with --remote).")
 @json_option
-def latest(path: str | None, remote_url: str | None, endpoint_url: str | None, region: str | None,
-           as_json: bool) -> None:  # fmt: skip
+def latest(
+    path: str | None, remote_url: str | None, endpoint_url: str | None, region: str | None, as_json: bool
+) -> None:
     """The newest complete checkpoint directory under PATH (exit 1 if there is none).
 
     Complete: its commit marker was published by the cross-node commit, and every
@@ -640,8 +709,12 @@ class Latest:
     skipped: list[dict[str, str]]  # newer checkpoints passed over: {"dir", "reason"}
 
 
-def latest_checkpoint(path: str | os.PathLike[str] | None, remote_url: str | None = None,
-                      endpoint_url: str | None = None, region: str | None = None) -> Latest:  # fmt: skip
+def latest_checkpoint(
+    path: str | os.PathLike[str] | None,
+    remote_url: str | None = None,
+    endpoint_url: str | None = None,
+    region: str | None = None,
+) -> Latest:
     """The newest complete checkpoint under ``path`` (in a mount), or under the subdirectory
     ``path`` of ``remote_url`` (no mount); see commitgroups.find_latest."""
     import asyncio
@@ -677,10 +750,15 @@ def latest_checkpoint(path: str | os.PathLike[str] | None, remote_url: str | Non
         raise AdminError(f"{url}: {exc}") from None
     shown = None if found is None else str(root / found.dir) if root is not None else found.dir
     return Latest(
-        remote=str(url), subdir=subdir, dir=found.dir if found else None, path=shown,
-        marker=found.marker if found else None, committed_at=found.committed_at if found else None,
-        files=found.files if found else 0, skipped=[{"dir": d, "reason": r} for d, r in skipped],
-    )  # fmt: skip
+        remote=str(url),
+        subdir=subdir,
+        dir=found.dir if found else None,
+        path=shown,
+        marker=found.marker if found else None,
+        committed_at=found.committed_at if found else None,
+        files=found.files if found else 0,
+        skipped=[{"dir": d, "reason": r} for d, r in skipped],
+    )
 
 
 @main.command()

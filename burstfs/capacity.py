@@ -81,19 +81,29 @@ class TierCapacity:
                 while not self._fits(nbytes) and not await self._evict_for(nbytes):
                     if time.monotonic() >= deadline:
                         if spent < self.policy.full_timeout:
-                            log.error("event=tier_full bytes=%d used=%d limit=%s ino=%s action=ENOSPC "
-                                      "note=later writes of this file that do not fit fail at once until it is emptied",
-                                      nbytes, self.local_bytes, self.policy.cache_size,
-                                      inode.ino if inode else None)  # fmt: skip
+                            log.error(
+                                "event=tier_full bytes=%d used=%d limit=%s ino=%s action=ENOSPC "
+                                "note=later writes of this file that do not fit fail at once until it is emptied",
+                                nbytes,
+                                self.local_bytes,
+                                self.policy.cache_size,
+                                inode.ino if inode else None,
+                            )
                         if inode is not None:
                             spent = self.policy.full_timeout  # budget spent: no more waiting for this file
                         raise NoSpaceError("local tier full of data not yet durable")
                     if not waited:
                         waited = True
-                        log.warning("event=tier_full bytes=%d used=%d limit=%s action=wait_for_drain wait_left=%.1f",
-                                    nbytes, self.local_bytes, self.policy.cache_size,
-                                    deadline - time.monotonic())  # fmt: skip
-                    with trio.move_on_after(max(0.0, min(deadline - time.monotonic(), 0.5))):  # deadline is time.monotonic()
+                        log.warning(
+                            "event=tier_full bytes=%d used=%d limit=%s action=wait_for_drain wait_left=%.1f",
+                            nbytes,
+                            self.local_bytes,
+                            self.policy.cache_size,
+                            deadline - time.monotonic(),
+                        )
+                    with trio.move_on_after(
+                        max(0.0, min(deadline - time.monotonic(), 0.5))
+                    ):  # deadline is time.monotonic()
                         await self._space_freed.wait()
             finally:
                 if inode is not None:
@@ -241,4 +251,3 @@ class TierCapacity:
             files=max(st.f_files, len(self.inodes)),
             files_free=st.f_favail if st.f_files else 1 << 20,
         )
-

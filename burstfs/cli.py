@@ -16,14 +16,15 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from .cachelock import CacheLock
 from . import configfile
+from .cachelock import CacheLock
 from .config import DEFAULT_COMMIT_MARKERS, config_from_meta
 from .errors import BurstfsError, ConfigError
 from .mountinfo import find_burstfs_mount
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+
 
 def _fail(exc: BurstfsError) -> None:
     click.echo(f"burstfs: {exc}", err=True)
@@ -38,45 +39,103 @@ def main() -> None:
 
 @main.command()
 @click.argument("mountpoint", required=False, type=click.Path(path_type=Path))
-@click.option("--config", "config_file", type=click.Path(path_type=Path, dir_okay=False),
-              help="TOML file of these options (docs/CONFIGURATION.md); the command line overrides it.")
-@click.option("--cache", "cache_dir", type=click.Path(path_type=Path),
-              help="Local tier directory (tmpfs or NVMe); holds staged data and the journal. Required.")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="TOML file of these options (docs/CONFIGURATION.md); the command line overrides it.",
+)
+@click.option(
+    "--cache",
+    "cache_dir",
+    type=click.Path(path_type=Path),
+    help="Local tier directory (tmpfs or NVMe); holds staged data and the journal. Required.",
+)
 @click.option("--remote", help="s3://BUCKET/PREFIX or file:///DIR. Required.")
 @click.option("--foreground", "-f", is_flag=True, help="Do not daemonize (systemd, Kubernetes).")
-@click.option("--log-level", default="INFO", show_default=True,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
-@click.option("--fsync", "fsync_mode", default="local", show_default=True, type=click.Choice(["local", "remote"]),
-              help="local: fsync returns once the local tier and journal hold the data; remote: once durable remotely.")
+@click.option(
+    "--log-level",
+    default="INFO",
+    show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+)
+@click.option(
+    "--fsync",
+    "fsync_mode",
+    default="local",
+    show_default=True,
+    type=click.Choice(["local", "remote"]),
+    help="local: fsync returns once the local tier and journal hold the data; remote: once durable remotely.",
+)
 @click.option("--allow-other", is_flag=True, help="Let other users access the mount (kernel checks permissions).")
 @click.option("--no-writeback-cache", is_flag=True, help="Send every write to the daemon at once (slower).")
-@click.option("--no-passthrough", is_flag=True,
-              help="Serve file data through the daemon even where FUSE passthrough is available (slower).")
+@click.option(
+    "--no-passthrough",
+    is_flag=True,
+    help="Serve file data through the daemon even where FUSE passthrough is available (slower).",
+)
 @click.option("--cache-size", default=None, help="Bytes of the local tier to use (e.g. 20G); default: all of it.")
-@click.option("--min-free", default="0", show_default=True, help="Free space the local tier's file system keeps (e.g. 2G).")
-@click.option("--evict", "evict_policy", type=click.Choice(["lru", "fifo", "none"]), default="lru", show_default=True,
-              help="Which durable files leave a full local tier first (lru keeps the newest checkpoint hot).")
-@click.option("--full-timeout", default=60.0, show_default=True,
-              help="Seconds a write waits for the drain when the tier is full of undrained data, then ENOSPC.")
+@click.option(
+    "--min-free", default="0", show_default=True, help="Free space the local tier's file system keeps (e.g. 2G)."
+)
+@click.option(
+    "--evict",
+    "evict_policy",
+    type=click.Choice(["lru", "fifo", "none"]),
+    default="lru",
+    show_default=True,
+    help="Which durable files leave a full local tier first (lru keeps the newest checkpoint hot).",
+)
+@click.option(
+    "--full-timeout",
+    default=60.0,
+    show_default=True,
+    help="Seconds a write waits for the drain when the tier is full of undrained data, then ENOSPC.",
+)
 @click.option("--list-ttl", default=30.0, show_default=True, help="Seconds a directory's remote listing stays fresh.")
-@click.option("--endpoint-url", default=None, help="S3 endpoint (MinIO, Ceph RGW...); default $AWS_ENDPOINT_URL or AWS.")
+@click.option(
+    "--endpoint-url", default=None, help="S3 endpoint (MinIO, Ceph RGW...); default $AWS_ENDPOINT_URL or AWS."
+)
 @click.option("--region", default=None, help="S3 region.")
 @click.option("--part-size", default="8M", show_default=True, help="Multipart part and checksum chunk size.")
 @click.option("--concurrency", default=8, show_default=True, help="Parts in flight per file.")
-@click.option("--max-files", default=2, show_default=True,
-              help="Files draining at once (drain memory: max-files x concurrency x part size).")
+@click.option(
+    "--max-files",
+    default=2,
+    show_default=True,
+    help="Files draining at once (drain memory: max-files x concurrency x part size).",
+)
 @click.option("--read-ahead", default="1M", show_default=True, help="Kernel readahead of the mount.")
 @click.option("--compress", type=click.Choice(["none", "lz4"]), default="none", show_default=True)
-@click.option("--drain-delay", default=0.0, show_default=True,
-              help="Seconds a closed file waits before it drains (coalesces quick rewrites).")
-@click.option("--commit-marker", "commit_markers", multiple=True, default=DEFAULT_COMMIT_MARKERS, show_default=True,
-              help="Pattern of files that publish a checkpoint (repeatable; replaces the defaults).")
+@click.option(
+    "--drain-delay",
+    default=0.0,
+    show_default=True,
+    help="Seconds a closed file waits before it drains (coalesces quick rewrites).",
+)
+@click.option(
+    "--commit-marker",
+    "commit_markers",
+    multiple=True,
+    default=DEFAULT_COMMIT_MARKERS,
+    show_default=True,
+    help="Pattern of files that publish a checkpoint (repeatable; replaces the defaults).",
+)
 @click.option("--metrics-addr", default=None, help="Serve Prometheus metrics on HOST:PORT.")
-@click.option("--nonempty", is_flag=True, help="Mount over a mount point that holds files (they are hidden while mounted).")
-@click.option("--remote-wait", default=1.0, show_default=True,
-              help="Seconds a lookup or a directory listing waits for the remote; then it is answered from local entries.")
-@click.option("--node-id", default=None,
-              help="This node's name in cross-node checkpoint records on the remote (default: the host name).")
+@click.option(
+    "--nonempty", is_flag=True, help="Mount over a mount point that holds files (they are hidden while mounted)."
+)
+@click.option(
+    "--remote-wait",
+    default=1.0,
+    show_default=True,
+    help="Seconds a lookup or a directory listing waits for the remote; then it is answered from local entries.",
+)
+@click.option(
+    "--node-id",
+    default=None,
+    help="This node's name in cross-node checkpoint records on the remote (default: the host name).",
+)
 @click.pass_context
 def mount(ctx: click.Context, config_file: Path | None, **options: Any) -> None:
     """Mount burstfs at MOUNTPOINT; returns once the mount is live.
@@ -139,22 +198,35 @@ def _wait_durable(point: Path, timeout: float | None) -> None:
 
     outcome = wait_durable(resolve([point], None), timeout, ignore=frozenset({INCOMPLETE}))
     if outcome.result == "failed":
-        why = f"the drain is halted ({outcome.halted})" if outcome.halted else f"{len(outcome.broken)} files failed to drain"
+        why = (
+            f"the drain is halted ({outcome.halted})"
+            if outcome.halted
+            else f"{len(outcome.broken)} files failed to drain"
+        )
         _fail(BurstfsError(f"{why}; not unmounting (see: burstfs-admin status {point}; burstfs-admin retry {point})"))
     if outcome.result == "waiting":
-        _fail(BurstfsError(f"{len(outcome.pending)} files still not durable after {timeout:.0f}s; "
-                           f"not unmounting (see: burstfs-admin status {point})"))  # fmt: skip
+        _fail(
+            BurstfsError(
+                f"{len(outcome.pending)} files still not durable after {timeout:.0f}s; "
+                f"not unmounting (see: burstfs-admin status {point})"
+            )
+        )
 
 
 @main.command()
 @click.argument("mountpoint", required=False, type=click.Path(path_type=Path))
-@click.option("--config", "config_file", type=click.Path(path_type=Path, dir_okay=False),
-              help="Unmount the mountpoint of this `burstfs mount --config` file (systemd, Kubernetes).")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Unmount the mountpoint of this `burstfs mount --config` file (systemd, Kubernetes).",
+)
 @click.option("--wait", "wait_drain", is_flag=True, help="First wait until every closed file is durable.")
 @click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for the daemon to exit.")
 @click.option("--wait-timeout", default=None, type=float, help="With --wait: give up after this many seconds.")
-def unmount(mountpoint: Path | None, config_file: Path | None, wait_drain: bool, timeout: float,
-            wait_timeout: float | None) -> None:  # fmt: skip
+def unmount(
+    mountpoint: Path | None, config_file: Path | None, wait_drain: bool, timeout: float, wait_timeout: float | None
+) -> None:
     """Unmount MOUNTPOINT (or the --config file's) and wait for its daemon to stop.
 
     Files not yet durable stay staged and journaled in the cache dir; the next
@@ -180,7 +252,11 @@ def unmount(mountpoint: Path | None, config_file: Path | None, wait_drain: bool,
     pid = lock.owner_pid()
     result = subprocess.run(["fusermount3", "-u", str(point)], capture_output=True, text=True)
     if result.returncode != 0:
-        _fail(BurstfsError(f"unmounting {point} failed: {result.stderr.strip()} (files still open? try: fuser -m {point})"))
+        _fail(
+            BurstfsError(
+                f"unmounting {point} failed: {result.stderr.strip()} (files still open? try: fuser -m {point})"
+            )
+        )
     deadline = time.monotonic() + timeout
     while pid is not None and lock.owner_pid() is not None:
         if time.monotonic() > deadline:
@@ -190,21 +266,32 @@ def unmount(mountpoint: Path | None, config_file: Path | None, wait_drain: bool,
     click.echo(f"unmounted {point} (cache {cache_dir})")
     files, nbytes = left.get("drains", (0, 0))
     if files:
-        click.echo(f"{files} files ({nbytes} bytes) are not durable yet: they stay staged in {cache_dir}; "
-                   f"the next mount or `burstfs drain --cache {cache_dir}` drains them")  # fmt: skip
+        click.echo(
+            f"{files} files ({nbytes} bytes) are not durable yet: they stay staged in {cache_dir}; "
+            f"the next mount or `burstfs drain --cache {cache_dir}` drains them"
+        )
     files, nbytes = left.get("failed", (0, 0))
     if files:
-        click.echo(f"{files} files ({nbytes} bytes) failed to drain: they drain after `burstfs-admin retry` "
-                   f"on the next mount (see: burstfs-admin ls {cache_dir})")  # fmt: skip
+        click.echo(
+            f"{files} files ({nbytes} bytes) failed to drain: they drain after `burstfs-admin retry` "
+            f"on the next mount (see: burstfs-admin ls {cache_dir})"
+        )
     files, nbytes = left.get("incomplete", (0, 0))
     if files:
-        click.echo(f"{files} files ({nbytes} bytes) are incomplete (open for writing at a crash, or a write "
-                   "failed): they will not drain; rewrite or delete them")  # fmt: skip
+        click.echo(
+            f"{files} files ({nbytes} bytes) are incomplete (open for writing at a crash, or a write "
+            "failed): they will not drain; rewrite or delete them"
+        )
 
 
 @main.command()
-@click.option("--cache", "cache_dir", required=True, type=click.Path(path_type=Path, exists=True, file_okay=False),
-              help="Cache dir of a stopped (or crashed) mount.")
+@click.option(
+    "--cache",
+    "cache_dir",
+    required=True,
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    help="Cache dir of a stopped (or crashed) mount.",
+)
 @click.option("--endpoint-url", default=None, help="Override the S3 endpoint recorded by the last mount.")
 @click.option("--now", is_flag=True, help="Drain at once: skip the --drain-delay the last mount was started with.")
 def drain(cache_dir: Path, endpoint_url: str | None, now: bool) -> None:
@@ -244,8 +331,11 @@ def drain(cache_dir: Path, endpoint_url: str | None, now: bool) -> None:
         if now:
             options = dataclasses.replace(options, delay=0.0)
         elif options.delay > 0:
-            click.echo(f"burstfs: files drain {options.delay:.0f}s after their close, the --drain-delay of the last mount "
-                       "(a crash or an unmount does not shorten it); pass --now to drain at once", err=True)  # fmt: skip
+            click.echo(
+                f"burstfs: files drain {options.delay:.0f}s after their close, the --drain-delay of the last mount "
+                "(a crash or an unmount does not shorten it); pass --now to drain at once",
+                err=True,
+            )
         mover = Mover(cache_dir, config.remote, s3, options)
         asyncio.run(mover.run(until_idle=True))
         click.echo(f"drained {mover.stats.files_drained} files ({mover.stats.bytes_drained} bytes) to {config.remote}")

@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .admin import EXIT_USAGE, AccessDenied, AdminError, DaemonLost, Target, latest_checkpoint, resolve, wait_durable as _wait_durable
+from .admin import EXIT_USAGE, AccessDenied, AdminError, DaemonLost, Target, latest_checkpoint, resolve
+from .admin import wait_durable as _wait_durable
 from .journal import BROKEN, DONE, FileState
 
 STATE_XATTR = "user.burstfs.state"  # every file's drain state, readable by anyone who may read the file
@@ -157,8 +158,10 @@ def _live(paths: Sequence[PathLike]) -> Target:
     if target.mountpoint is None:
         raise NotAMountError(f"{paths[0]} is not in a mounted burstfs (its cache {target.cache_dir} is not mounted)")
     if target.daemon is None:
-        raise DaemonGoneError(f"{target.mountpoint} is mounted but its daemon does not answer; "
-                              f"clean up with: burstfs unmount {target.mountpoint}")  # fmt: skip
+        raise DaemonGoneError(
+            f"{target.mountpoint} is mounted but its daemon does not answer; "
+            f"clean up with: burstfs unmount {target.mountpoint}"
+        )
     return target
 
 
@@ -230,8 +233,9 @@ def wait_durable(path: PathLike | Sequence[PathLike], timeout: float | None = No
     raise DurableTimeoutError(f"{len(pending)} of {len(outcome.files)} files not durable after {timeout:g}s", pending)
 
 
-def prefetch(path: PathLike | Sequence[PathLike],
-             on_progress: Callable[[PrefetchProgress], None] | None = None) -> Prefetched:  # fmt: skip
+def prefetch(
+    path: PathLike | Sequence[PathLike], on_progress: Callable[[PrefetchProgress], None] | None = None
+) -> Prefetched:
     """Fetch files only on the remote to the local tier (a restart's checkpoint, before
     it is read); ``on_progress`` is called after each file.  Raises PrefetchError if any
     file could not be fetched."""
@@ -242,15 +246,25 @@ def prefetch(path: PathLike | Sequence[PathLike],
 
     def progress(message: dict[str, Any]) -> None:
         if on_progress is not None:
-            on_progress(PrefetchProgress(message["done_files"], message["total_files"], message["done_bytes"],
-                                         message["total_bytes"], fetched(message["file"])))  # fmt: skip
+            on_progress(
+                PrefetchProgress(
+                    message["done_files"],
+                    message["total_files"],
+                    message["done_bytes"],
+                    message["total_bytes"],
+                    fetched(message["file"]),
+                )
+            )
 
     doc = _call(target, "prefetch", paths=target.rels, timeout=None, progress=progress)
     result = Prefetched([fetched(f) for f in doc["files"]], doc["bytes"])
     failed = [f for f in result.files if not f.ok]
     if failed:
-        raise PrefetchError(f"{len(failed)} of {len(result.files)} files not fetched: "
-                            + "; ".join(f"{f.path}: {f.error}" for f in failed[:5]), result)  # fmt: skip
+        raise PrefetchError(
+            f"{len(failed)} of {len(result.files)} files not fetched: "
+            + "; ".join(f"{f.path}: {f.error}" for f in failed[:5]),
+            result,
+        )
     return result
 
 

@@ -169,8 +169,11 @@ class Verdict:
         intent without its done, none of this node's rounds begun before it unfinished, and
         the listing taken after it closed.  Own rounds begun after it (the next checkpoint
         already being written here) do not hold it."""
-        return (self.listed_at >= closed_at and not self.waiting
-                and not any(started <= closed_at for _, started in self.own_pending))  # fmt: skip
+        return (
+            self.listed_at >= closed_at
+            and not self.waiting
+            and not any(started <= closed_at for _, started in self.own_pending)
+        )
 
 
 class CommitGroups:
@@ -243,7 +246,7 @@ class CommitGroups:
             for key, value in self.journal.meta_items(_META_ABANDONED):
                 self.abandoned[key[len(_META_ABANDONED) :]] = float(value)
 
-    async def wait_intent(self, dir_key: str, timeout: float) -> bool:
+    async def wait_intent(self, dir_key: str, timeout: float) -> bool:  # noqa: ASYNC109 (a bound asked from the trio side)
         """Wait (at most ``timeout``) until this node's intent for ``dir_key`` is out."""
         if self.intent_out(dir_key):
             return True
@@ -443,8 +446,11 @@ class CommitGroups:
             own_rounds = {(g.dir_key, self.node_id, g.round) for g in own}
             own_pending = [(g.dir_key, g.started) for g in own if g.members and not (g.intent and g.done)]
         # This node's current rounds are judged from what it knows (own_pending), not from the remote.
-        waiting = [Waiting(d, n, r, t) for (d, n, r), t in sorted(intents.items()) if (d, n, r) not in dones
-                   and (d, n, r) not in given_up and (d, n, r) not in own_rounds]  # fmt: skip
+        waiting = [
+            Waiting(d, n, r, t)
+            for (d, n, r), t in sorted(intents.items())
+            if (d, n, r) not in dones and (d, n, r) not in given_up and (d, n, r) not in own_rounds
+        ]
         rounds = sorted(ident for ident in intents if ident in dones)
         files: list[dict[str, Any]] = []
         if not waiting:
@@ -467,10 +473,13 @@ class CommitGroups:
         for entry in verdict.files:  # a path two nodes wrote: the later done's entry (the last drain won)
             files[entry["path"]] = entry
         doc = {
-            "dir": _dir_of(key), "node": self.node_id, "time": time.time(),
+            "dir": _dir_of(key),
+            "node": self.node_id,
+            "time": time.time(),
             "marker": {"path": key, "size": size, "digest": digest, "generation": marker.generation},
-            "rounds": [list(r) for r in verdict.rounds], "files": list(files.values()),
-        }  # fmt: skip
+            "rounds": [list(r) for r in verdict.rounds],
+            "files": list(files.values()),
+        }
         self._commits.append((marker, key, doc))
         self._wake()
 
@@ -509,13 +518,17 @@ class CommitGroups:
         for dir_key, verdict in sorted(dict(self.verdicts).items()):
             if dir_key not in wanted or dir_key in given_up or (not verdict.waiting and not verdict.own_pending):
                 continue
-            out.append({
-                "dir": dir_key,
-                "waiting": [{"node": w.node, "dir": w.dir_key, "round": w.round, "intent_time": w.since}
-                            for w in verdict.waiting],
-                "own_pending": [d for d, _ in verdict.own_pending],
-                "abandoned": dir_key in self.abandoned,
-            })  # fmt: skip
+            out.append(
+                {
+                    "dir": dir_key,
+                    "waiting": [
+                        {"node": w.node, "dir": w.dir_key, "round": w.round, "intent_time": w.since}
+                        for w in verdict.waiting
+                    ],
+                    "own_pending": [d for d, _ in verdict.own_pending],
+                    "abandoned": dir_key in self.abandoned,
+                }
+            )
         for dir_key in sorted(given_up):
             out.append({"dir": dir_key, "waiting": [], "own_pending": [], "abandoned": True})
         return out

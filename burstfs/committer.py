@@ -108,8 +108,13 @@ class GroupCommitter:
             # The batch that filled meanwhile may build on this one (a file created in
             # a directory made here): it fails too, and is undone first.
             later, self._batch = self._batch, _Batch()
-            log.error("event=commit_failed records=%d later_records=%d errno=%s error=%s", len(batch.ops),
-                      len(later.ops), to_errno(exc), exc)  # fmt: skip
+            log.error(
+                "event=commit_failed records=%d later_records=%d errno=%s error=%s",
+                len(batch.ops),
+                len(later.ops),
+                to_errno(exc),
+                exc,
+            )
             later.fail(exc)
             batch.fail(exc)
             return

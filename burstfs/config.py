@@ -89,13 +89,15 @@ def parse_remote_url(url: str) -> RemoteURL:
             raise ConfigError(f"remote URL {url!r}: expected file:///ABSOLUTE/DIR")
         return RemoteURL("file", "", str(Path(path)))
     raise ConfigError(
-        f"remote URL {url!r}: unsupported scheme {parsed.scheme or '(none)'!r}; "
-        "use s3://BUCKET/PREFIX or file:///DIR"
+        f"remote URL {url!r}: unsupported scheme {parsed.scheme or '(none)'!r}; use s3://BUCKET/PREFIX or file:///DIR"
     )
 
 
 def check_node_id(node_id: str) -> str:
-    """``node_id`` if it is safe in a remote key (letters, digits, ``.``, ``_``, ``-``; at most 63); else ConfigError."""
+    """``node_id`` if it is safe in a remote key (letters, digits, ``.``, ``_``, ``-``; at most 63).
+
+    Anything else raises ConfigError.
+    """
     if not _NODE_ID_RE.match(node_id):
         raise ConfigError(
             f"node id {node_id!r}: use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit",

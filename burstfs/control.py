@@ -89,8 +89,9 @@ class ControlServer:
         self.drain = drain
         self.path = config.cache_dir / SOCKET_NAME
         self.journal = Journal(config.cache_dir, readonly=True)
-        self._ops: dict[str, Callable[[dict[str, Any], Callable[[dict[str, Any]], Awaitable[None]]],
-                                      Awaitable[dict[str, Any]]]] = {
+        self._ops: dict[
+            str, Callable[[dict[str, Any], Callable[[dict[str, Any]], Awaitable[None]]], Awaitable[dict[str, Any]]]
+        ] = {
             "status": self._status,
             "ls": self._ls,
             "drain_now": self._drain_now,
@@ -100,7 +101,7 @@ class ControlServer:
             "verify": self._verify,
             "journal": self._journal,
             "abandon": self._abandon,
-        }  # fmt: skip
+        }
 
     async def listen(self) -> trio.SocketListener:
         """Bind ``CACHE/control.sock`` owner-only, then listen.
@@ -141,8 +142,10 @@ class ControlServer:
             uid = peer_uid(stream.socket)
             if uid not in (0, os.geteuid()):
                 log.warning("event=control_refused uid=%d", uid)
-                refusal = FsError(errno.EACCES, f"uid {uid} may not use this mount's control socket "
-                                                f"(only uid {os.geteuid()} and root)")  # fmt: skip
+                refusal = FsError(
+                    errno.EACCES,
+                    f"uid {uid} may not use this mount's control socket (only uid {os.geteuid()} and root)",
+                )
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                     with trio.move_on_after(5):  # answer the request, as clients expect, if one comes
                         await stream.receive_some(MAX_LINE)
@@ -242,9 +245,14 @@ class ControlServer:
 
     async def _status(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:
         doc = await trio.to_thread.run_sync(journal_status, self.journal, self.config.cache_dir)
-        doc.update(live=True, pid=os.getpid(), mountpoint=str(self.config.mountpoint), remote=str(self.config.remote),
-                   data_path="passthrough" if self.core.passthrough else "daemon",
-                   daemon_written_bytes=self.core.daemon_written_bytes)  # fmt: skip
+        doc.update(
+            live=True,
+            pid=os.getpid(),
+            mountpoint=str(self.config.mountpoint),
+            remote=str(self.config.remote),
+            data_path="passthrough" if self.core.passthrough else "daemon",
+            daemon_written_bytes=self.core.daemon_written_bytes,
+        )
         fs = await self.core.statfs()
         doc["local_tier"].update(
             limit_bytes=self.config.tier.cache_size,
@@ -329,8 +337,15 @@ class ControlServer:
             results.append(result)
             done = sum(r["bytes"] for r in results)
             try:
-                await progress({"file": result, "done_files": len(results), "total_files": len(files),
-                                "done_bytes": done, "total_bytes": total})  # fmt: skip
+                await progress(
+                    {
+                        "file": result,
+                        "done_files": len(results),
+                        "total_files": len(files),
+                        "done_bytes": done,
+                        "total_bytes": total,
+                    }
+                )
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 client_gone = True
 
@@ -340,8 +355,12 @@ class ControlServer:
         if client_gone:
             raise trio.BrokenResourceError("the client went away during prefetch")
         fetched = sum(r["bytes"] for r in results)
-        log.info("event=control_prefetch files=%d bytes=%d failed=%d", len(files), fetched,
-                 sum(1 for r in results if not r["ok"]))  # fmt: skip
+        log.info(
+            "event=control_prefetch files=%d bytes=%d failed=%d",
+            len(files),
+            fetched,
+            sum(1 for r in results if not r["ok"]),
+        )
         return {"schema": SCHEMA, "files": sorted(results, key=lambda r: r["path"]), "bytes": fetched}
 
     async def _verify(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:
@@ -368,9 +387,11 @@ def _error_fields(exc: BaseException) -> dict[str, Any]:
 
 
 async def serve_control(
-    config: MountConfig, core: BurstCore, drain: DrainService | None,
-    *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:  # fmt: skip
+    config: MountConfig,
+    core: BurstCore,
+    drain: DrainService | None,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """The daemon's entry point: ``await nursery.start(serve_control, ...)``."""
     await ControlServer(config, core, drain).run(task_status=task_status)
-

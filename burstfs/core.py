@@ -133,8 +133,13 @@ class BurstCore:
         self.handles: dict[int, Handle] = {}
         self.dir_handles: dict[int, list[tuple[bytes, int]]] = {}
         self._next_fh = itertools.count(1)
-        self.namespace = Namespace(journal, self.committer, self.tier,
-                                   remember_removed=self.listings.remember_removed, on_destroy=self._file_gone)
+        self.namespace = Namespace(
+            journal,
+            self.committer,
+            self.tier,
+            remember_removed=self.listings.remember_removed,
+            on_destroy=self._file_gone,
+        )
         self.inodes = self.namespace.inodes  # the one inode table
         self.publisher = Publisher(self.committer, journal.max_close_seq() + 1)
         self.capacity = TierCapacity(self.tier, journal, capacity, self.inodes)
@@ -172,8 +177,9 @@ class BurstCore:
     async def rmdir(self, parent_ino: int, name: bytes) -> None:
         await self.namespace.rmdir(parent_ino, name)
 
-    async def rename(self, old_parent_ino: int, old_name: bytes, new_parent_ino: int,
-                     new_name: bytes, flags: int) -> None:  # fmt: skip
+    async def rename(
+        self, old_parent_ino: int, old_name: bytes, new_parent_ino: int, new_name: bytes, flags: int
+    ) -> None:
         if await self.namespace.rename(old_parent_ino, old_name, new_parent_ino, new_name, flags):
             self._namespace_changed()
 
@@ -211,7 +217,9 @@ class BurstCore:
         parent = self.namespace.dir(parent_ino)
         if not stat.S_ISREG(mode) and stat.S_IFMT(mode) != 0:
             raise FsError(errno.EPERM, "only regular files, directories and symlinks are supported")
-        inode = self.namespace.new_inode(parent, name, "file", stat.S_IFREG | (stat.S_IMODE(mode) & ~FILE_MODE_DROPPED), uid, gid)
+        inode = self.namespace.new_inode(
+            parent, name, "file", stat.S_IFREG | (stat.S_IMODE(mode) & ~FILE_MODE_DROPPED), uid, gid
+        )
         inode.new = True
         inode.digests = StreamingDigests(self.digest_chunk_size)
         self.tier.create(inode.ino)

@@ -19,24 +19,26 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from . import passthrough  # noqa: I001 (before pyfuse3: the shim interposes fuse_session_mount)
+from . import passthrough  # before pyfuse3: the shim interposes fuse_session_mount
+
+# isort: split
 
 import pyfuse3
 import trio
 
 from .cachelock import PRIVATE_UMASK, CacheLock, secure_cache_dir
-from .control import serve_control
 from .config import MountConfig
+from .control import serve_control
 from .core import BurstCore
 from .drainservice import DrainService
 from .errors import BurstfsError, ConfigError, RemoteError
 from .fuse_ops import BurstOperations
 from .journal import Journal
-from .mover import Mover
-from .remote import open_remote
 from .log import setup_logging
 from .metrics import parse_metrics_addr, start_metrics
 from .mountinfo import FSNAME_PREFIX, device_of, find_burstfs_mount, is_mounted
+from .mover import Mover
+from .remote import open_remote
 from .sdnotify import SystemdNotifier
 
 log = logging.getLogger("burstfs.daemon")
@@ -59,10 +61,14 @@ def preflight(config: MountConfig) -> None:
         raise ConfigError(f"mount point {mnt} is not a directory")
     check_overlaps(config)
     if not config.nonempty and any(os.scandir(mnt)):
-        raise ConfigError(f"mount point {mnt} is not empty: its files would be hidden under the mount "
-                          "(use an empty directory, or pass --nonempty to mount over them)")  # fmt: skip
+        raise ConfigError(
+            f"mount point {mnt} is not empty: its files would be hidden under the mount "
+            "(use an empty directory, or pass --nonempty to mount over them)"
+        )
     if not os.path.exists("/dev/fuse"):
-        raise ConfigError("/dev/fuse is missing: load the fuse module (modprobe fuse) or pass --device /dev/fuse to the container")
+        raise ConfigError(
+            "/dev/fuse is missing: load the fuse module (modprobe fuse) or pass --device /dev/fuse to the container"
+        )
     if shutil.which("fusermount3") is None:
         raise ConfigError("fusermount3 not found: install fuse3 (apt-get install fuse3)")
     if config.metrics_addr is not None:
@@ -80,8 +86,10 @@ def preflight(config: MountConfig) -> None:
         raise ConfigError(f"cache dir {cache} is not writable")
     else:
         if cache.stat().st_uid != os.geteuid():  # secure_cache_dir() refuses it too; say so before forking
-            raise ConfigError(f"cache dir {cache} is owned by uid {cache.stat().st_uid}, not by this user "
-                              f"(uid {os.geteuid()}); use a cache dir of your own")  # fmt: skip
+            raise ConfigError(
+                f"cache dir {cache} is owned by uid {cache.stat().st_uid}, not by this user "
+                f"(uid {os.geteuid()}); use a cache dir of your own"
+            )
         _check_cache_owner(config)
 
 
@@ -101,13 +109,15 @@ def check_overlaps(config: MountConfig) -> None:
     files or drain them to someone else's remote.  Read-only: checked before
     anything is created.
     """
-    places = {"mount point": Path(os.path.realpath(config.mountpoint)),
-              "cache dir": Path(os.path.realpath(config.cache_dir))}  # fmt: skip
+    places = {
+        "mount point": Path(os.path.realpath(config.mountpoint)),
+        "cache dir": Path(os.path.realpath(config.cache_dir)),
+    }
     if config.remote.scheme == "file":
         places["file:// remote"] = Path(os.path.realpath(config.remote.prefix))
     named = list(places.items())
     for i, (name_a, a) in enumerate(named):
-        for name_b, b in named[i + 1:]:
+        for name_b, b in named[i + 1 :]:
             if _nested(a, b):
                 how = "is" if a == b else ("is inside" if b in a.parents else "contains")
                 raise ConfigError(f"the {name_a} {a} {how} the {name_b} {b}: they must not overlap")
@@ -116,8 +126,10 @@ def check_overlaps(config: MountConfig) -> None:
             continue
         inside = find_burstfs_mount(path)
         if inside is not None:
-            raise ConfigError(f"the {name} {path} is inside the burstfs mount {inside[0]}: "
-                              "use a directory outside every burstfs mount")  # fmt: skip
+            raise ConfigError(
+                f"the {name} {path} is inside the burstfs mount {inside[0]}: "
+                "use a directory outside every burstfs mount"
+            )
 
 
 def _check_cache_owner(config: MountConfig) -> None:
@@ -158,8 +170,10 @@ def check_remote(config: MountConfig, timeout: float = 20.0) -> None:
         remote = open_remote(config.remote, config.s3)
         try:
             await asyncio.wait_for(remote.check(), timeout)
-        except asyncio.TimeoutError:
-            raise RemoteError(f"remote {config.remote} did not answer within {timeout:.0f}s", kind="unreachable") from None
+        except TimeoutError:
+            raise RemoteError(
+                f"remote {config.remote} did not answer within {timeout:.0f}s", kind="unreachable"
+            ) from None
         finally:
             await remote.close()
 
@@ -198,7 +212,7 @@ async def set_read_ahead(mountpoint: Path, nbytes: int) -> None:
     device = device_of(mountpoint)
     knob = Path(f"/sys/class/bdi/{device}/read_ahead_kb")
     try:
-        knob.write_text(f"{max(nbytes // 1024, 4)}\n")
+        await trio.to_thread.run_sync(knob.write_text, f"{max(nbytes // 1024, 4)}\n")
     except OSError as exc:  # not root, or /sys read-only: slower reads, nothing worse
         log.warning("event=read_ahead_unchanged device=%s error=%s", device, exc)
 
@@ -262,12 +276,21 @@ def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
     lock, journal = open_cache(config)
     try:
         backing = passthrough_backing(config)
-        drain = DrainService(Mover(config.cache_dir, config.remote, config.s3, config.drain), journal,
-                             intent_wait=config.remote_wait)
-        core = BurstCore(config.cache_dir, journal, fsync_remote=config.fsync_remote, capacity=config.tier,
-                         list_ttl=config.list_ttl, listing_wait=config.remote_wait,
-                         digest_chunk_size=config.drain.part_size, backing=backing,
-                         drain=drain, fetcher=drain)  # fmt: skip
+        drain = DrainService(
+            Mover(config.cache_dir, config.remote, config.s3, config.drain), journal, intent_wait=config.remote_wait
+        )
+        core = BurstCore(
+            config.cache_dir,
+            journal,
+            fsync_remote=config.fsync_remote,
+            capacity=config.tier,
+            list_ttl=config.list_ttl,
+            listing_wait=config.remote_wait,
+            digest_chunk_size=config.drain.part_size,
+            backing=backing,
+            drain=drain,
+            fetcher=drain,
+        )
         ops = BurstOperations(core, writeback_cache=config.writeback_cache, backing=backing)
         try:
             pyfuse3.init(ops, str(config.mountpoint), fuse_options(config))
@@ -281,8 +304,12 @@ def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
             pyfuse3.close(unmount=not unmounted or is_mounted(config.mountpoint))
             core.close()
         pending = journal.undrained().values()
-        log.info("event=unmounted mountpoint=%s undrained_files=%d undrained_bytes=%d",
-                 config.mountpoint, sum(f for f, _ in pending), sum(b for _, b in pending))  # fmt: skip
+        log.info(
+            "event=unmounted mountpoint=%s undrained_files=%d undrained_bytes=%d",
+            config.mountpoint,
+            sum(f for f, _ in pending),
+            sum(b for _, b in pending),
+        )
     finally:
         journal.close()
         lock.release()

@@ -121,13 +121,13 @@ class StreamingDigests:
             self._chunk.update(piece)
             self._whole.update(piece)
             self._in_chunk += len(piece)
-            view = view[len(piece):]
+            view = view[len(piece) :]
             if self._in_chunk == self.chunk_size:
                 self._chunks.append(self._chunk.hexdigest())
                 self._chunk = xxhash.xxh3_64()
                 self._in_chunk = 0
         self.size += len(data)
-        self._tail = (self._tail + data[-self.TAIL:])[-self.TAIL:]
+        self._tail = (self._tail + data[-self.TAIL :])[-self.TAIL :]
 
     def _break(self) -> None:
         self.broken = True

@@ -46,8 +46,16 @@ class RemoteError(BurstfsError):
 #: the drain goes on.  Everything else permanent (no bucket, access denied, full)
 #: halts the drain until the remote answers again.
 OBJECT_ERROR_KINDS = frozenset(
-    {"bad_key", "key_too_long", "key_conflict", "refused", "invalid_argument", "too_large", "invalid_upload",
-     "checksum"}
+    {
+        "bad_key",
+        "key_too_long",
+        "key_conflict",
+        "refused",
+        "invalid_argument",
+        "too_large",
+        "invalid_upload",
+        "checksum",
+    }
 )
 #: OSError numbers (the cause of a file remote's error) that only concern one path.
 _OBJECT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.EISDIR, errno.ENOTDIR, errno.EFBIG})

@@ -16,7 +16,9 @@ import stat
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from . import passthrough  # noqa: I001 (before pyfuse3: the shim interposes fuse_session_mount)
+from . import passthrough  # before pyfuse3: the shim interposes fuse_session_mount
+
+# isort: split
 
 import pyfuse3
 
@@ -44,8 +46,12 @@ def _errors_to_fuse(handler: F) -> F:
         except (BurstfsError, OSError, sqlite3.Error) as exc:  # sqlite3: the journal (ENOSPC when full)
             code = to_errno(exc)
             if code in (errno.EIO, errno.ENOSPC):
-                log.error("event=request_failed op=%s errno=%s error=%s", handler.__name__,
-                          errno.errorcode.get(code, code), exc)  # fmt: skip
+                log.error(
+                    "event=request_failed op=%s errno=%s error=%s",
+                    handler.__name__,
+                    errno.errorcode.get(code, code),
+                    exc,
+                )
             raise pyfuse3.FUSEError(code) from None
         except Exception:
             log.exception("event=request_bug op=%s", handler.__name__)
@@ -77,8 +83,9 @@ def entry_attributes(inode: Inode) -> pyfuse3.EntryAttributes:
 class BurstOperations(pyfuse3.Operations):
     """pyfuse3 handlers; each is one call into the core."""
 
-    def __init__(self, core: BurstCore, *, writeback_cache: bool = True,
-                 backing: passthrough.BackingFiles | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, core: BurstCore, *, writeback_cache: bool = True, backing: passthrough.BackingFiles | None = None
+    ) -> None:
         super().__init__()
         self.core = core
         self.writeback_cache = writeback_cache
@@ -124,8 +131,14 @@ class BurstOperations(pyfuse3.Operations):
         return entry_attributes(self.core.getattr(inode))
 
     @_errors_to_fuse
-    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
-                      fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:  # fmt: skip
+    async def setattr(
+        self,
+        inode: int,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: int | None,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
         updated = await self.core.setattr(
             inode,
             mode=attr.st_mode if fields.update_mode else None,
@@ -143,8 +156,9 @@ class BurstOperations(pyfuse3.Operations):
         return self.core.readlink(inode)
 
     @_errors_to_fuse
-    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
-                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:  # fmt: skip
+    async def mknod(
+        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
             return entry_attributes(await self.core.mknod_special(parent_inode, name, mode, ctx.uid, ctx.gid))
         fh, inode = await self.core.create(parent_inode, name, mode, os.O_WRONLY, ctx.uid, ctx.gid)
@@ -152,7 +166,9 @@ class BurstOperations(pyfuse3.Operations):
         return entry_attributes(inode)
 
     @_errors_to_fuse
-    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    async def mkdir(
+        self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         return entry_attributes(await self.core.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
 
     @_errors_to_fuse
@@ -164,18 +180,27 @@ class BurstOperations(pyfuse3.Operations):
         await self.core.rmdir(parent_inode, name)
 
     @_errors_to_fuse
-    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
-                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:  # fmt: skip
+    async def symlink(
+        self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         return entry_attributes(await self.core.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
 
     @_errors_to_fuse
-    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
-                     name_new: bytes, flags: int, ctx: pyfuse3.RequestContext) -> None:  # fmt: skip
+    async def rename(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: pyfuse3.RequestContext,
+    ) -> None:
         await self.core.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
 
     @_errors_to_fuse
-    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
-                   ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:  # fmt: skip
+    async def link(
+        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         return entry_attributes(await self.core.link(inode, new_parent_inode, new_name))
 
     @_errors_to_fuse
@@ -183,8 +208,9 @@ class BurstOperations(pyfuse3.Operations):
         return self._file_info(await self.core.open(inode, flags))
 
     @_errors_to_fuse
-    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
-                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:  # fmt: skip
+    async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         fh, inode = await self.core.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
         return self._file_info(fh), entry_attributes(inode)
 

@@ -46,8 +46,9 @@ class DurableCheckpointRetention(TrainerCallback):
         if state.is_world_process_zero:
             self.prune(args.output_dir)
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                     **kwargs: Any) -> None:  # fmt: skip
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if not state.is_world_process_zero:
             return
         directory = Path(args.output_dir or "trainer_output")

@@ -35,6 +35,7 @@ from .errors import ConfigError
 SCHEMA_VERSION = 3
 ROOT_INO = 1
 
+
 class FileState(enum.StrEnum):
     """The ``state`` column, in the order a checkpoint file normally walks through the states.
 
@@ -157,10 +158,32 @@ CREATE INDEX IF NOT EXISTS inodes_by_link ON inodes(link_of) WHERE link_of IS NO
 """
 
 INODE_COLUMNS = (
-    "ino", "parent", "name", "kind", "mode", "uid", "gid", "size", "atime_ns", "mtime_ns",
-    "ctime_ns", "target", "state", "generation", "close_seq", "digest", "chunk_size", "chunks",
-    "remote_key", "durable_generation", "error", "attempts", "updated", "local_bytes", "link_of",
-)  # fmt: skip
+    "ino",
+    "parent",
+    "name",
+    "kind",
+    "mode",
+    "uid",
+    "gid",
+    "size",
+    "atime_ns",
+    "mtime_ns",
+    "ctime_ns",
+    "target",
+    "state",
+    "generation",
+    "close_seq",
+    "digest",
+    "chunk_size",
+    "chunks",
+    "remote_key",
+    "durable_generation",
+    "error",
+    "attempts",
+    "updated",
+    "local_bytes",
+    "link_of",
+)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -246,9 +269,7 @@ class Journal:
                         self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
                 for statement in filter(None, (s.strip() for s in _INDEXES.split(";"))):
                     self._db.execute(statement)
-                self._db.execute(
-                    "INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
-                )
+                self._db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
@@ -308,7 +329,9 @@ class Journal:
 
     def meta_items(self, prefix: str) -> list[tuple[str, str]]:
         """Every ``(key, value)`` of the meta table whose key starts with ``prefix``."""
-        rows = self.query("SELECT key, value FROM meta WHERE key >= ? AND key < ? ORDER BY key", (prefix, prefix + "\U0010ffff"))
+        rows = self.query(
+            "SELECT key, value FROM meta WHERE key >= ? AND key < ? ORDER BY key", (prefix, prefix + "\U0010ffff")
+        )
         return [(str(k), str(v)) for k, v in rows]
 
     # -- inodes -------------------------------------------------------------------
@@ -484,9 +507,12 @@ class Journal:
             ).fetchone()[0]
             if undrained:
                 return False
-            return bool(db.execute(
-                "UPDATE inodes SET state=?, local_bytes=0 WHERE (ino=? OR link_of=?) AND generation=?",
-                (EVICTED, ino, ino, generation)).rowcount)  # fmt: skip
+            return bool(
+                db.execute(
+                    "UPDATE inodes SET state=?, local_bytes=0 WHERE (ino=? OR link_of=?) AND generation=?",
+                    (EVICTED, ino, ino, generation),
+                ).rowcount
+            )
 
     def finish_fetch(
         self,
@@ -697,8 +723,10 @@ class Journal:
 
     def pending_deletes(self, limit: int) -> list[tuple[int, str, str]]:
         """``(id, key, reason)`` of queued remote deletes, oldest first."""
-        return [(int(i), str(k), str(r)) for i, k, r in self.query(
-            "SELECT id, key, reason FROM remote_deletes ORDER BY id LIMIT ?", (limit,))]  # fmt: skip
+        return [
+            (int(i), str(k), str(r))
+            for i, k, r in self.query("SELECT id, key, reason FROM remote_deletes ORDER BY id LIMIT ?", (limit,))
+        ]
 
     def drop_delete(self, request_id: int) -> None:
         self.execute("DELETE FROM remote_deletes WHERE id=?", (request_id,))
@@ -711,8 +739,12 @@ class Journal:
         """
         with self._lock:
             if roots is None:
-                seeds = [(int(ino), os.fsdecode(name)) for ino, name in self._db.execute(
-                    "SELECT ino, name FROM inodes WHERE parent=? AND ino!=?", (ROOT_INO, ROOT_INO))]  # fmt: skip
+                seeds = [
+                    (int(ino), os.fsdecode(name))
+                    for ino, name in self._db.execute(
+                        "SELECT ino, name FROM inodes WHERE parent=? AND ino!=?", (ROOT_INO, ROOT_INO)
+                    )
+                ]
             else:
                 seeds = [(ino, path) for ino in set(roots) if (path := self._path_locked(ino))]
             found: list[tuple[int, str, str]] = []
@@ -751,8 +783,12 @@ class Journal:
         found: list[tuple[int, str]] = []
         with self._lock:
             if roots is None:
-                seeds = [(int(ino), os.fsdecode(name)) for ino, name in self._db.execute(
-                    "SELECT ino, name FROM inodes WHERE parent=? AND ino!=?", (ROOT_INO, ROOT_INO))]  # fmt: skip
+                seeds = [
+                    (int(ino), os.fsdecode(name))
+                    for ino, name in self._db.execute(
+                        "SELECT ino, name FROM inodes WHERE parent=? AND ino!=?", (ROOT_INO, ROOT_INO)
+                    )
+                ]
             else:
                 seeds = [(ino, path) for ino in set(roots) if ino != ROOT_INO and (path := self._path_locked(ino))]
             for root, path in seeds:
@@ -805,9 +841,12 @@ class Journal:
 
     def restage_durable(self, ino: int, remote_key: str) -> bool:
         """A durable local file whose object cannot be moved uploads again to its path."""
-        return bool(self.execute(
-            "UPDATE inodes SET state=?, attempts=0 WHERE ino=? AND state=? AND remote_key=? AND parent!=0",
-            (STAGED, ino, DURABLE, remote_key)))  # fmt: skip
+        return bool(
+            self.execute(
+                "UPDATE inodes SET state=?, attempts=0 WHERE ino=? AND state=? AND remote_key=? AND parent!=0",
+                (STAGED, ino, DURABLE, remote_key),
+            )
+        )
 
     def latest_event_seq(self) -> int:
         return int(self.query("SELECT COALESCE(MAX(seq), 0) FROM events")[0][0])
@@ -879,13 +918,26 @@ def close_ops(
     state = INCOMPLETE if incomplete else STAGED
     return [
         update_file_op(
-            ino, state=state, generation=generation, close_seq=close_seq, size=size, mtime_ns=mtime_ns,
-            ctime_ns=ctime_ns, digest=digest, chunks=json.dumps(list(chunks)) if chunks is not None else None,
-            chunk_size=chunk_size, error=incomplete, attempts=0, updated=time.time(),
-        ),  # fmt: skip
+            ino,
+            state=state,
+            generation=generation,
+            close_seq=close_seq,
+            size=size,
+            mtime_ns=mtime_ns,
+            ctime_ns=ctime_ns,
+            digest=digest,
+            chunks=json.dumps(list(chunks)) if chunks is not None else None,
+            chunk_size=chunk_size,
+            error=incomplete,
+            attempts=0,
+            updated=time.time(),
+        ),
         update_inode_op(ino, local_bytes=size),
-        event_op(ino, "closed" if state == STAGED else "incomplete",
-                 f"generation={generation} size={size} {incomplete or ''}".rstrip()),  # fmt: skip
+        event_op(
+            ino,
+            "closed" if state == STAGED else "incomplete",
+            f"generation={generation} size={size} {incomplete or ''}".rstrip(),
+        ),
     ]
 
 
@@ -911,11 +963,14 @@ def recovered_incomplete_ops(ino: int, size: int, error: str) -> list[Op]:
 def unlink_ops(ino: int, name: bytes, ctime_ns: int) -> list[Op]:
     """``ino`` loses its name; its object (if any) is queued for deletion (invariant 6)."""
     return [
-        ("INSERT INTO remote_deletes (key, reason) SELECT remote_key, 'unlink' FROM inodes "
-         "WHERE ino=? AND remote_key IS NOT NULL", (ino,)),
+        (
+            "INSERT INTO remote_deletes (key, reason) SELECT remote_key, 'unlink' FROM inodes "
+            "WHERE ino=? AND remote_key IS NOT NULL",
+            (ino,),
+        ),
         update_inode_op(ino, parent=0, remote_key=None, ctime_ns=ctime_ns),
         event_op(ino, "unlink", os.fsdecode(name)),
-    ]  # fmt: skip
+    ]
 
 
 def link_ops(row: int, ino: int, parent: int, name: bytes, ctime_ns: int) -> list[Op]:
@@ -925,25 +980,46 @@ def link_ops(row: int, ino: int, parent: int, name: bytes, ctime_ns: int) -> lis
     unless the file is being written or incomplete: then it waits, like the others.
     """
     marks, states = _marks({WRITING, INCOMPLETE, META})
-    columns = [c for c in INODE_COLUMNS if c not in ("ino", "parent", "name", "remote_key", "durable_generation",
-                                                      "attempts", "local_bytes", "link_of", "state", "updated")]
+    columns = [
+        c
+        for c in INODE_COLUMNS
+        if c
+        not in (
+            "ino",
+            "parent",
+            "name",
+            "remote_key",
+            "durable_generation",
+            "attempts",
+            "local_bytes",
+            "link_of",
+            "state",
+            "updated",
+        )
+    ]
     return [
-        (f"INSERT INTO inodes (ino, parent, name, state, updated, link_of, {', '.join(columns)}) "
-         f"SELECT ?, ?, ?, CASE WHEN state IN ({marks}) THEN state ELSE ? END, ?, ino, {', '.join(columns)} "
-         "FROM inodes WHERE ino=?", (row, parent, name, *states, STAGED, time.time(), ino)),
+        (
+            f"INSERT INTO inodes (ino, parent, name, state, updated, link_of, {', '.join(columns)}) "
+            f"SELECT ?, ?, ?, CASE WHEN state IN ({marks}) THEN state ELSE ? END, ?, ino, {', '.join(columns)} "
+            "FROM inodes WHERE ino=?",
+            (row, parent, name, *states, STAGED, time.time(), ino),
+        ),
         update_inode_op(ino, ctime_ns=ctime_ns),
         event_op(row, "link", f"{os.fsdecode(name)} of inode {ino}"),
-    ]  # fmt: skip
+    ]
 
 
 def unlink_name_ops(row: int, name: bytes) -> list[Op]:
     """A hard link's name goes: its row goes, its object (if any) is queued for deletion."""
     return [
-        ("INSERT INTO remote_deletes (key, reason) SELECT remote_key, 'unlink' FROM inodes "
-         "WHERE ino=? AND remote_key IS NOT NULL", (row,)),
+        (
+            "INSERT INTO remote_deletes (key, reason) SELECT remote_key, 'unlink' FROM inodes "
+            "WHERE ino=? AND remote_key IS NOT NULL",
+            (row,),
+        ),
         ("DELETE FROM inodes WHERE ino=? AND link_of IS NOT NULL", (row,)),
         event_op(row, "unlink", os.fsdecode(name)),
-    ]  # fmt: skip
+    ]
 
 
 def forget_listed_ops(ino: int, name: bytes, ctime_ns: int) -> list[Op]:

@@ -28,8 +28,13 @@ class DurableCheckpointRetention(pl.Callback):
     durable checkpoints and every newer one.  With ``wait_at_end`` (seconds), the end of
     ``fit`` waits until the newest checkpoint is durable (DurableTimeoutError if not)."""
 
-    def __init__(self, dirpath: str | os.PathLike[str], keep_last: int = 2, pattern: str = "*.ckpt",
-                 wait_at_end: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str],
+        keep_last: int = 2,
+        pattern: str = "*.ckpt",
+        wait_at_end: float | None = None,
+    ) -> None:
         if keep_last < 1:
             raise ValueError("keep_last must be at least 1")
         self.dirpath = Path(dirpath)
@@ -44,8 +49,9 @@ class DurableCheckpointRetention(pl.Callback):
             return []
         return prune_checkpoints(checkpoints, self.keep_last)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:  # fmt: skip
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.is_global_zero:
             self.prune()
 

@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 import trio
+import trio.lowlevel
 
 from .journal import META, REMOTE, ROOT_INO, Op, forget_listed_ops, insert_inode_op
 from .nodes import NAME_MAX, NEVER_LISTED, RESERVED_ROOT_NAME, Inode, Undo
@@ -88,21 +89,26 @@ class RemoteListings:
             await done.wait()
             return merged[0]
         if now >= self._slow_until:
-            log.info("event=listing_slow dir_ino=%d waited=%.1f note=answered from local entries",
-                     directory.ino, time.monotonic() - now)  # fmt: skip
+            log.info(
+                "event=listing_slow dir_ino=%d waited=%.1f note=answered from local entries",
+                directory.ino,
+                time.monotonic() - now,
+            )
         self._slow_until = max(self._slow_until, time.monotonic() + self.backoff)
         return False
 
-    async def _list_in_background(self, directory: Inode,
-                                  pending: tuple[trio.Event, list[bool], float, float]) -> None:  # fmt: skip
+    async def _list_in_background(self, directory: Inode, pending: tuple[trio.Event, list[bool], float, float]) -> None:
         """Run one listing, bounded by ``timeout`` (the remote's own retries may take minutes)."""
         done, merged, started, _ = pending
         try:
             with trio.move_on_after(self.timeout) as scope:
                 merged[0] = await self.refresh(directory)
             if scope.cancelled_caught:
-                log.warning("event=list_failed dir_ino=%d error=no answer within %.0fs note=retried after the TTL",
-                            directory.ino, self.timeout)  # fmt: skip
+                log.warning(
+                    "event=list_failed dir_ino=%d error=no answer within %.0fs note=retried after the TTL",
+                    directory.ino,
+                    self.timeout,
+                )
             if scope.cancelled_caught:
                 self._slow_until = time.monotonic() + self.backoff
             elif merged[0] and trio.current_time() - started <= self.wait:
@@ -148,7 +154,7 @@ class RemoteListings:
         remote_names: set[bytes] = set()
         for count, entry in enumerate(files, 1):
             if count % 1000 == 0:
-                await trio.sleep(0)  # a 100,000-object listing must not stall other requests
+                await trio.lowlevel.checkpoint()  # a 100,000-object listing must not stall other requests
             try:
                 name, size, mtime = entry
                 raw = self._listed_name(dir_key, name, at_root)
@@ -165,7 +171,7 @@ class RemoteListings:
                 wanted_files.append((raw, size, mtime_ns, prefix + name))
         # A remote directory holding keys this node owns is its own layout from before
         # a rename whose objects have not moved yet: not another node's directory.
-        owned_dirs = {key[len(prefix):].split("/", 1)[0] for key in known_keys if "/" in key[len(prefix):]}
+        owned_dirs = {key[len(prefix) :].split("/", 1)[0] for key in known_keys if "/" in key[len(prefix) :]}
         wanted_dirs: list[bytes] = []
         for name in subdirs:
             try:
@@ -177,9 +183,15 @@ class RemoteListings:
                 wanted_dirs.append(raw)
         return await self._merge(directory, prefix, now, wanted_files, wanted_dirs, remote_names)
 
-    async def _merge(self, directory: Inode, prefix: str, started: float,
-                     wanted_files: list[tuple[bytes, int, int, str]], wanted_dirs: list[bytes],
-                     remote_names: set[bytes]) -> bool:  # fmt: skip
+    async def _merge(
+        self,
+        directory: Inode,
+        prefix: str,
+        started: float,
+        wanted_files: list[tuple[bytes, int, int, str]],
+        wanted_dirs: list[bytes],
+        remote_names: set[bytes],
+    ) -> bool:
         """Apply a filtered listing: no await from the checks to the commit's enqueue."""
         self._prune_tombstones()
         if directory.children is None or (directory.parent == 0 and directory.ino != ROOT_INO):
@@ -245,8 +257,9 @@ class RemoteListings:
         """A listed file that vanished from the remote: drop it here, delete nothing there."""
         return forget_listed_ops(inode.ino, inode.name, self.core.namespace.detach(directory, inode, undo))
 
-    def _add_listed(self, directory: Inode, name: bytes, kind: str, size: int, mtime_ns: int,
-                    key: str | None, undo: Undo) -> list[Op]:  # fmt: skip
+    def _add_listed(
+        self, directory: Inode, name: bytes, kind: str, size: int, mtime_ns: int, key: str | None, undo: Undo
+    ) -> list[Op]:
         mode = stat.S_IFDIR | 0o755 if kind == "dir" else stat.S_IFREG | 0o644
         inode = self.core.namespace.new_inode(directory, name, kind, mode, directory.uid, directory.gid)
         inode.size, inode.mtime_ns, inode.ctime_ns = size, mtime_ns, mtime_ns
@@ -274,4 +287,3 @@ class RemoteListings:
                 self._tombstones[key] = before
 
         undo.add(restore)
-

@@ -220,9 +220,16 @@ def _manifest_from_doc(cls: type[Manifest], doc: Any) -> Manifest:
     for index, raw in enumerate(raw_chunks):
         where = f"chunks[{index}]."
         if type(raw) is not dict:
-            raise ManifestError(f"invalid manifest for {key}: key 'chunks[{index}]' is {type(raw).__name__}, expected object")
-        chunks.append(ChunkInfo(_hex_field(raw, "xxh3", 16, where), _field(raw, "codec", str, where),
-                                _field(raw, "stored_size", int, where)))  # fmt: skip
+            raise ManifestError(
+                f"invalid manifest for {key}: key 'chunks[{index}]' is {type(raw).__name__}, expected object"
+            )
+        chunks.append(
+            ChunkInfo(
+                _hex_field(raw, "xxh3", 16, where),
+                _field(raw, "codec", str, where),
+                _field(raw, "stored_size", int, where),
+            )
+        )
     mode = _field(doc, "mode", int)
     if not 0 <= mode < 1 << 32:
         raise ManifestError(f"invalid manifest for {key}: key 'mode' is out of range")

@@ -67,32 +67,49 @@ class BurstCollector(Collector):
         yield files
         yield sizes
         queued = [by_state[state] for state in sorted(QUEUED)]
-        yield GaugeMetricFamily("burstfs_staged_bytes", "Bytes closed and not yet durable (staged + draining).",
-                                value=sum(b for _, b in queued))  # fmt: skip
-        yield GaugeMetricFamily("burstfs_queue_depth", "Files waiting to drain or draining.",
-                                value=sum(f for f, _ in queued))  # fmt: skip
+        yield GaugeMetricFamily(
+            "burstfs_staged_bytes",
+            "Bytes closed and not yet durable (staged + draining).",
+            value=sum(b for _, b in queued),
+        )
+        yield GaugeMetricFamily(
+            "burstfs_queue_depth", "Files waiting to drain or draining.", value=sum(f for f, _ in queued)
+        )
         st = os.statvfs(self.core.tier.data_dir)
-        yield GaugeMetricFamily("burstfs_local_tier_capacity_bytes", "Size of the file system holding the local tier.",
-                                value=st.f_blocks * st.f_frsize)  # fmt: skip
-        yield GaugeMetricFamily("burstfs_local_tier_free_bytes", "Free bytes on the local tier.",
-                                value=st.f_bavail * st.f_frsize)  # fmt: skip
+        yield GaugeMetricFamily(
+            "burstfs_local_tier_capacity_bytes",
+            "Size of the file system holding the local tier.",
+            value=st.f_blocks * st.f_frsize,
+        )
+        yield GaugeMetricFamily(
+            "burstfs_local_tier_free_bytes", "Free bytes on the local tier.", value=st.f_bavail * st.f_frsize
+        )
         if self.drain is None:
             return
         stats = self.drain.mover.stats
-        yield CounterMetricFamily("burstfs_fetched_bytes", "Bytes fetched from the remote since the mount started.",
-                                  value=self.drain.fetched_bytes)  # fmt: skip
-        yield CounterMetricFamily("burstfs_drained_bytes", "Bytes made durable since the mount started.",
-                                  value=stats.bytes_drained)  # fmt: skip
-        yield CounterMetricFamily("burstfs_drained_files", "Files made durable since the mount started.",
-                                  value=stats.files_drained)  # fmt: skip
-        yield GaugeMetricFamily("burstfs_drain_throughput_bytes_per_second", "Drain rate over the last 30 s.",
-                                value=stats.throughput())  # fmt: skip
+        yield CounterMetricFamily(
+            "burstfs_fetched_bytes",
+            "Bytes fetched from the remote since the mount started.",
+            value=self.drain.fetched_bytes,
+        )
+        yield CounterMetricFamily(
+            "burstfs_drained_bytes", "Bytes made durable since the mount started.", value=stats.bytes_drained
+        )
+        yield CounterMetricFamily(
+            "burstfs_drained_files", "Files made durable since the mount started.", value=stats.files_drained
+        )
+        yield GaugeMetricFamily(
+            "burstfs_drain_throughput_bytes_per_second", "Drain rate over the last 30 s.", value=stats.throughput()
+        )
         errors = CounterMetricFamily("burstfs_drain_errors", "Drain errors by kind.", labels=["kind"])
         for kind, count in dict(stats.errors_by_kind).items():
             errors.add_metric([kind], count)
         yield errors
-        yield GaugeMetricFamily("burstfs_drain_halted", "1 while a permanent remote error stops the drain.",
-                                value=int(stats.halted is not None))  # fmt: skip
+        yield GaugeMetricFamily(
+            "burstfs_drain_halted",
+            "1 while a permanent remote error stops the drain.",
+            value=int(stats.halted is not None),
+        )
 
 
 class MetricsServer:
@@ -105,9 +122,11 @@ class MetricsServer:
         self.journal = Journal(config.cache_dir, readonly=True)
         self.registry.register(BurstCollector(core, drain, self.journal))
         self.drain_latency = Histogram(
-            "burstfs_drain_latency_seconds", "Seconds from the start of a file's upload until it is durable.",
-            buckets=LATENCY_BUCKETS, registry=self.registry,
-        )  # fmt: skip
+            "burstfs_drain_latency_seconds",
+            "Seconds from the start of a file's upload until it is durable.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         if drain is not None:
             drain.mover.on_durable(self._durable)
         self._server: Any = None  # set by start()

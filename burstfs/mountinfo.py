@@ -36,7 +36,7 @@ def is_mounted(mountpoint: Path) -> bool:
 
 
 def device_of(mountpoint: Path) -> str | None:
-    """"major:minor" of the file system mounted at ``mountpoint`` (a resolved path).
+    """ "major:minor" of the file system mounted at ``mountpoint`` (a resolved path).
 
     Never stats the path: that would ask the FUSE daemon, which may be this very
     process, before it serves requests.
@@ -52,7 +52,6 @@ def find_burstfs_mount(path: Path) -> tuple[Path, Path] | None:
     for point, fstype, source, _ in mounts():
         if not fstype.startswith("fuse") or not source.startswith(FSNAME_PREFIX):
             continue
-        if real == point or point in real.parents:
-            if best is None or len(str(point)) > len(str(best[0])):
-                best = (point, Path(source[len(FSNAME_PREFIX):]))
+        if (real == point or point in real.parents) and (best is None or len(str(point)) > len(str(best[0]))):
+            best = (point, Path(source[len(FSNAME_PREFIX) :]))
     return best

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from .commitgroups import CommitGroups
 from .config import DrainOptions, RemoteURL, S3Options, default_node_id, is_commit_marker
-from .errors import HALT, OBJECT, RETRY, CorruptDataError, RemoteError, UploadCancelled, error_scope
+from .errors import HALT, OBJECT, CorruptDataError, RemoteError, UploadCancelled, error_scope
 from .journal import InodeRow, Journal
 from .localtier import LocalTier
 from .objects import FileDigests, ObjectStore
@@ -110,7 +110,9 @@ class MoverStats:
     #: When the current run of failures began: the first failed attempt of the first
     #: error recorded since the drain last made progress (None: no failure since).
     trouble_since: float | None = None
-    drain_latencies: collections.deque[float] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=1024))
+    drain_latencies: collections.deque[float] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=1024)
+    )
     halted: str | None = None  # the permanent error that stopped the drain
 
     def throughput(self, window: float = 30.0) -> float:
@@ -139,8 +141,13 @@ class Mover:
     """Drains one cache directory to its remote."""
 
     def __init__(
-        self, cache_dir: Path, remote_url: RemoteURL, s3: S3Options, options: DrainOptions,
-        *, remote: Remote | None = None,
+        self,
+        cache_dir: Path,
+        remote_url: RemoteURL,
+        s3: S3Options,
+        options: DrainOptions,
+        *,
+        remote: Remote | None = None,
     ) -> None:
         """``remote``: use this remote instead of opening ``remote_url`` (tests wrap one to inject faults)."""
         self.cache_dir = Path(cache_dir)
@@ -266,10 +273,9 @@ class Mover:
             while not self._stopping:
                 self._wakeup.clear()
                 await asyncio.sleep(COALESCE_S)  # a burst of closes becomes one pass
-                if self.stats.halted is not None:
-                    if not await self._probe_remote():
-                        await self._sleep(HALT_PROBE_S)
-                        continue
+                if self.stats.halted is not None and not await self._probe_remote():
+                    await self._sleep(HALT_PROBE_S)
+                    continue
                 try:
                     await self.groups.step(self.remote)
                     if not tasks:  # no upload in flight: every recorded one is left over
@@ -411,15 +417,22 @@ class Mover:
         # This runs after every close: read enough rows to fill the free slots past the
         # files in flight or backing off (and a few blocked markers), not the whole queue.
         limit = slots + len(self._in_flight) + len(self._not_before) + 32
+
         # An incomplete file never becomes durable, so it holds a later marker back for good.
         def is_marker(row: InodeRow) -> bool:
             return self._is_marker_name(os.fsdecode(row.name))
 
         chosen = self.journal.eligible(
-            slots, limit, closed_before=now - delay, is_marker=is_marker,
-            skip=lambda row: row.ino in self._in_flight or self._not_before.get(row.ino, 0) > now
-            or (is_marker(row) and self._held_by_other_nodes(row)),
-        )  # fmt: skip
+            slots,
+            limit,
+            closed_before=now - delay,
+            is_marker=is_marker,
+            skip=lambda row: (
+                row.ino in self._in_flight
+                or self._not_before.get(row.ino, 0) > now
+                or (is_marker(row) and self._held_by_other_nodes(row))
+            ),
+        )
         if not chosen:
             self._skip_delay = False
         return chosen
@@ -455,13 +468,21 @@ class Mover:
             digests = self._journaled_digests(row)
             assert self.store is not None
             manifest = await self.store.upload_file(
-                key, self.tier_paths.path(row.data_ino), digests, chunk_size=self.options.part_size, generation=generation,
-                mtime_ns=row.mtime_ns, mode=row.mode, concurrency=self.options.concurrency,
-                compress=self.options.compress, cancel_check=lambda: self.journal.superseded(ino, generation),
-            )  # fmt: skip
+                key,
+                self.tier_paths.path(row.data_ino),
+                digests,
+                chunk_size=self.options.part_size,
+                generation=generation,
+                mtime_ns=row.mtime_ns,
+                mode=row.mode,
+                concurrency=self.options.concurrency,
+                compress=self.options.compress,
+                cancel_check=lambda: self.journal.superseded(ino, generation),
+            )
             if digests is None:  # taken during the upload: journal them for verify and the xattr
-                self.journal.record_digests(ino, generation, manifest.digest, [c.xxh3 for c in manifest.chunks],
-                                            manifest.chunk_size)  # fmt: skip
+                self.journal.record_digests(
+                    ino, generation, manifest.digest, [c.xxh3 for c in manifest.chunks], manifest.chunk_size
+                )
             if self._finish(row, key, manifest.size, started, intent) and self._is_marker_name(os.fsdecode(row.name)):
                 self.groups.marker_durable(row, key, manifest.size, manifest.digest)
         except (asyncio.CancelledError, UploadCancelled) as exc:

@@ -69,9 +69,15 @@ def check_new_name(parent: Inode, name: bytes) -> None:
 class Namespace:
     """The inodes of one mount by number, and the names that link them."""
 
-    def __init__(self, journal: Journal, committer: GroupCommitter, tier: LocalTier, *,
-                 remember_removed: Callable[[Inode, bytes, Undo], None],
-                 on_destroy: Callable[[Inode], None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        journal: Journal,
+        committer: GroupCommitter,
+        tier: LocalTier,
+        *,
+        remember_removed: Callable[[Inode, bytes, Undo], None],
+        on_destroy: Callable[[Inode], None],
+    ) -> None:
         self.journal = journal
         self.committer = committer
         self.tier = tier
@@ -86,9 +92,20 @@ class Namespace:
         rows = self.journal.inodes()
         if not rows:
             now = now_ns()
-            root = InodeRow(ino=ROOT_INO, parent=ROOT_INO, name=b"", kind="dir", mode=stat.S_IFDIR | 0o755,
-                            uid=os.getuid(), gid=os.getgid(), atime_ns=now, mtime_ns=now, ctime_ns=now,
-                            state=META, updated=time.time())  # fmt: skip
+            root = InodeRow(
+                ino=ROOT_INO,
+                parent=ROOT_INO,
+                name=b"",
+                kind="dir",
+                mode=stat.S_IFDIR | 0o755,
+                uid=os.getuid(),
+                gid=os.getgid(),
+                atime_ns=now,
+                mtime_ns=now,
+                ctime_ns=now,
+                state=META,
+                updated=time.time(),
+            )
             self.journal.apply([insert_inode_op(root)])
             rows = [root]
         ops: list[Op] = []
@@ -138,12 +155,23 @@ class Namespace:
 
     def _inode_from_row(self, row: InodeRow) -> Inode:
         inode = Inode(
-            ino=row.ino, kind=row.kind, mode=row.mode, uid=row.uid, gid=row.gid,
-            parent=row.parent, name=row.name, size=row.size, atime_ns=row.atime_ns,
-            mtime_ns=row.mtime_ns, ctime_ns=row.ctime_ns, target=row.target,
-            generation=row.generation, local=row.state not in NOT_LOCAL,
-            listed=row.state == REMOTE, incomplete=(row.error or INCOMPLETE) if row.state == INCOMPLETE else "",
-        )  # fmt: skip
+            ino=row.ino,
+            kind=row.kind,
+            mode=row.mode,
+            uid=row.uid,
+            gid=row.gid,
+            parent=row.parent,
+            name=row.name,
+            size=row.size,
+            atime_ns=row.atime_ns,
+            mtime_ns=row.mtime_ns,
+            ctime_ns=row.ctime_ns,
+            target=row.target,
+            generation=row.generation,
+            local=row.state not in NOT_LOCAL,
+            listed=row.state == REMOTE,
+            incomplete=(row.error or INCOMPLETE) if row.state == INCOMPLETE else "",
+        )
         if row.kind == "dir":
             inode.children = {}
         return inode
@@ -199,17 +227,31 @@ class Namespace:
             if kind == "dir":
                 mode |= stat.S_ISGID
         now = now_ns()
-        inode = Inode(next(self._next_ino), kind, mode, uid, gid, parent.ino, name,
-                      atime_ns=now, mtime_ns=now, ctime_ns=now)  # fmt: skip
+        inode = Inode(
+            next(self._next_ino), kind, mode, uid, gid, parent.ino, name, atime_ns=now, mtime_ns=now, ctime_ns=now
+        )
         if kind == "dir":
             inode.children = {}
         return inode
 
     def row(self, inode: Inode, state: FileState) -> InodeRow:
-        return InodeRow(ino=inode.ino, parent=inode.parent, name=inode.name, kind=inode.kind, mode=inode.mode,
-                        uid=inode.uid, gid=inode.gid, size=inode.size, atime_ns=inode.atime_ns,
-                        mtime_ns=inode.mtime_ns, ctime_ns=inode.ctime_ns, target=inode.target, state=state,
-                        generation=inode.generation, updated=time.time())  # fmt: skip
+        return InodeRow(
+            ino=inode.ino,
+            parent=inode.parent,
+            name=inode.name,
+            kind=inode.kind,
+            mode=inode.mode,
+            uid=inode.uid,
+            gid=inode.gid,
+            size=inode.size,
+            atime_ns=inode.atime_ns,
+            mtime_ns=inode.mtime_ns,
+            ctime_ns=inode.ctime_ns,
+            target=inode.target,
+            state=state,
+            generation=inode.generation,
+            updated=time.time(),
+        )
 
     def attach(self, parent: Inode, inode: Inode, undo: Undo) -> None:
         """Give ``inode`` its name in ``parent``; ``undo`` takes it back."""
@@ -235,8 +277,7 @@ class Namespace:
 
     async def commit_new(self, parent: Inode, inode: Inode, state: FileState, undo: Undo) -> None:
         """Journal a name just made; on failure it is gone again (no ghost in memory)."""
-        await self.committer.commit([insert_inode_op(self.row(inode, state)), self.touch_parent_op(parent)],
-                                    undo=undo)  # fmt: skip
+        await self.committer.commit([insert_inode_op(self.row(inode, state)), self.touch_parent_op(parent)], undo=undo)
 
     async def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
         parent = self.dir(parent_ino)
@@ -303,8 +344,9 @@ class Namespace:
         undo.add(restore_times)
         inode.pending += 1
         try:
-            await self.committer.commit([*link_ops(row, inode.ino, parent.ino, new_name, now), self.touch_parent_op(parent)],
-                                        undo=undo)  # fmt: skip
+            await self.committer.commit(
+                [*link_ops(row, inode.ino, parent.ino, new_name, now), self.touch_parent_op(parent)], undo=undo
+            )
         finally:
             inode.pending -= 1
 
@@ -382,12 +424,11 @@ class Namespace:
             self.on_destroy(inode)
         # Not awaited: losing this record in a crash is harmless (start-up drops
         # unlinked rows), and forget() must not block.
-        self.committer.enqueue(
-            drop_unlinked_ops(inode.ino)
-        )  # fmt: skip
+        self.committer.enqueue(drop_unlinked_ops(inode.ino))
 
-    async def rename(self, old_parent_ino: int, old_name: bytes, new_parent_ino: int,
-                     new_name: bytes, flags: int) -> bool:  # fmt: skip
+    async def rename(
+        self, old_parent_ino: int, old_name: bytes, new_parent_ino: int, new_name: bytes, flags: int
+    ) -> bool:
         """rename(2): atomically replaces a file target or an empty directory target.
         False when there was nothing to do (the target is the same inode)."""
         from pyfuse3 import RENAME_EXCHANGE, RENAME_NOREPLACE

@@ -28,17 +28,23 @@ from typing import Any
 
 import xxhash
 
+from . import manifest as manifest_format
 from .digests import FileDigests, StreamingDigests, chunk_count, compute_digests, whole_file_digest
 from .errors import CorruptDataError, ManifestError, RemoteNotFound, UploadCancelled
 from .fileio import pread_full
-from . import manifest as manifest_format
 from .manifest import ChunkInfo, Manifest, StoredChunk, decode_chunk, encode_chunk, manifest_key
 from .remote import Remote, RetryPolicy, UploadedPart, fail_fast_group, run_workers
 
 # The objects layer's names, wherever they are defined (callers import them from here).
 __all__ = [
-    "ChunkInfo", "FileDigests", "Manifest", "ObjectStore", "StoredChunk", "StreamingDigests",
-    "compute_digests", "manifest_key",
+    "ChunkInfo",
+    "FileDigests",
+    "Manifest",
+    "ObjectStore",
+    "StoredChunk",
+    "StreamingDigests",
+    "compute_digests",
+    "manifest_key",
 ]
 
 log = logging.getLogger("burstfs.objects")
@@ -51,7 +57,10 @@ class ObjectStore:
     """Files as verified objects on ``remote``; every remote call is retried by ``retry``."""
 
     def __init__(
-        self, remote: Remote, retry: RetryPolicy | None = None, *,
+        self,
+        remote: Remote,
+        retry: RetryPolicy | None = None,
+        *,
         on_upload_started: Callable[[str, str], None] | None = None,
         on_upload_ended: Callable[[str], None] | None = None,
     ) -> None:
@@ -110,7 +119,9 @@ class ObjectStore:
             if chunk_size <= 0 or len(expected.chunks) != chunk_count(expected.size, chunk_size):
                 raise ValueError(f"digests of {key}: {len(expected.chunks)} chunks do not cover {expected.size} bytes")
             if size != expected.size:
-                raise CorruptDataError(f"staged file {path} ({key}) is {size} bytes, but {expected.size} were checksummed")
+                raise CorruptDataError(
+                    f"staged file {path} ({key}) is {size} bytes, but {expected.size} were checksummed"
+                )
         elif chunk_size <= 0:
             raise ValueError(f"chunk size must be positive, not {chunk_size}")
         reader = _ChunkReader(Path(path), key, size, chunk_size, expected.chunks if expected else None, compress)
@@ -246,8 +257,13 @@ class ObjectStore:
     async def fetch_manifest(self, key: str) -> Manifest | None:
         """The manifest of ``key``, or None for an object burstfs did not write."""
         try:  # a ranged GET: a huge object at the manifest's key is never read whole
-            data = await self._call(self.remote.get_range, manifest_key(key), 0, manifest_format.MAX_MANIFEST_BYTES + 1,
-                                    what=f"get manifest {key}")  # fmt: skip
+            data = await self._call(
+                self.remote.get_range,
+                manifest_key(key),
+                0,
+                manifest_format.MAX_MANIFEST_BYTES + 1,
+                what=f"get manifest {key}",
+            )
         except RemoteNotFound:
             return None
         try:
@@ -342,7 +358,7 @@ class ObjectStore:
             await self._call(self.remote.abort_multipart, key, upload_id, what=f"abort upload {key}")
             self._upload_ended(upload_id)
             log.info("event=stale_upload_aborted key=%s upload_id=%s", key, upload_id)
-        for key, upload_id in uploads:
+        for _key, upload_id in uploads:
             if upload_id.startswith(PENDING_UPLOAD):
                 self._upload_ended(upload_id)
         return len(known)
@@ -411,5 +427,3 @@ class _ChunkReader:
                 f"the checksum taken at close (xxh3 {digest}, expected {self.expected[index]})"
             )
         return encode_chunk(data, digest, self.compress)
-
-

@@ -84,7 +84,8 @@ class PinnedPool:
     """A reusable host buffer for snapshots, and the order of the saves that use it.
 
     Allocating, faulting in and pinning a large buffer takes longer than the copy itself,
-    so the pool keeps its buffer from one save to the next and replaces it only when a snapshot needs more than it holds.
+    so the pool keeps its buffer from one save to the next and replaces it only when a
+    snapshot needs more than it holds.
     Saves through one pool run one at a time: a save first waits until the previous
     one's file is written, and only then reuses the buffer. ``max_bytes`` bounds the
     buffer; a snapshot that does not fit uses ordinary (pageable) memory for that save.
@@ -136,7 +137,8 @@ class PinnedPool:
             if self.max_bytes is not None and nbytes > self.max_bytes:
                 logger.warning(
                     "snapshot of %d bytes exceeds PinnedPool max_bytes=%d: using pageable memory for this save",
-                    nbytes, self.max_bytes,
+                    nbytes,
+                    self.max_bytes,
                 )
                 return torch.empty(nbytes, dtype=torch.uint8), False
             self._buffer = None  # free the old buffer before allocating its successor
@@ -398,7 +400,13 @@ def _write(
         log = logger.error if handle._error is not None else logger.info
         log(
             "save path=%s bytes=%d pooled=%s pinned=%s waited_s=%.3f blocking_s=%.3f total_s=%.3f error=%s",
-            path, handle.nbytes, pooled, pooled and pool.pinned, waited_s, handle.blocking_s, handle.total_s,
+            path,
+            handle.nbytes,
+            pooled,
+            pooled and pool.pinned,
+            waited_s,
+            handle.blocking_s,
+            handle.total_s,
             None if handle._error is None else repr(handle._error),
         )
         handle._done.set()

@@ -35,8 +35,9 @@ def fmt_duration(seconds: float | None) -> str:
 class Progress:
     """Bytes done of a total.  ``update`` with the latest counts; ``close`` at the end."""
 
-    def __init__(self, what: str, stream: TextIO | None = None, terminal: bool | None = None,
-                 baseline: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, what: str, stream: TextIO | None = None, terminal: bool | None = None, baseline: int | None = None
+    ) -> None:
         self.what = what
         self.stream = stream if stream is not None else sys.stderr
         self.terminal = self.stream.isatty() if terminal is None else terminal
@@ -45,11 +46,20 @@ class Progress:
         self.last: tuple[int, int, int, int] | None = None
         self.bar: tqdm[None] | None = None
         if self.terminal:
-            self.bar = tqdm(desc=what, total=0, unit="B", unit_scale=True, unit_divisor=1024, file=self.stream,
-                            dynamic_ncols=True, leave=True)  # fmt: skip
+            self.bar = tqdm(
+                desc=what,
+                total=0,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                file=self.stream,
+                dynamic_ncols=True,
+                leave=True,
+            )
 
-    def update(self, done_files: int, total_files: int, done_bytes: int, total_bytes: int,
-               message: str | None = None) -> None:  # fmt: skip
+    def update(
+        self, done_files: int, total_files: int, done_bytes: int, total_bytes: int, message: str | None = None
+    ) -> None:
         """The latest counts; ``message`` (e.g. the file just fetched) goes to stdout above the
         bar, or ends the plain line."""
         counts = (done_files, total_files, done_bytes, total_bytes)
@@ -78,7 +88,9 @@ class Progress:
         left = total_bytes - done_bytes
         eta = "0s" if left <= 0 else fmt_duration(left / rate) if rate else "-"
         speed = f"{fmt_bytes(rate)}/s" if rate else "- B/s"
-        return f"{done_files}/{total_files} files, {fmt_bytes(done_bytes)} of {fmt_bytes(total_bytes)}, {speed}, ETA {eta}"
+        return (
+            f"{done_files}/{total_files} files, {fmt_bytes(done_bytes)} of {fmt_bytes(total_bytes)}, {speed}, ETA {eta}"
+        )
 
     def close(self) -> None:
         if self.bar is not None:

@@ -71,11 +71,17 @@ class Publisher:
         if not writer_left:
             inode.digests = None
         return close_ops(
-            inode.ino, generation=inode.generation, close_seq=seq, size=inode.size, mtime_ns=inode.mtime_ns,
-            ctime_ns=inode.ctime_ns, digest=digests.digest if digests else None,
-            chunks=digests.chunks if digests else None, chunk_size=digests.chunk_size if digests else None,
+            inode.ino,
+            generation=inode.generation,
+            close_seq=seq,
+            size=inode.size,
+            mtime_ns=inode.mtime_ns,
+            ctime_ns=inode.ctime_ns,
+            digest=digests.digest if digests else None,
+            chunks=digests.chunks if digests else None,
+            chunk_size=digests.chunk_size if digests else None,
             incomplete=inode.incomplete or None,
-        )  # fmt: skip
+        )
 
     def publish_ops(self, inode: Inode, undo: Undo, *, writer_left: bool) -> list[Op]:
         """What a close journals: a new generation, or, for a file opened for

@@ -107,8 +107,14 @@ class _FileFetch:
 class RestoreService:
     """Fetches remote-only (evicted or listed) files into the local tier."""
 
-    def __init__(self, store: ObjectStore, journal: Journal, tier: LocalTier,
-                 concurrency: int = FETCH_CONCURRENCY, max_open_fds: int = MAX_OPEN_FDS) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: ObjectStore,
+        journal: Journal,
+        tier: LocalTier,
+        concurrency: int = FETCH_CONCURRENCY,
+        max_open_fds: int = MAX_OPEN_FDS,
+    ) -> None:
         self.store = store
         self.journal = journal
         self.tier = tier
@@ -136,9 +142,12 @@ class RestoreService:
         """
         try:
             return await asyncio.wait_for(self._list_dir_once(dir_key), self.listing_timeout)
-        except asyncio.TimeoutError:
-            raise RemoteError(f"list {dir_key or '/'}: remote {self.store.remote.url} did not answer within "
-                              f"{self.listing_timeout:.0f}s", kind="unavailable") from None  # fmt: skip
+        except TimeoutError:
+            raise RemoteError(
+                f"list {dir_key or '/'}: remote {self.store.remote.url} did not answer within "
+                f"{self.listing_timeout:.0f}s",
+                kind="unavailable",
+            ) from None
 
     async def _list_dir_once(self, dir_key: str) -> tuple[list[tuple[str, int, float]], list[str]]:
         """list_dir's one attempt (``listing_retry``), without a bound of its own."""
@@ -147,6 +156,7 @@ class RestoreService:
         prefix = f"{dir_key}/" if dir_key else ""
         sizes = {info.key: info.size for info in files}
         if await self._compressed_layout():
+
             async def logical_size(key: str) -> None:
                 async with self._slots:
                     manifest = await self.store.fetch_manifest(key)
@@ -154,7 +164,7 @@ class RestoreService:
                     sizes[key] = manifest.size
 
             await asyncio.gather(*(logical_size(info.key) for info in files))
-        return [(info.key[len(prefix):], sizes[info.key], info.mtime) for info in files], subdirs
+        return [(info.key[len(prefix) :], sizes[info.key], info.mtime) for info in files], subdirs
 
     async def _compressed_layout(self) -> bool:
         if self._compressed is None:
@@ -227,8 +237,12 @@ class RestoreService:
             fetch = self._without_manifest(row)
         else:
             if row.digest and manifest.digest != row.digest:
-                log.error("event=corrupt_data key=%s ino=%d problem=%r", row.remote_key, ino,
-                          f"manifest digest {manifest.digest}, journal {row.digest}")  # fmt: skip
+                log.error(
+                    "event=corrupt_data key=%s ino=%d problem=%r",
+                    row.remote_key,
+                    ino,
+                    f"manifest digest {manifest.digest}, journal {row.digest}",
+                )
                 raise CorruptDataError(
                     f"remote object {row.remote_key} changed since it was drained "
                     f"(digest {manifest.digest}, journal {row.digest})"
@@ -248,8 +262,9 @@ class RestoreService:
             assert row.chunk_size is not None
             log.warning("event=manifest_missing key=%s verify=journal_chunks", row.remote_key)
             return _FileFetch(row.ino, row.remote_key, row.size, row.chunk_size, None, expected_chunks=chunks)
-        log.warning("event=manifest_missing key=%s verify=journal_digest note=whole file fetched before serving",
-                    row.remote_key)  # fmt: skip
+        log.warning(
+            "event=manifest_missing key=%s verify=journal_digest note=whole file fetched before serving", row.remote_key
+        )
         return _FileFetch(row.ino, row.remote_key, row.size, UNVERIFIED_CHUNK, None, whole_digest=row.digest)
 
     def _create_data_file(self, ino: int, size: int) -> None:
@@ -337,8 +352,14 @@ class RestoreService:
                 else:
                     data = await self.store.read_range(fetch.key, None, start, end)
                 if len(data) != end - start:
-                    log.error("event=corrupt_data key=%s ino=%d range=%d-%d problem=%r", fetch.key, fetch.ino,
-                              start, end, f"remote returned {len(data)} bytes")  # fmt: skip
+                    log.error(
+                        "event=corrupt_data key=%s ino=%d range=%d-%d problem=%r",
+                        fetch.key,
+                        fetch.ino,
+                        start,
+                        end,
+                        f"remote returned {len(data)} bytes",
+                    )
                     raise CorruptDataError(f"{fetch.key} bytes {start}-{end}: remote returned {len(data)} bytes")
                 if fetch.expected_chunks is not None:
                     await self._check_journal_chunk(fetch, index, data)
@@ -355,8 +376,15 @@ class RestoreService:
         if digest != expected:
             start = index * fetch.chunk_size
             end = start + len(data)
-            log.error("event=corrupt_data key=%s ino=%d range=%d-%d chunk=%d problem=%r", fetch.key, fetch.ino,
-                      start, end, index, f"xxh3 {digest}, journal {expected} (no manifest)")  # fmt: skip
+            log.error(
+                "event=corrupt_data key=%s ino=%d range=%d-%d chunk=%d problem=%r",
+                fetch.key,
+                fetch.ino,
+                start,
+                end,
+                index,
+                f"xxh3 {digest}, journal {expected} (no manifest)",
+            )
             raise CorruptDataError(
                 f"{fetch.key}: bytes {start}-{end} do not match the checksum journaled when it was drained "
                 f"(xxh3 {digest}, expected {expected}; the remote object has no manifest)"
@@ -380,8 +408,13 @@ class RestoreService:
             return
         fetch.present.clear()  # refetch on the next read: the remote may have been repaired
         fetch.contiguous = 0
-        log.error("event=corrupt_data key=%s ino=%d range=0-%d problem=%r", fetch.key, fetch.ino, fetch.size,
-                  f"xxh3-128 {digest}, journal {fetch.whole_digest} (no manifest)")  # fmt: skip
+        log.error(
+            "event=corrupt_data key=%s ino=%d range=0-%d problem=%r",
+            fetch.key,
+            fetch.ino,
+            fetch.size,
+            f"xxh3-128 {digest}, journal {fetch.whole_digest} (no manifest)",
+        )
         raise CorruptDataError(
             f"{fetch.key}: bytes 0-{fetch.size} do not match the checksum journaled when it was drained "
             f"(digest {digest}, expected {fetch.whole_digest}; the remote object has no manifest)"
@@ -419,8 +452,13 @@ class RestoreService:
         if manifest is None:
             self.journal.finish_fetch(fetch.ino, fetch.size)
         else:
-            self.journal.finish_fetch(fetch.ino, fetch.size, digest=manifest.digest, chunk_size=manifest.chunk_size,
-                                      chunks=[c.xxh3 for c in manifest.chunks])  # fmt: skip
+            self.journal.finish_fetch(
+                fetch.ino,
+                fetch.size,
+                digest=manifest.digest,
+                chunk_size=manifest.chunk_size,
+                chunks=[c.xxh3 for c in manifest.chunks],
+            )
         log.info("event=fetched key=%s bytes=%d verified=%s", fetch.key, fetch.size, fetch.verification)
         return fetch.size
 

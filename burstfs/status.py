@@ -142,8 +142,13 @@ def outage_of(stats: Any, now: float | None = None) -> dict[str, Any] | None:
     since = getattr(stats, "trouble_since", None)
     if since is None or since <= last_progress or since > errors[0][0]:
         since = errors[0][0]
-    return {"since": since, "reason": short_reason(reason), "kind": kind, "errors": len(errors),
-            "unreachable": kind in UNREACHABLE_KINDS}  # fmt: skip
+    return {
+        "since": since,
+        "reason": short_reason(reason),
+        "kind": kind,
+        "errors": len(errors),
+        "unreachable": kind in UNREACHABLE_KINDS,
+    }
 
 
 def _held_bytes(journal: Journal, data_dir: Path) -> int:
@@ -154,7 +159,9 @@ def _held_bytes(journal: Journal, data_dir: Path) -> int:
     total = 0
     for ino, local in journal.local_bytes_by_file():
         try:
-            allocated = os.stat(data_dir / f"{int(ino):016x}").st_blocks * 512  # LocalTier.path; no LocalTier: it mkdirs
+            allocated = (
+                os.stat(data_dir / f"{int(ino):016x}").st_blocks * 512
+            )  # LocalTier.path; no LocalTier: it mkdirs
         except OSError:  # removed meanwhile (evicted, unlinked): holds nothing
             continue
         total += min(int(local), allocated)

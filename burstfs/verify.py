@@ -48,7 +48,7 @@ def check_local(cache_dir: Path, journal: Journal, row: InodeRow) -> Verdict:
     if digests.size != row.size:
         return "mismatch", f"local data is {digests.size} bytes, journal says {row.size}"
     expected = row.chunk_digests()
-    bad = next((i for i, (a, b) in enumerate(zip(digests.chunks, expected)) if a != b), None)
+    bad = next((i for i, (a, b) in enumerate(zip(digests.chunks, expected, strict=False)) if a != b), None)
     where = f"bytes {bad * row.chunk_size}-{min((bad + 1) * row.chunk_size, row.size)}" if bad is not None else "data"
     return "mismatch", f"{where} differ from the checksum taken at close (generation {row.generation})"
 
@@ -125,7 +125,9 @@ def verify_stopped(
     back through a client of its own on a loop of its own."""
     files = files_to_verify(journal, rels)
     local = check_local_all(cache_dir, journal, files)
-    checked_remote = asyncio.run(_check_remote_with_own_client(remote, s3, [row for _, row in files])) if remote else None
+    checked_remote = (
+        asyncio.run(_check_remote_with_own_client(remote, s3, [row for _, row in files])) if remote else None
+    )
     return report(files, local, checked_remote)
 
 

@@ -37,7 +37,7 @@ class ExtendedAttributes:
         row = await trio.to_thread.run_sync(self.journal.state_row, inode.ino)  # hard links: least drained name
         if row is None or inode.kind != "file":
             raise FsError(errno.ENODATA)
-        key = name[len(XATTR_RESERVED):].decode(errors="replace")
+        key = name[len(XATTR_RESERVED) :].decode(errors="replace")
         values = {
             "state": WRITING if inode.dirty else row.state,
             "generation": str(row.generation),
@@ -71,8 +71,7 @@ class ExtendedAttributes:
 
         inode.xattrs[name] = value
         inode.ctime_ns = time.time_ns()
-        await self.committer.commit([set_xattr_op(inode.ino, name, value)],
-                                    undo=restore)  # fmt: skip
+        await self.committer.commit([set_xattr_op(inode.ino, name, value)], undo=restore)
 
     async def remove(self, inode: Inode, name: bytes) -> None:
         if name.startswith(XATTR_RESERVED):
@@ -80,5 +79,6 @@ class ExtendedAttributes:
         if name not in inode.xattrs:
             raise FsError(errno.ENODATA)
         value = inode.xattrs.pop(name)
-        await self.committer.commit([remove_xattr_op(inode.ino, name)],
-                                    undo=lambda: inode.xattrs.__setitem__(name, value))  # fmt: skip
+        await self.committer.commit(
+            [remove_xattr_op(inode.ino, name)], undo=lambda: inode.xattrs.__setitem__(name, value)
+        )

@@ -41,9 +41,8 @@ def is_mounted(path: Path) -> bool:
 
 
 def force_unmount(path: Path) -> None:
-    if is_mounted(path):
-        if subprocess.run(["fusermount3", "-u", str(path)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+    if is_mounted(path) and subprocess.run(["fusermount3", "-u", str(path)], capture_output=True).returncode != 0:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 class MountedFS:
@@ -64,8 +63,9 @@ class MountedFS:
         self.remote_dir.mkdir(parents=True, exist_ok=True)
 
     def mount(self, *args: str) -> None:
-        burstfs("mount", str(self.path), "--cache", str(self.cache), "--remote", self.remote_url,
-                *self.extra_args, *args)  # fmt: skip
+        burstfs(
+            "mount", str(self.path), "--cache", str(self.cache), "--remote", self.remote_url, *self.extra_args, *args
+        )
         assert is_mounted(self.path)
 
     def unmount(self, *args: str) -> None:
@@ -154,9 +154,17 @@ def burst_mount(burst: MountedFS) -> Path:
 class RemoteTarget:
     """Where a test mount drains to: a file:// directory or a bucket on moto behind a fault proxy."""
 
-    def __init__(self, kind: str, url: str, extra_args: tuple[str, ...], directory: Path | None = None,
-                 proxy: FaultProxy | None = None, endpoint: str | None = None, bucket: str | None = None,
-                 prefix: str = "") -> None:  # fmt: skip
+    def __init__(
+        self,
+        kind: str,
+        url: str,
+        extra_args: tuple[str, ...],
+        directory: Path | None = None,
+        proxy: FaultProxy | None = None,
+        endpoint: str | None = None,
+        bucket: str | None = None,
+        prefix: str = "",
+    ) -> None:
         self.kind, self.url, self.extra_args = kind, url, extra_args
         self.directory, self.proxy, self.endpoint, self.bucket, self.prefix = directory, proxy, endpoint, bucket, prefix
 
@@ -194,7 +202,7 @@ class RemoteTarget:
         pages = self._client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix)
         for page in pages:
             for obj in page.get("Contents", []):
-                found.add(obj["Key"][len(self.prefix) + 1:] if self.prefix else obj["Key"])
+                found.add(obj["Key"][len(self.prefix) + 1 :] if self.prefix else obj["Key"])
         return found
 
     def multipart_uploads(self) -> list[str]:
@@ -215,8 +223,15 @@ def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RemoteTar
     endpoint = request.getfixturevalue("s3_env")
     bucket = fresh_bucket(endpoint)
     with FaultProxy(endpoint) as proxy:
-        yield RemoteTarget("s3", f"s3://{bucket}/ckpts", ("--endpoint-url", proxy.endpoint), proxy=proxy,
-                           endpoint=endpoint, bucket=bucket, prefix="ckpts")  # fmt: skip
+        yield RemoteTarget(
+            "s3",
+            f"s3://{bucket}/ckpts",
+            ("--endpoint-url", proxy.endpoint),
+            proxy=proxy,
+            endpoint=endpoint,
+            bucket=bucket,
+            prefix="ckpts",
+        )
 
 
 @pytest.fixture

@@ -46,11 +46,18 @@ from burstfs.remote import FileRemote, RetryPolicy
 
 # Calls that only read the remote pass the gate: restores and listings are the
 # request path, which must work whatever the drain is doing.
-READ_CALLS = frozenset({"check", "get_object", "get_range", "head", "list_dir", "list_all",
-                        "list_multipart_uploads", "is_temp_failure"})  # fmt: skip
+READ_CALLS = frozenset(
+    {"check", "get_object", "get_range", "head", "list_dir", "list_all", "list_multipart_uploads", "is_temp_failure"}
+)
 # The mover's waits, shortened so that a sequence of drains takes milliseconds.
-FAST_MOVER_TIMING = {"IDLE_RESCAN_S": 0.02, "REQUEUE_BACKOFF_S": 0.005, "REQUEUE_BACKOFF_MAX_S": 0.02,
-                     "HALT_PROBE_S": 0.02, "COALESCE_S": 0.001, "STALE_UPLOAD_RETRY_S": 0.02}  # fmt: skip
+FAST_MOVER_TIMING = {
+    "IDLE_RESCAN_S": 0.02,
+    "REQUEUE_BACKOFF_S": 0.005,
+    "REQUEUE_BACKOFF_MAX_S": 0.02,
+    "HALT_PROBE_S": 0.02,
+    "COALESCE_S": 0.001,
+    "STALE_UPLOAD_RETRY_S": 0.02,
+}
 # Retries short enough that a few injected failures cost milliseconds.
 FAST_RETRY = RetryPolicy(attempts=4, base_delay=0.001, max_delay=0.005)
 
@@ -231,8 +238,9 @@ class Node:
         url = remote.url
         self.remote = FaultyRemote(remote.open(), self.faults)
         _FAULTS_BY_CACHE[cache] = self.faults  # the mover opens its journal (again, after a restart) by path
-        self.mover = Mover(cache, url, remote.s3_options, drain_options(options.part_size, options.max_files),
-                           remote=self.remote)  # type: ignore[arg-type]  # fmt: skip
+        self.mover = Mover(
+            cache, url, remote.s3_options, drain_options(options.part_size, options.max_files), remote=self.remote
+        )  # type: ignore[arg-type]
         # A close does not wait for its directory's intent record: the gate holds every remote
         # change outside drain steps, so each close would wait the whole bound.
         self.drain = DrainService(self.mover, self.journal, intent_wait=0.0)
@@ -322,8 +330,10 @@ class Node:
             if not (state == "staged" and path in tolerated):
                 reasons.append(f"{state} {path} (ino {ino}, close_seq {seq}, error {error})")
         reasons += [f"delete {key} ({reason})" for key, reason in self.rows("SELECT key, reason FROM remote_deletes")]
-        reasons += [f"upload {key} ({upload_id}) not finished or aborted"
-                    for key, upload_id in self.rows("SELECT key, upload_id FROM uploads")]  # fmt: skip
+        reasons += [
+            f"upload {key} ({upload_id}) not finished or aborted"
+            for key, upload_id in self.rows("SELECT key, upload_id FROM uploads")
+        ]
         for ino, key in self.rows(
             "SELECT ino, remote_key FROM inodes WHERE kind='file' AND parent!=0 AND remote_key IS NOT NULL "
             "AND state IN ('durable','evicted')"
@@ -343,8 +353,7 @@ class Node:
             ino = row[0][0]
         return "/".join(reversed(parts))
 
-    def drain_until_idle(self, timeout: float = 60.0,
-                         tolerated: Callable[[], frozenset[str]] = frozenset) -> str:  # fmt: skip
+    def drain_until_idle(self, timeout: float = 60.0, tolerated: Callable[[], frozenset[str]] = frozenset) -> str:
         """Open the gate until the mover has nothing left it can do.
 
         Returns "idle", "halted" (a permanent fault stopped the drain) or "crashed".
@@ -504,8 +513,10 @@ class S3Side(RemoteSide):
         return S3Remote(self.url, self.s3_options, max_connections=16)
 
     def _keys(self, under: str = "") -> list[str]:
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=f"{self.prefix}/{under}")
-        return [obj["Key"][len(self.prefix) + 1:] for page in pages for obj in page.get("Contents", [])]
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=f"{self.prefix}/{under}"
+        )
+        return [obj["Key"][len(self.prefix) + 1 :] for page in pages for obj in page.get("Contents", [])]
 
     def objects(self) -> dict[str, bytes]:
         return {key: self.get(key) or b"" for key in self._keys() if not key.startswith(".burstfs/")}
@@ -521,7 +532,7 @@ class S3Side(RemoteSide):
 
     def manifest_keys(self) -> set[str]:
         prefix = ".burstfs/manifests/"
-        return {k[len(prefix):-len(".json")] for k in self._keys(prefix) if k.endswith(".json")}
+        return {k[len(prefix) : -len(".json")] for k in self._keys(prefix) if k.endswith(".json")}
 
     def uploads_left(self) -> bool:
         listing = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=f"{self.prefix}/")
@@ -531,7 +542,7 @@ class S3Side(RemoteSide):
 def remote_files(remote_dir: Path) -> dict[str, bytes]:
     """Every object of the file remote outside ``.burstfs``, by key."""
     found: dict[str, bytes] = {}
-    for dirpath, dirnames, filenames in os.walk(remote_dir):
+    for dirpath, _dirnames, filenames in os.walk(remote_dir):
         rel = os.path.relpath(dirpath, remote_dir)
         if rel == ".burstfs" or rel.startswith(".burstfs/"):
             continue

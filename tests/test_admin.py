@@ -32,8 +32,10 @@ ADMIN = str(BIN / "burstfs-admin")
 def admin(*args: str | Path, expect: int | None = 0, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     result = subprocess.run([ADMIN, *map(str, args)], capture_output=True, text=True, timeout=timeout, check=False)
     if expect is not None and result.returncode != expect:
-        raise AssertionError(f"burstfs-admin {' '.join(map(str, args))}: exit {result.returncode}, "
-                             f"expected {expect}\nstdout: {result.stdout}\nstderr: {result.stderr}")  # fmt: skip
+        raise AssertionError(
+            f"burstfs-admin {' '.join(map(str, args))}: exit {result.returncode}, "
+            f"expected {expect}\nstdout: {result.stdout}\nstderr: {result.stderr}"
+        )
     return result
 
 
@@ -51,8 +53,10 @@ def checkpoint(fs: MountedFS, files: dict[str, bytes]) -> None:
     admin("wait", *(fs.path / name for name in files), "--timeout", "60")
 
 
-WRITER = ("import sys; f = open(sys.argv[1], 'wb'); f.write(b'partial'); f.flush(); print('ready', flush=True); "
-          "sys.stdin.readline(); f.close()")
+WRITER = (
+    "import sys; f = open(sys.argv[1], 'wb'); f.write(b'partial'); f.flush(); print('ready', flush=True); "
+    "sys.stdin.readline(); f.close()"
+)
 
 
 @contextlib.contextmanager
@@ -61,8 +65,10 @@ def held_open(path: Path) -> Iterator[subprocess.Popen[str]]:
     by every subprocess we start and closed at its exec, and each close publishes the file)."""
     writer = subprocess.Popen(
         [sys.executable, "-c", WRITER, str(path)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert writer.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
         yield writer
@@ -88,12 +94,21 @@ def test_status_human_json_and_watch(burst: MountedFS) -> None:
     assert doc["live"] and doc["mountpoint"] == str(burst.path) and doc["cache_dir"] == str(burst.cache)
     assert doc["remote"] == burst.remote_url and doc["pid"] == burst.daemon_pid()
     assert doc["states"]["durable"] == {"files": 2, "bytes": 300_005}
-    assert set(doc["states"]) == {"writing", "staged", "draining", "durable", "evicted", "remote", "failed",
-                                  "incomplete"}  # fmt: skip
+    assert set(doc["states"]) == {
+        "writing",
+        "staged",
+        "draining",
+        "durable",
+        "evicted",
+        "remote",
+        "failed",
+        "incomplete",
+    }
     assert doc["undrained"] == {"files": 0, "bytes": 0, "oldest_closed_at": None, "oldest_age_s": None}
     # The mover counts a file just after journaling it durable, which is what `wait` sees.
-    doc = wait_for(lambda: (d := admin_json("status", burst.path))["drain"]["files_drained"] >= 2 and d,
-                   what="drain counters")  # fmt: skip
+    doc = wait_for(
+        lambda: (d := admin_json("status", burst.path))["drain"]["files_drained"] >= 2 and d, what="drain counters"
+    )
     assert doc["drain"]["bytes_drained"] >= 300_005
     assert doc["drain"]["eta_s"] == 0 and doc["drain"]["halted"] is None
     tier = doc["local_tier"]
@@ -156,8 +171,9 @@ def test_wait_times_out_on_a_file_open_for_writing(burst: MountedFS) -> None:
         result = admin("wait", burst.path / "ck", "--timeout", "0.5", expect=3)
         assert "timeout" in result.stderr and "ck/open.bin (writing)" in result.stderr
         doc = admin_json("wait", path, "--timeout", "0.2", expect=3)
-        assert doc["result"] == "timeout" and doc["pending"] == [{"path": "ck/open.bin", "state": "writing",
-                                                                   "error": None}]  # fmt: skip
+        assert doc["result"] == "timeout" and doc["pending"] == [
+            {"path": "ck/open.bin", "state": "writing", "error": None}
+        ]
     admin("wait", path, "--timeout", "60")
     assert admin_json("wait", burst.path)["result"] == "durable"
     assert "No such file" in admin("wait", burst.path / "nope", expect=1).stderr
@@ -193,7 +209,9 @@ def test_unmount_wait_is_admin_wait_without_incomplete_files(mounted_factory: An
         writer.wait()
     fs.mount()
     checkpoint(fs, {"a": b"abc"})
-    with sqlite3.connect(fs.cache / "journal.db", timeout=30) as db:  # a permanent drain failure, as the mover records it
+    with sqlite3.connect(
+        fs.cache / "journal.db", timeout=30
+    ) as db:  # a permanent drain failure, as the mover records it
         db.execute("UPDATE inodes SET state='failed', error='injected' WHERE name=?", (b"a",))
     refused = burstfs("unmount", "--wait", str(fs.path), check=False)
     assert refused.returncode == 1 and "1 files failed to drain; not unmounting" in refused.stderr
@@ -229,7 +247,9 @@ def test_verify_local_and_remote(burst: MountedFS) -> None:
     doc = admin_json("verify", burst.path / "ck", "--remote")
     assert doc["mismatches"] == 0
     assert [(f["path"], f["result"], f["local"]["result"], f["remote"]["result"]) for f in doc["files"]] == [
-        ("ck/w.pt", "OK", "ok", "ok"), ("ck/x.pt", "OK", "ok", "ok")]  # fmt: skip
+        ("ck/w.pt", "OK", "ok", "ok"),
+        ("ck/x.pt", "OK", "ok", "ok"),
+    ]
     assert "OK" in admin("verify", burst.path / "ck" / "w.pt").stdout
 
     ino = {f["path"]: f["ino"] for f in admin_json("ls", burst.path)["files"]}["ck/w.pt"]
@@ -329,12 +349,22 @@ def test_control_socket_is_owner_only(burst: MountedFS) -> None:
     st = os.stat(sock)
     assert oct(st.st_mode & 0o777) == oct(0o600) and st.st_uid == os.getuid()
     # As uid 65534 the kernel refuses: the directories and the socket are owner-only.
-    denied = subprocess.run([sys.executable, "-c", _CONNECT_AS_NOBODY, str(sock), "plain"], capture_output=True,
-                            text=True, timeout=30, check=False)  # fmt: skip
+    denied = subprocess.run(
+        [sys.executable, "-c", _CONNECT_AS_NOBODY, str(sock), "plain"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert denied.returncode != 0 and "PermissionError" in denied.stderr
     # Past the file permissions, the daemon itself refuses a peer that is not its uid or root.
-    answer = subprocess.run([sys.executable, "-c", _CONNECT_AS_NOBODY, str(sock), "past-file-permissions"],
-                            capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    answer = subprocess.run(
+        [sys.executable, "-c", _CONNECT_AS_NOBODY, str(sock), "past-file-permissions"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     reply = json.loads(answer.stdout)
     assert reply["ok"] is False and reply["errno"] == errno.EACCES and "uid 65534" in reply["error"]
     # The protocol itself: unknown ops and malformed lines are answered, not fatal.
@@ -358,8 +388,11 @@ def _free_port() -> int:
 
 
 def _samples(text: str) -> dict[str, float]:
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}  # fmt: skip
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 def test_metrics_endpoint(mounted_factory: Any) -> None:
@@ -389,8 +422,9 @@ def test_metrics_endpoint(mounted_factory: Any) -> None:
     assert f"0100007F:{port:04X}" in listening and f"00000000:{port:04X}" not in listening
 
     bad = mounted_factory("bad", extra_args=("--metrics-addr", "9100"))
-    result = burstfs("mount", str(bad.path), "--cache", str(bad.cache), "--remote", bad.remote_url, *bad.extra_args,
-                     check=False)  # fmt: skip
+    result = burstfs(
+        "mount", str(bad.path), "--cache", str(bad.cache), "--remote", bad.remote_url, *bad.extra_args, check=False
+    )
     assert result.returncode == 2 and "HOST:PORT" in result.stderr
 
 

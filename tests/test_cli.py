@@ -117,8 +117,9 @@ def test_remote_directory_missing_is_a_clean_failure(dirs: tuple[Path, Path, str
 
 def _config(tmp_path: Path) -> MountConfig:
     (tmp_path / "mnt").mkdir(exist_ok=True)
-    return MountConfig(mountpoint=tmp_path / "mnt", cache_dir=tmp_path / "cache",
-                       remote=parse_remote_url(f"file://{tmp_path}/remote"))  # fmt: skip
+    return MountConfig(
+        mountpoint=tmp_path / "mnt", cache_dir=tmp_path / "cache", remote=parse_remote_url(f"file://{tmp_path}/remote")
+    )
 
 
 def test_preflight_without_dev_fuse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,7 +131,9 @@ def test_preflight_without_dev_fuse(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 def test_preflight_without_fusermount3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real_which = shutil.which
-    monkeypatch.setattr(shutil, "which", lambda name, *a, **kw: None if name == "fusermount3" else real_which(name, *a, **kw))
+    monkeypatch.setattr(
+        shutil, "which", lambda name, *a, **kw: None if name == "fusermount3" else real_which(name, *a, **kw)
+    )
     with pytest.raises(ConfigError, match="fusermount3 not found"):
         preflight(_config(tmp_path))
 
@@ -210,8 +213,18 @@ def test_mount_over_a_dead_mount_says_how_to_clean_it(burst: MountedFS) -> None:
     assert (burst.path / "kept.bin").read_bytes() == b"closed before the crash"
 
 
-@pytest.mark.parametrize("layout", ["remote=mnt", "remote=cache", "mnt-in-cache", "cache-in-remote",
-                                    "remote-in-mnt", "mnt-in-remote", "cache-link-into-mnt"])  # fmt: skip
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "remote=mnt",
+        "remote=cache",
+        "mnt-in-cache",
+        "cache-in-remote",
+        "remote-in-mnt",
+        "mnt-in-remote",
+        "cache-link-into-mnt",
+    ],
+)
 def test_overlapping_paths_are_refused_before_anything_is_created(tmp_path: Path, layout: str) -> None:
     """Issue 11 #1: mount point, cache dir and file:// remote must not nest, either way,
     links resolved; refused with one line, exit 2, nothing created."""
@@ -252,8 +265,14 @@ def test_a_cache_dir_inside_another_burstfs_mount_is_refused(burst: MountedFS, t
     """Issue 11 #7: one line, exit 2, nothing created inside the other mount."""
     (tmp_path / "mnt2").mkdir()
     (tmp_path / "remote2").mkdir()
-    err = refused("mount", str(tmp_path / "mnt2"), "--cache", str(burst.path / "cache2"),
-                  "--remote", f"file://{tmp_path / 'remote2'}")  # fmt: skip
+    err = refused(
+        "mount",
+        str(tmp_path / "mnt2"),
+        "--cache",
+        str(burst.path / "cache2"),
+        "--remote",
+        f"file://{tmp_path / 'remote2'}",
+    )
     assert f"inside the burstfs mount {burst.path}" in err and len(err.strip().splitlines()) == 1
     assert os.listdir(burst.path) == []
     assert not is_mounted(tmp_path / "mnt2")
@@ -302,8 +321,13 @@ def test_a_cache_taken_after_the_checks_is_exit_2(dirs: tuple[Path, Path, str], 
         "sys.exit(daemon.mount(config, foreground=False))\n"
     )
     try:
-        result = subprocess.run([sys.executable, "-c", script, str(mnt), str(cache), remote],
-                                capture_output=True, text=True, timeout=60, cwd=tmp_path)  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, "-c", script, str(mnt), str(cache), remote],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+        )
     finally:
         lock.release()
         force_unmount(mnt)
@@ -325,8 +349,12 @@ def test_drain_says_it_waits_for_the_drain_delay_and_now_skips_it(mounted_factor
     fs.mount()
     (fs.path / "model.pt").write_bytes(b"w" * 1000)
     fs.unmount()
-    waiting = subprocess.Popen([str(Path(sys.executable).parent / "burstfs"), "drain", "--cache", str(fs.cache)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    waiting = subprocess.Popen(
+        [str(Path(sys.executable).parent / "burstfs"), "drain", "--cache", str(fs.cache)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert waiting.stderr is not None
         line = ""
@@ -357,9 +385,17 @@ def test_unmount_after_a_crash_counts_incomplete_files_apart(mounted_factory: ty
     fs.mount()
     fs.expect_log("recover")
     (fs.path / "closed.pt").write_bytes(b"c" * 1000)
-    writer = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'wb'); f.write(b'x' * 100);"
-                               " f.flush(); print('ready', flush=True); time.sleep(60)", str(fs.path / "open.pt")],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; f = open(sys.argv[1], 'wb'); f.write(b'x' * 100);"
+            " f.flush(); print('ready', flush=True); time.sleep(60)",
+            str(fs.path / "open.pt"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
         pid = fs.daemon_pid()

@@ -17,8 +17,10 @@ from burstfs import client
 
 pytestmark = [pytest.mark.fuse, pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse, fusermount3 and root")]
 
-WRITER = ("import sys; f = open(sys.argv[1], 'wb'); f.write(b'partial'); f.flush(); print('ready', flush=True); "
-          "sys.stdin.readline(); f.close()")
+WRITER = (
+    "import sys; f = open(sys.argv[1], 'wb'); f.write(b'partial'); f.flush(); print('ready', flush=True); "
+    "sys.stdin.readline(); f.close()"
+)
 
 
 @pytest.fixture
@@ -57,8 +59,9 @@ def test_status_and_wait_durable(fs: MountedFS) -> None:
 
 def test_wait_durable_times_out_on_a_file_open_for_writing(fs: MountedFS) -> None:
     path = fs.path / "open.bin"
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
         with pytest.raises(client.DurableTimeoutError) as caught:
@@ -128,8 +131,12 @@ def test_prune_checkpoints_keeps_newer_ones_until_they_are_durable(fs: MountedFS
         (run / f"step_{step}" / "shard0").write_bytes(os.urandom(10_000))
     client.wait_durable(run, timeout=60)
     (run / "step_3").mkdir()
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(run / "step_3" / "shard0")], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(run / "step_3" / "shard0")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
         deleted = prune_checkpoints(checkpoints_in(run, "step_*"), keep_last=1)
@@ -153,8 +160,12 @@ def test_wait_by_xattrs_for_users_without_the_control_socket(fs: MountedFS) -> N
     (fs.path / "ck" / "a").write_bytes(os.urandom(50_000))
     durable = _wait_by_xattrs([fs.path / "ck"], 60, time.monotonic())
     assert (durable.files, durable.bytes) == (1, 50_000)
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(fs.path / "ck" / "b")], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(fs.path / "ck" / "b")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
         with pytest.raises(client.DurableTimeoutError) as caught:

@@ -32,8 +32,13 @@ class Node:
         cache.mkdir()
         self.front = Front(cache)
         self.remote = HookedRemote(remote_dir)
-        self.mover = Mover(cache, parse_remote_url(f"file://{remote_dir}"), S3Options(),
-                           DrainOptions(part_size=PART, concurrency=2, node_id=name), remote=self.remote)  # fmt: skip
+        self.mover = Mover(
+            cache,
+            parse_remote_url(f"file://{remote_dir}"),
+            S3Options(),
+            DrainOptions(part_size=PART, concurrency=2, node_id=name),
+            remote=self.remote,
+        )
         self.dirs: dict[str, int] = {}
 
     def mkdirs(self, path: str) -> int:
@@ -65,8 +70,11 @@ class Node:
 
 
 def keys(remote_dir: Path, prefix: str = "") -> set[str]:
-    return {p.relative_to(remote_dir).as_posix() for p in remote_dir.rglob("*") if p.is_file()
-            and p.relative_to(remote_dir).as_posix().startswith(prefix)}  # fmt: skip
+    return {
+        p.relative_to(remote_dir).as_posix()
+        for p in remote_dir.rglob("*")
+        if p.is_file() and p.relative_to(remote_dir).as_posix().startswith(prefix)
+    }
 
 
 def run_nodes(nodes: list[Node], scenario: Callable[[], Awaitable[None]]) -> None:

@@ -14,7 +14,13 @@ from conftest import FUSE_OK, burstfs, is_mounted
 from burstfs import configfile
 from burstfs.cli import mount as mount_command
 from burstfs.config import (
-    DrainOptions, MountConfig, S3Options, TierOptions, config_from_meta, default_node_id, parse_remote_url,
+    DrainOptions,
+    MountConfig,
+    S3Options,
+    TierOptions,
+    config_from_meta,
+    default_node_id,
+    parse_remote_url,
 )
 from burstfs.journal import Journal
 
@@ -86,16 +92,21 @@ def test_the_config_file_accepts_every_mount_option(tmp_path: Path, spelling: st
 
 
 def test_a_minimal_file_and_the_command_line_build_the_same_tree(tmp_path: Path) -> None:
-    path = write(tmp_path, 'mountpoint = "mnt"\ncache = "/var/cache/b"\nremote = "file:///srv/ckpt"\ncache_size = "2G"\n'
-                           'commit-marker = "done"\ncompress = "lz4"\n')  # fmt: skip
+    path = write(
+        tmp_path,
+        'mountpoint = "mnt"\ncache = "/var/cache/b"\nremote = "file:///srv/ckpt"\ncache_size = "2G"\n'
+        'commit-marker = "done"\ncompress = "lz4"\n',
+    )
     loaded = configfile.load(path, mount_command)
     values = configfile.merge(configfile.defaults(mount_command), loaded, set())
     config = configfile.build_with_file(values, loaded, mount_command)
     assert config == MountConfig(
-        mountpoint=tmp_path / "mnt", cache_dir=Path("/var/cache/b"), remote=parse_remote_url("file:///srv/ckpt"),
+        mountpoint=tmp_path / "mnt",
+        cache_dir=Path("/var/cache/b"),
+        remote=parse_remote_url("file:///srv/ckpt"),
         drain=DrainOptions(commit_markers=("done",), compress="lz4", node_id=default_node_id()),
         tier=TierOptions(cache_size=2 << 30),
-    )  # fmt: skip
+    )
     overridden = configfile.merge({**values, "compress": "none"}, loaded, {"compress"})  # --compress none given
     assert configfile.build_with_file(overridden, loaded, mount_command).drain.compress is None
 
@@ -105,17 +116,33 @@ def test_a_minimal_file_and_the_command_line_build_the_same_tree(tmp_path: Path)
     [
         ('mountpoint = "/m"\n\ncache_sise = "2G"\n', 3, "cache_sise", "unknown key"),
         ('# a comment\nconcurrency = "many"\n', 2, "concurrency", "not a valid integer"),
-        ('mountpoint = "/m"\npart-size = "1M"\ncache = "/c"\nremote = "file:///r"\n', 2, "part-size", "part size must be between"),
-        ('cache = "/c"\nremote = "file:///r"\nmountpoint = "/m"\n  evict = "random"\n', 4, "evict", "'random' is not one of"),
+        (
+            'mountpoint = "/m"\npart-size = "1M"\ncache = "/c"\nremote = "file:///r"\n',
+            2,
+            "part-size",
+            "part size must be between",
+        ),
+        (
+            'cache = "/c"\nremote = "file:///r"\nmountpoint = "/m"\n  evict = "random"\n',
+            4,
+            "evict",
+            "'random' is not one of",
+        ),
         ('cache = "/c"\nremote = "s3://Bad_Bucket"\nmountpoint = "/m"\n', 2, "remote", "not a valid S3 bucket name"),
-        ('full-timeout = 1.0\nfull_timeout = 2.0\n', 2, "full_timeout", "set twice"),
+        ("full-timeout = 1.0\nfull_timeout = 2.0\n", 2, "full_timeout", "set twice"),
         ('mountpoint = "/m"\n[s3]\nregion = "x"\n', 2, "s3", "unknown key"),
-        ('cache = "/c"\nremote = "file:///r"\nmountpoint = "/m"\n"cache-size" = "lots"\n', 4, "cache-size", "not a size"),
+        (
+            'cache = "/c"\nremote = "file:///r"\nmountpoint = "/m"\n"cache-size" = "lots"\n',
+            4,
+            "cache-size",
+            "not a size",
+        ),
         ('min-free = ["1G"]\n', 1, "min-free", "a list"),
     ],
 )
-def test_bad_files_name_the_line_and_the_key_and_exit_2(tmp_path: Path, text: str, line: int, key: str,
-                                                        message: str) -> None:  # fmt: skip
+def test_bad_files_name_the_line_and_the_key_and_exit_2(
+    tmp_path: Path, text: str, line: int, key: str, message: str
+) -> None:
     path = write(tmp_path, text)
     result = burstfs("config", "check", str(path), check=False)
     assert result.returncode == 2, result.stderr
@@ -132,8 +159,11 @@ def test_not_toml_and_missing_required_options_exit_2(tmp_path: Path) -> None:
 
 
 def test_config_check_prints_the_effective_settings_without_secrets(tmp_path: Path) -> None:
-    path = write(tmp_path, 'mountpoint = "/m"\ncache = "/c"\nremote = "s3://bucket/p"\n'
-                           'endpoint_url = "http://admin:hunter2@127.0.0.1:9000"\nconcurrency = 16\n')  # fmt: skip
+    path = write(
+        tmp_path,
+        'mountpoint = "/m"\ncache = "/c"\nremote = "s3://bucket/p"\n'
+        'endpoint_url = "http://admin:hunter2@127.0.0.1:9000"\nconcurrency = 16\n',
+    )
     result = burstfs("config", "check", str(path))
     assert "hunter2" not in result.stdout + result.stderr
     assert 'endpoint-url = "http://admin:***@127.0.0.1:9000"' in result.stdout
@@ -145,12 +175,17 @@ def test_config_check_prints_the_effective_settings_without_secrets(tmp_path: Pa
 
 def test_the_config_round_trips_through_the_journal(tmp_path: Path) -> None:
     config = MountConfig(
-        mountpoint=Path("/mnt/x"), cache_dir=tmp_path, remote=parse_remote_url("s3://bucket/run"),
+        mountpoint=Path("/mnt/x"),
+        cache_dir=tmp_path,
+        remote=parse_remote_url("s3://bucket/run"),
         s3=S3Options(endpoint_url="http://127.0.0.1:9000", region="r"),
         drain=DrainOptions(part_size=16 << 20, compress="lz4", commit_markers=("a", "*.b"), delay=2.5),
         tier=TierOptions(cache_size=1 << 30, min_free=5, evict="fifo", full_timeout=3.0),
-        fsync_remote=True, list_ttl=4.0, remote_wait=0.5, metrics_addr="127.0.0.1:1",
-    )  # fmt: skip
+        fsync_remote=True,
+        list_ttl=4.0,
+        remote_wait=0.5,
+        metrics_addr="127.0.0.1:1",
+    )
     assert MountConfig.from_json(config.to_json()) == config
     journal = Journal(tmp_path)
     try:
@@ -174,8 +209,11 @@ def test_a_cache_mounted_before_the_config_was_journaled_still_drains(tmp_path: 
 def test_mount_with_a_config_file_and_a_command_line_override(tmp_path: Path) -> None:
     (tmp_path / "mnt").mkdir()
     (tmp_path / "remote").mkdir()
-    path = write(tmp_path, f'mountpoint = "mnt"\ncache = "cache"\nremote = "file://{tmp_path}/remote"\n'
-                           'list-ttl = 5.0\ndrain-delay = 0.0\n')  # fmt: skip
+    path = write(
+        tmp_path,
+        f'mountpoint = "mnt"\ncache = "cache"\nremote = "file://{tmp_path}/remote"\n'
+        "list-ttl = 5.0\ndrain-delay = 0.0\n",
+    )
     burstfs("mount", "--config", str(path), "--list-ttl", "7")
     try:
         assert is_mounted(tmp_path / "mnt")

@@ -186,14 +186,16 @@ def test_passthrough_writes_are_published_by_every_close(tmp_path: Path) -> None
             f.write(b"a" * 1000)
         assert core.getattr(inode.ino).size == 1000
         await core.flush(fh)  # close of a dup
-        assert db_rows(tmp_path, "SELECT state, size, generation FROM inodes WHERE ino=?",
-                       (inode.ino,)) == [(STAGED, 1000, 1)]  # fmt: skip
+        assert db_rows(tmp_path, "SELECT state, size, generation FROM inodes WHERE ino=?", (inode.ino,)) == [
+            (STAGED, 1000, 1)
+        ]
         with open(data, "r+b") as f:
             f.seek(1000)
             f.write(b"b" * 500)
         await core.flush(fh)  # the last close(2): published before it returns
-        assert db_rows(tmp_path, "SELECT state, size, generation FROM inodes WHERE ino=?",
-                       (inode.ino,)) == [(STAGED, 1500, 2)]  # fmt: skip
+        assert db_rows(tmp_path, "SELECT state, size, generation FROM inodes WHERE ino=?", (inode.ino,)) == [
+            (STAGED, 1500, 2)
+        ]
         await core.release(fh)
         assert not backing.open_ids  # the backing id goes with the last direct handle
         # Reopened for writing and closed unchanged: the previous state comes back.
@@ -637,8 +639,9 @@ def test_xattrs(tmp_path: Path) -> None:
 
     run(tmp_path, body)
     assert db_rows(tmp_path, "SELECT name, value FROM xattrs ORDER BY name") == [
-        (b"user.dir", b"yes"), (b"user.empty", b""),
-    ]  # fmt: skip
+        (b"user.dir", b"yes"),
+        (b"user.empty", b""),
+    ]
 
 
 def test_readdir_snapshot_and_statfs(tmp_path: Path) -> None:
@@ -704,7 +707,9 @@ def test_digests_are_computed_as_written_and_journaled_at_close(tmp_path: Path) 
 
     ino, patched = run(tmp_path, body)
     expected = compute_digests(tmp_path / "data" / f"{ino:016x}", 8 << 20)
-    digest, chunks, chunk_size = db_rows(tmp_path, "SELECT digest, chunks, chunk_size FROM inodes WHERE ino=?", (ino,))[0]
+    digest, chunks, chunk_size = db_rows(tmp_path, "SELECT digest, chunks, chunk_size FROM inodes WHERE ino=?", (ino,))[
+        0
+    ]
     assert (digest, chunk_size) == (expected.digest, 8 << 20)
     assert tuple(json.loads(chunks)) == expected.chunks and len(expected.chunks) == 3
     assert db_rows(tmp_path, "SELECT digest FROM inodes WHERE ino=?", (patched,))[0][0] is None
@@ -726,19 +731,27 @@ def test_hard_links_share_one_inode_and_journal_a_row_per_name(tmp_path: Path) -
         with raises_errno(errno.EPERM):
             await core.link(d.ino, ROOT_INO, b"dirlink")
         # the new name is staged to drain the current generation; the first name is unchanged
-        rows = db_rows(tmp_path, "SELECT ino, parent, name, state, generation, link_of FROM inodes "
-                       "WHERE ino=? OR link_of=? ORDER BY ino", (ino, ino))  # fmt: skip
+        rows = db_rows(
+            tmp_path,
+            "SELECT ino, parent, name, state, generation, link_of FROM inodes WHERE ino=? OR link_of=? ORDER BY ino",
+            (ino, ino),
+        )
         assert [(r[1], r[2], r[3], r[4], r[5]) for r in rows] == [
-            (ROOT_INO, b"a", STAGED, 1, None), (d.ino, b"b", STAGED, 1, ino)]  # fmt: skip
+            (ROOT_INO, b"a", STAGED, 1, None),
+            (d.ino, b"b", STAGED, 1, ino),
+        ]
         # a write through one name: every name is `writing`, then staged with the new generation
         fh = await core.open(ino, os.O_WRONLY)
         await core.write(fh, 0, b"v2")
-        assert {s for (s,) in db_rows(tmp_path, "SELECT state FROM inodes WHERE ino=? OR link_of=?",
-                                      (ino, ino))} == {WRITING}  # fmt: skip
+        assert {s for (s,) in db_rows(tmp_path, "SELECT state FROM inodes WHERE ino=? OR link_of=?", (ino, ino))} == {
+            WRITING
+        }
         await core.flush(fh)
         await core.release(fh)
-        assert db_rows(tmp_path, "SELECT state, generation FROM inodes WHERE ino=? OR link_of=?",
-                       (ino, ino)) == [(STAGED, 2), (STAGED, 2)]  # fmt: skip
+        assert db_rows(tmp_path, "SELECT state, generation FROM inodes WHERE ino=? OR link_of=?", (ino, ino)) == [
+            (STAGED, 2),
+            (STAGED, 2),
+        ]
         # unlink the first name: the inode lives on under its link, its own row keeps no name
         await core.unlink(ROOT_INO, b"a")
         assert core.inode(ino).nlink == 1 and await read_all(core, ino) == b"v2"

@@ -70,11 +70,11 @@ from contextlib import AbstractAsyncContextManager  # noqa: E402
 from typing import Any  # noqa: E402
 
 import trio  # noqa: E402
+from test_core import open_core  # noqa: E402
 
 from burstfs.core import BurstCore, Inode  # noqa: E402
 from burstfs.errors import BurstfsError  # noqa: E402
 from burstfs.journal import ROOT_INO, Journal, Op  # noqa: E402
-from test_core import open_core  # noqa: E402
 
 UID, GID = os.getuid(), os.getgid()
 DISK_FULL = "database or disk is full"
@@ -124,14 +124,25 @@ def namespace(core: BurstCore) -> dict[str, tuple[Any, ...]]:
 
     def walk(inode: Inode, path: str) -> None:
         data = core.tier.path(inode.ino).read_bytes()[: inode.size] if inode.kind == "file" else None
-        out[path] = (inode.kind, inode.mode, inode.uid, inode.gid, inode.size, inode.target,
-                     sorted(inode.xattrs.items()), inode.generation, data)  # fmt: skip
+        out[path] = (
+            inode.kind,
+            inode.mode,
+            inode.uid,
+            inode.gid,
+            inode.size,
+            inode.target,
+            sorted(inode.xattrs.items()),
+            inode.generation,
+            data,
+        )
         for name, ino in sorted((inode.children or {}).items()):
             walk(core.inodes[ino], f"{path}/{os.fsdecode(name)}")
 
     walk(core.inodes[ROOT_INO], "")
     assert core.inodes[ROOT_INO].subdirs == sum(
-        1 for ino in core.inodes[ROOT_INO].children.values() if core.inodes[ino].kind == "dir"  # type: ignore[union-attr]
+        1
+        for ino in core.inodes[ROOT_INO].children.values()
+        if core.inodes[ino].kind == "dir"  # type: ignore[union-attr]
     )
     return out
 
@@ -376,8 +387,9 @@ def test_vanished_listed_files_are_forgotten_not_deleted(tmp_path: Path) -> None
         assert rows(tmp_path, "SELECT key FROM remote_deletes") == []
 
     run_flaky(tmp_path, body)
-    assert rows(tmp_path, "SELECT name, state, remote_key FROM inodes WHERE parent!=0 AND kind='file' ORDER BY name") == [
-        (b"latest", "remote", "run/latest"), (b"step1", "remote", "run/step1")]  # fmt: skip
+    assert rows(
+        tmp_path, "SELECT name, state, remote_key FROM inodes WHERE parent!=0 AND kind='file' ORDER BY name"
+    ) == [(b"latest", "remote", "run/latest"), (b"step1", "remote", "run/step1")]
 
 
 def test_odd_keys_are_skipped_and_the_rest_is_listed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -387,9 +399,14 @@ def test_odd_keys_are_skipped_and_the_rest_is_listed(tmp_path: Path, caplog: pyt
     bad_dirs = ["", "..", "d/e", "m" * 300]
 
     async def body(core: BurstCore) -> None:
-        remote = FakeRemote({"run/ckpt": ([(n, 1, 1.0) for n in bad_files] + [("good", 4, 1.0), ("clash", 1, 1.0),
-                                                                           ("inf", 1, float("inf"))],  # fmt: skip
-                                          [*bad_dirs, "sub", "clash"])})
+        remote = FakeRemote(
+            {
+                "run/ckpt": (
+                    [(n, 1, 1.0) for n in bad_files] + [("good", 4, 1.0), ("clash", 1, 1.0), ("inf", 1, float("inf"))],
+                    [*bad_dirs, "sub", "clash"],
+                )
+            }
+        )
         run_dir = await core.mkdir(ROOT_INO, b"run", 0o755, UID, GID)
         ckpt = await core.mkdir(run_dir.ino, b"ckpt", 0o755, UID, GID)
         listed(core, remote)
@@ -471,8 +488,10 @@ def test_closed_files_keep_no_streaming_digest_state(tmp_path: Path) -> None:
         assert core.inode(ino).digests is None
 
     run_flaky(tmp_path, body)
-    assert [r[0] is not None for r in rows(tmp_path, "SELECT digest FROM inodes WHERE name IN (?, ?) ORDER BY name",
-                                           (b"a", b"b"))] == [True, False]  # fmt: skip
+    assert [
+        r[0] is not None
+        for r in rows(tmp_path, "SELECT digest FROM inodes WHERE name IN (?, ?) ORDER BY name", (b"a", b"b"))
+    ] == [True, False]
 
 
 @pytest.mark.parametrize("how", ["open", "truncate"])
@@ -499,7 +518,8 @@ def test_emptying_a_remote_only_file_fetches_nothing(tmp_path: Path, how: str) -
 
     run_flaky(tmp_path, body)
     assert rows(tmp_path, "SELECT state, size, generation FROM inodes WHERE name=?", (b"corrupt.pt",)) == [
-        ("staged", 5 if how == "open" else 0, 1)]  # fmt: skip
+        ("staged", 5 if how == "open" else 0, 1)
+    ]
 
 
 def test_a_slow_listing_does_not_hold_a_lookup(tmp_path: Path) -> None:

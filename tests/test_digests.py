@@ -9,6 +9,8 @@ and a rewrite that changes hashed bytes is always caught.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import xxhash
 from hypothesis import given, settings
@@ -41,7 +43,7 @@ def writeback(draw: st.DrawFn, page: int) -> tuple[bytes, int, list[tuple[int, b
     bounds = [0, *cuts, len(content)]
     writes = []
     rewrites = set()
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         if start % page and draw(st.booleans()):
             start -= start % page  # write-back resends the partial page from its start
             rewrites.add(len(writes))
@@ -63,7 +65,9 @@ def writeback(draw: st.DrawFn, page: int) -> tuple[bytes, int, list[tuple[int, b
 @pytest.mark.parametrize("cls", [StreamingDigests, SmallPageDigests])
 @settings(max_examples=400, deadline=None)
 @given(data=st.data())
-def test_reordered_and_rewritten_writes_give_the_files_digests(cls: type[StreamingDigests], data: st.DataObject) -> None:
+def test_reordered_and_rewritten_writes_give_the_files_digests(
+    cls: type[StreamingDigests], data: st.DataObject
+) -> None:
     content, chunk_size, writes, max_pending = data.draw(writeback(cls.TAIL))
     stream = cls(chunk_size, max_pending=max_pending)
     for offset, piece in writes:

@@ -59,14 +59,18 @@ def test_changed_file_drains_again_and_rename_unlink_follow(remote_mount: Mounte
     wait_for(lambda: not {"b.bin", ".burstfs/manifests/b.bin.json"} & remote.keys(), what="delete")
 
 
-def test_each_name_of_a_hard_linked_file_drains_as_its_own_object(remote_mount: MountedFS, remote: RemoteTarget) -> None:
+def test_each_name_of_a_hard_linked_file_drains_as_its_own_object(
+    remote_mount: MountedFS, remote: RemoteTarget
+) -> None:
     content = os.urandom(11 << 20)  # multipart on S3 (--part-size 5M)
     (remote_mount.path / "run").mkdir()
     (remote_mount.path / "run" / "model.pt").write_bytes(content)
     os.link(remote_mount.path / "run" / "model.pt", remote_mount.path / "latest.pt")
     wait_for(lambda: durable(remote_mount, "model.pt", "latest.pt"), what="both names")  # objects, then manifests
     assert remote.read("run/model.pt") == remote.read("latest.pt") == content
-    manifests = [json.loads(remote.read(f".burstfs/manifests/{key}.json") or b"{}") for key in ("run/model.pt", "latest.pt")]
+    manifests = [
+        json.loads(remote.read(f".burstfs/manifests/{key}.json") or b"{}") for key in ("run/model.pt", "latest.pt")
+    ]
     assert manifests[0]["digest"] == manifests[1]["digest"]
     with open(remote_mount.path / "latest.pt", "r+b") as f:  # a change through one name drains under both
         f.write(b"changed")
@@ -106,11 +110,14 @@ def test_file_renamed_or_deleted_before_upload_leaves_no_stray_object(
     os.rename(fs.path / "moved.bin", fs.path / "final.bin")
     os.unlink(fs.path / "gone.bin")
     wait_for(lambda: durable(fs, "final.bin"), what="drain of the renamed file")
-    wait_for(lambda: os.getxattr(fs.path / "final.bin", "user.burstfs.remote_key") == b"final.bin",
-             what="object moved to the new name")  # fmt: skip
-    wait_for(lambda: {k for k in remote.keys() if not k.startswith((".burstfs/manifests/", ".burstfs/groups/"))}
-             == {"final.bin"},
-             what="no stray object")  # fmt: skip
+    wait_for(
+        lambda: os.getxattr(fs.path / "final.bin", "user.burstfs.remote_key") == b"final.bin",
+        what="object moved to the new name",
+    )
+    wait_for(
+        lambda: {k for k in remote if not k.startswith((".burstfs/manifests/", ".burstfs/groups/"))} == {"final.bin"},
+        what="no stray object",
+    )
     assert remote.multipart_uploads() == []
 
 
@@ -139,7 +146,9 @@ def test_fsync_remote_waits_until_durable(mounted_factory: type[MountedFS], remo
         assert remote.read("synced.bin") == content  # durable when fsync returned
 
 
-def test_fsync_remote_fails_with_eio_when_the_bucket_is_gone(mounted_factory: type[MountedFS], remote: RemoteTarget) -> None:
+def test_fsync_remote_fails_with_eio_when_the_bucket_is_gone(
+    mounted_factory: type[MountedFS], remote: RemoteTarget
+) -> None:
     if remote.kind != "s3":
         pytest.skip("a missing bucket is an S3 failure")
     fs = mounted_factory("nobucket", remote.url, (*remote.extra_args, "--fsync", "remote"))  # type: ignore[call-arg]
@@ -170,8 +179,9 @@ def test_kill_during_drain_then_drain_without_mount(mounted_factory: type[Mounte
     fs.kill()
     if remote.proxy is not None:
         remote.proxy.clear()
-    result = subprocess.run([str(BIN / "burstfs"), "drain", "--cache", str(fs.cache)], capture_output=True, text=True,
-                            timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [str(BIN / "burstfs"), "drain", "--cache", str(fs.cache)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     for path, content in files.items():
         assert remote.read(path) == content

@@ -19,11 +19,44 @@ REPO = Path(__file__).resolve().parent.parent
 @needs_fuse
 def test_drill_smoke(tmp_path: Path) -> None:
     out = tmp_path / "drill.json"
-    cmd = [sys.executable, str(REPO / "tools" / "drill.py"), "--drills", "kill,outage,faults,full,corrupt",
-           "--rounds", "1", "--remote", "s3", "--seed", "7", "--out", str(out), "--tmp", str(tmp_path),
-           "--ranks", "2", "--kills", "1", "--kill-window", "0.5", "--outages", "1", "--outage-s", "1",
-           "--faults-s", "2", "--full-s", "2", "--corrupt-files", "2", "--shard", "256K", "--small-shard", "64K",
-           "--durable-timeout", "120"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(REPO / "tools" / "drill.py"),
+        "--drills",
+        "kill,outage,faults,full,corrupt",
+        "--rounds",
+        "1",
+        "--remote",
+        "s3",
+        "--seed",
+        "7",
+        "--out",
+        str(out),
+        "--tmp",
+        str(tmp_path),
+        "--ranks",
+        "2",
+        "--kills",
+        "1",
+        "--kill-window",
+        "0.5",
+        "--outages",
+        "1",
+        "--outage-s",
+        "1",
+        "--faults-s",
+        "2",
+        "--full-s",
+        "2",
+        "--corrupt-files",
+        "2",
+        "--shard",
+        "256K",
+        "--small-shard",
+        "64K",
+        "--durable-timeout",
+        "120",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     doc = json.loads(out.read_text())

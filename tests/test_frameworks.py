@@ -130,13 +130,24 @@ def _free_port() -> int:
 def test_torch_distributed_checkpoint_four_ranks(burst: MountedFS) -> None:
     ckpt = burst.path / "dcp" / "step_500"
     world = 4
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
-               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")  # fmt: skip
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(world),
+        GLOO_SOCKET_IFNAME="lo",
+        OMP_NUM_THREADS="1",
+    )
     procs = [
-        subprocess.Popen([sys.executable, "-c", DCP_RANK, str(ckpt)], env=dict(env, RANK=str(rank)),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", DCP_RANK, str(ckpt)],
+            env=dict(env, RANK=str(rank)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for rank in range(world)
-    ]  # fmt: skip
+    ]
     outputs = []
     try:
         for p in procs:

@@ -17,8 +17,11 @@ pytest.importorskip("accelerate")  # the Trainer needs it
 from burstfs import client  # noqa: E402
 from burstfs.huggingface import DurableCheckpointRetention  # noqa: E402
 
-pytestmark = [pytest.mark.fuse, pytest.mark.torch,
-              pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse, fusermount3 and root")]  # fmt: skip
+pytestmark = [
+    pytest.mark.fuse,
+    pytest.mark.torch,
+    pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse, fusermount3 and root"),
+]
 
 STEPS = 6
 
@@ -46,9 +49,17 @@ class Samples(torch.utils.data.Dataset):  # type: ignore[misc]
 
 def train(run: Path, retention: DurableCheckpointRetention) -> None:
     args = transformers.TrainingArguments(
-        output_dir=str(run), max_steps=STEPS, save_strategy="steps", save_steps=1, save_total_limit=None,
-        per_device_train_batch_size=8, use_cpu=True, report_to=[], logging_strategy="no", disable_tqdm=True,
-    )  # fmt: skip
+        output_dir=str(run),
+        max_steps=STEPS,
+        save_strategy="steps",
+        save_steps=1,
+        save_total_limit=None,
+        per_device_train_batch_size=8,
+        use_cpu=True,
+        report_to=[],
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
     transformers.Trainer(model=TinyModel(), args=args, train_dataset=Samples(), callbacks=[retention]).train()
 
 

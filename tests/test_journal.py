@@ -53,9 +53,26 @@ class Tree:
     def _insert(self, ino: int, parent: int, name: bytes, kind: str, state: FileState) -> int:
         now = time.time_ns()
         mode = stat.S_IFDIR | 0o755 if kind == "dir" else stat.S_IFREG | 0o644
-        self.journal.apply([insert_inode_op(InodeRow(
-            ino=ino, parent=parent, name=name, kind=kind, mode=mode, uid=0, gid=0,
-            atime_ns=now, mtime_ns=now, ctime_ns=now, state=state, updated=time.time()))])  # fmt: skip
+        self.journal.apply(
+            [
+                insert_inode_op(
+                    InodeRow(
+                        ino=ino,
+                        parent=parent,
+                        name=name,
+                        kind=kind,
+                        mode=mode,
+                        uid=0,
+                        gid=0,
+                        atime_ns=now,
+                        mtime_ns=now,
+                        ctime_ns=now,
+                        state=state,
+                        updated=time.time(),
+                    )
+                )
+            ]
+        )
         return ino
 
     def mkdir(self, name: str, parent: int = ROOT_INO) -> int:
@@ -69,9 +86,20 @@ class Tree:
         row = self.journal.inode(ino)
         assert row is not None
         generation = row.generation + 1
-        self.journal.apply(close_ops(
-            ino, generation=generation, close_seq=next(self._seq), size=size, mtime_ns=row.mtime_ns,
-            ctime_ns=row.ctime_ns, digest=None, chunks=None, chunk_size=None, incomplete=None))  # fmt: skip
+        self.journal.apply(
+            close_ops(
+                ino,
+                generation=generation,
+                close_seq=next(self._seq),
+                size=size,
+                mtime_ns=row.mtime_ns,
+                ctime_ns=row.ctime_ns,
+                digest=None,
+                chunks=None,
+                chunk_size=None,
+                incomplete=None,
+            )
+        )
         return generation
 
     def write_file(self, name: str, parent: int = ROOT_INO) -> tuple[int, int]:
@@ -111,7 +139,7 @@ def _markers(row: InodeRow) -> bool:
 
 
 def test_state_sets_partition_the_file_states() -> None:
-    assert DONE | NOT_YET_DURABLE == frozenset(FILE_STATES) and not DONE & NOT_YET_DURABLE
+    assert frozenset(FILE_STATES) == DONE | NOT_YET_DURABLE and not DONE & NOT_YET_DURABLE
     assert META not in FILE_STATES
     assert BROKEN <= NOT_YET_DURABLE and INCOMPLETE not in UNDRAINED and WRITING not in CLOSED_UNDRAINED
     assert CLOSED_UNDRAINED < UNDRAINED < NOT_YET_DURABLE
@@ -256,8 +284,12 @@ def test_keys_owned_under_is_a_prefix_range(journal: Journal, tree: Tree) -> Non
     assert journal.keys_owned_under("CKPT") == set()  # case matters (LIKE ignored it)
     assert journal.keys_owned_under("ckpt-2") == {"ckpt-2/y"}
     assert journal.keys_owned_under("") == {"ckpt/x", "ckpt-2/y"}
-    plan = " ".join(str(r) for r in journal.query(
-        "EXPLAIN QUERY PLAN SELECT remote_key FROM inodes WHERE remote_key >= ? AND remote_key < ?", ("a/", "a0")))
+    plan = " ".join(
+        str(r)
+        for r in journal.query(
+            "EXPLAIN QUERY PLAN SELECT remote_key FROM inodes WHERE remote_key >= ? AND remote_key < ?", ("a/", "a0")
+        )
+    )
     assert "inodes_by_remote_key" in plan
 
 
@@ -271,8 +303,9 @@ def test_eligible_in_close_order(journal: Journal, tree: Tree) -> None:
     rows = journal.eligible(10, 10, closed_before=time.time() + 1, is_marker=_markers)
     assert [r.ino for r in rows] == [first, later]
     assert [r.ino for r in journal.eligible(1, 10, closed_before=time.time() + 1, is_marker=_markers)] == [first]
-    skipped = journal.eligible(10, 10, closed_before=time.time() + 1, is_marker=_markers,
-                               skip=lambda row: row.ino == first)  # fmt: skip
+    skipped = journal.eligible(
+        10, 10, closed_before=time.time() + 1, is_marker=_markers, skip=lambda row: row.ino == first
+    )
     assert [r.ino for r in skipped] == [later]
     assert journal.eligible(10, 10, closed_before=0.0, is_marker=_markers) == []  # the delay
 
@@ -320,7 +353,11 @@ def test_only_the_durable_generation_is_evictable(journal: Journal, tree: Tree) 
     journal.finish_fetch(ino, 10, digest="d", chunks=["c"], chunk_size=10)
     row = journal.inode(ino)
     assert row is not None and (row.state, row.local_bytes, row.digest, row.chunk_digests()) == (
-        DURABLE, 10, "d", ("c",))  # fmt: skip
+        DURABLE,
+        10,
+        "d",
+        ("c",),
+    )
 
 
 def test_a_close_after_durable_is_not_evictable(journal: Journal, tree: Tree) -> None:
@@ -368,7 +405,9 @@ def test_a_hard_link_drains_its_own_key_and_the_file_evicts_only_when_every_name
     assert fetch is not None and fetch.remote_key == "d/b"
     journal.finish_fetch(ino, 10)
     assert [(r.ino, r.state, r.local_bytes) for r in journal.inodes("WHERE ino=? OR link_of=?", (ino, ino))] == [
-        (ino, DURABLE, 10), (link, DURABLE, 0)]  # fmt: skip
+        (ino, DURABLE, 10),
+        (link, DURABLE, 0),
+    ]
     # a write marks every name writing; the close stages every name with the new generation
     journal.apply([mark_writing_op(ino)])
     assert journal.state_row(ino).state == WRITING  # type: ignore[union-attr]

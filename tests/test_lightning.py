@@ -15,8 +15,11 @@ pl = pytest.importorskip("pytorch_lightning")
 from burstfs import client  # noqa: E402
 from burstfs.lightning import DurableCheckpointRetention  # noqa: E402
 
-pytestmark = [pytest.mark.fuse, pytest.mark.torch,
-              pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse, fusermount3 and root")]  # fmt: skip
+pytestmark = [
+    pytest.mark.fuse,
+    pytest.mark.torch,
+    pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse, fusermount3 and root"),
+]
 
 STEPS = 6
 
@@ -40,10 +43,17 @@ class TinyModel(pl.LightningModule):  # type: ignore[misc]
 
 
 def fit(run: Path, retention: DurableCheckpointRetention) -> None:
-    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=run, every_n_train_steps=1, save_top_k=-1,
-                                               filename="step-{step:02d}")  # fmt: skip
-    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[checkpoints, retention])  # fmt: skip
+    checkpoints = pl.callbacks.ModelCheckpoint(
+        dirpath=run, every_n_train_steps=1, save_top_k=-1, filename="step-{step:02d}"
+    )
+    trainer = pl.Trainer(
+        max_steps=STEPS,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[checkpoints, retention],
+    )
     trainer.fit(TinyModel())
 
 
@@ -58,7 +68,10 @@ def test_keeps_the_last_durable_checkpoints(mounted_factory: type[MountedFS]) ->
     fit(run, DurableCheckpointRetention(run, keep_last=2, wait_at_end=120))
     assert names(run) == ["step-step=05.ckpt", "step-step=06.ckpt"]
     fs.unmount("--wait", "--wait-timeout", "60")
-    assert names(fs.remote_dir / "run") == ["step-step=05.ckpt", "step-step=06.ckpt"]  # the pruned ones are gone there too
+    assert names(fs.remote_dir / "run") == [
+        "step-step=05.ckpt",
+        "step-step=06.ckpt",
+    ]  # the pruned ones are gone there too
     state = torch.load(fs.remote_dir / "run" / "step-step=06.ckpt", weights_only=False)
     assert state["global_step"] == STEPS
 

@@ -44,8 +44,8 @@ import xxhash
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from s3server import fresh_bucket
 from reftest import Crash, FileSide, Node, NodeOptions, RemoteSide, S3Side, fast_mover
+from s3server import fresh_bucket
 
 from burstfs.config import DEFAULT_COMMIT_MARKERS, is_commit_marker
 from burstfs.errors import BurstfsError, FsError, to_errno
@@ -129,8 +129,12 @@ class BurstfsModel(RuleBasedStateMachine):
             marker = self.data[ino]
             for other, other_ino in self.files.items():
                 torn = self.data[other_ino]
-                if other != path and (top == "" or self.under(other, top)) and torn.incomplete \
-                        and 0 < torn.close_seq < marker.close_seq:
+                if (
+                    other != path
+                    and (top == "" or self.under(other, top))
+                    and torn.incomplete
+                    and 0 < torn.close_seq < marker.close_seq
+                ):
                     blocked.add(path)
         return frozenset(blocked)
 
@@ -175,7 +179,7 @@ class BurstfsModel(RuleBasedStateMachine):
         if pieces > 2:
             offsets.reverse()  # write-back delivers out of order sometimes
         for offset in offsets:
-            self.call("write", fh, offset, content[offset:offset + step])
+            self.call("write", fh, offset, content[offset : offset + step])
         self.call("flush", fh)
         self.call("release", fh)
         model = self.data[ino]
@@ -202,9 +206,9 @@ class BurstfsModel(RuleBasedStateMachine):
             return
         moved_dirs = {d for d in self.dirs if self.under(d, src)}
         self.dirs -= moved_dirs
-        self.dirs |= {dst + d[len(src):] for d in moved_dirs}
+        self.dirs |= {dst + d[len(src) :] for d in moved_dirs}
         for path in [p for p in self.files if self.under(p, src)]:
-            self.files[dst + path[len(src):]] = self.files.pop(path)
+            self.files[dst + path[len(src) :]] = self.files.pop(path)
 
     # -- namespace operations ---------------------------------------------------------
 
@@ -217,16 +221,19 @@ class BurstfsModel(RuleBasedStateMachine):
         self.call("forget", inode.ino, 1)  # type: ignore[attr-defined]
         self.dirs.add(d)
 
-    @rule(path=st.sampled_from(PATHS), seed=st.integers(0, 3), size=st.sampled_from(SIZES),
-          pieces=st.integers(1, 3))  # fmt: skip
+    @rule(path=st.sampled_from(PATHS), seed=st.integers(0, 3), size=st.sampled_from(SIZES), pieces=st.integers(1, 3))
     def write_file(self, path: str, seed: int, size: int, pieces: int) -> None:
         path = file_path(path)
         if not self.parent_exists(path) or path in self.dirs:
             return
         self.write_whole(path, payload(seed, size), pieces)
 
-    @rule(path=st.sampled_from(PATHS), offset=st.sampled_from((0, 100, 65536, 70000)),
-          seed=st.integers(0, 3), size=st.sampled_from((1, 4096, 65536)))  # fmt: skip
+    @rule(
+        path=st.sampled_from(PATHS),
+        offset=st.sampled_from((0, 100, 65536, 70000)),
+        seed=st.integers(0, 3),
+        size=st.sampled_from((1, 4096, 65536)),
+    )
     def overwrite(self, path: str, offset: int, seed: int, size: int) -> None:
         path = file_path(path)
         if path not in self.files:
@@ -239,7 +246,7 @@ class BurstfsModel(RuleBasedStateMachine):
         self.call("release", fh)
         model = self.data[ino]
         old = model.content.ljust(offset, b"\0")
-        model.content = old[:offset] + data + old[offset + size:]
+        model.content = old[:offset] + data + old[offset + size :]
         model.corrupt = False
         model.close(self.next_close())
 
@@ -269,9 +276,10 @@ class BurstfsModel(RuleBasedStateMachine):
             if dst in self.dirs:
                 return
         elif src in self.dirs:
-            if dst in self.files or (dst in self.dirs and any(self.under(p, dst) and p != dst
-                                                              for p in (*self.files, *self.dirs))):
-                return  # fmt: skip
+            if dst in self.files or (
+                dst in self.dirs and any(self.under(p, dst) and p != dst for p in (*self.files, *self.dirs))
+            ):
+                return
         else:
             return
         sp, sn = self.node.parent_and_name(src)
@@ -344,7 +352,7 @@ class BurstfsModel(RuleBasedStateMachine):
         model = self.data[ino]
         if data:
             self.call("write", fh, 0, data)
-            model.content = data + model.content[len(data):]
+            model.content = data + model.content[len(data) :]
             model.dirty, model.corrupt = True, False
         self.held.append((fh, ino))
 
@@ -373,8 +381,13 @@ class BurstfsModel(RuleBasedStateMachine):
         if self.drain_step() == "crashed":
             self.restart()
 
-    @rule(at=st.integers(1, 6), op=st.sampled_from(("rename", "unlink", "rewrite", "rename_dir", "link")),
-          src=st.sampled_from(PATHS), dst=st.sampled_from(PATHS + DIRS), seed=st.integers(0, 3))  # fmt: skip
+    @rule(
+        at=st.integers(1, 6),
+        op=st.sampled_from(("rename", "unlink", "rewrite", "rename_dir", "link")),
+        src=st.sampled_from(PATHS),
+        dst=st.sampled_from(PATHS + DIRS),
+        seed=st.integers(0, 3),
+    )
     def drain_with_interleaving(self, at: int, op: str, src: str, dst: str, seed: int) -> None:
         """An operation lands while the ``at``-th remote change of this drain is in flight,
         and that call completes only after everything else has drained."""
@@ -455,8 +468,11 @@ class BurstfsModel(RuleBasedStateMachine):
         if path not in self.files:
             return
         ino, row = self.files[path], self.node.name_row(path)
-        rows = self.node.rows("SELECT remote_key FROM inodes WHERE ino=? AND state IN ('durable','evicted') "
-                              "AND durable_generation=generation", (row,))  # fmt: skip
+        rows = self.node.rows(
+            "SELECT remote_key FROM inodes WHERE ino=? AND state IN ('durable','evicted') "
+            "AND durable_generation=generation",
+            (row,),
+        )
         if not rows or rows[0][0] is None:
             return
         data = bytearray(self.side.get(rows[0][0]) or b"")
@@ -600,8 +616,9 @@ class BurstfsModel(RuleBasedStateMachine):
 
     @invariant()
     def other_nodes_objects_untouched(self) -> None:
-        theirs = {k[len(FOREIGN_DIR) + 1:]: v for k, v in self.side.objects().items()
-                  if k.startswith(FOREIGN_DIR + "/")}  # fmt: skip
+        theirs = {
+            k[len(FOREIGN_DIR) + 1 :]: v for k, v in self.side.objects().items() if k.startswith(FOREIGN_DIR + "/")
+        }
         assert theirs == self.foreign
 
     @invariant()
@@ -716,8 +733,11 @@ def model_settings(examples: str, steps: str) -> settings:
         suppress_health_check=list(HealthCheck),
         # No explain phase: its report imports a module late, which trips a CPython 3.11.7 AST bug
         # (SystemError "AST constructor recursion depth mismatch") and ends the whole pytest run.
-        phases=[p for p in Phase if p != Phase.explain
-                and (p != Phase.shrink or os.environ.get("BURSTFS_MODEL_SHRINK", "1") == "1")],
+        phases=[
+            p
+            for p in Phase
+            if p != Phase.explain and (p != Phase.shrink or os.environ.get("BURSTFS_MODEL_SHRINK", "1") == "1")
+        ],
     )
 
 

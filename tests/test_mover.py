@@ -83,18 +83,52 @@ class Front:
         self.tier = LocalTier(cache)
         self.seq = 0
         now = time.time_ns()
-        self.journal.apply([insert_inode_op(InodeRow(
-            ino=ROOT_INO, parent=0, name=b"", kind="dir", mode=stat.S_IFDIR | 0o755, uid=0, gid=0,
-            atime_ns=now, mtime_ns=now, ctime_ns=now, state=META, updated=time.time()))])  # fmt: skip
+        self.journal.apply(
+            [
+                insert_inode_op(
+                    InodeRow(
+                        ino=ROOT_INO,
+                        parent=0,
+                        name=b"",
+                        kind="dir",
+                        mode=stat.S_IFDIR | 0o755,
+                        uid=0,
+                        gid=0,
+                        atime_ns=now,
+                        mtime_ns=now,
+                        ctime_ns=now,
+                        state=META,
+                        updated=time.time(),
+                    )
+                )
+            ]
+        )
         self.next_ino = 2
 
     def _new(self, parent: int, name: str, kind: str, state: str) -> int:
         ino, self.next_ino = self.next_ino, self.next_ino + 1
         now = time.time_ns()
         mode = (stat.S_IFDIR | 0o755) if kind == "dir" else (stat.S_IFREG | 0o644)
-        self.journal.apply([insert_inode_op(InodeRow(
-            ino=ino, parent=parent, name=name.encode(), kind=kind, mode=mode, uid=0, gid=0,
-            atime_ns=now, mtime_ns=now, ctime_ns=now, state=FileState(state), updated=time.time()))])  # fmt: skip
+        self.journal.apply(
+            [
+                insert_inode_op(
+                    InodeRow(
+                        ino=ino,
+                        parent=parent,
+                        name=name.encode(),
+                        kind=kind,
+                        mode=mode,
+                        uid=0,
+                        gid=0,
+                        atime_ns=now,
+                        mtime_ns=now,
+                        ctime_ns=now,
+                        state=FileState(state),
+                        updated=time.time(),
+                    )
+                )
+            ]
+        )
         return ino
 
     def mkdir(self, name: str, parent: int = ROOT_INO) -> int:
@@ -118,16 +152,29 @@ class Front:
         self.journal.execute(
             "UPDATE inodes SET state=?, generation=generation+1, close_seq=?, size=?, mtime_ns=?, digest=?, "
             "chunks=?, chunk_size=?, local_bytes=?, updated=? WHERE ino=?",
-            (STAGED, self.seq, size, path.stat().st_mtime_ns, d.digest if d else None,
-             json.dumps(list(d.chunks)) if d else None, PART if d else None, size, time.time(), ino),
-        )  # fmt: skip
+            (
+                STAGED,
+                self.seq,
+                size,
+                path.stat().st_mtime_ns,
+                d.digest if d else None,
+                json.dumps(list(d.chunks)) if d else None,
+                PART if d else None,
+                size,
+                time.time(),
+                ino,
+            ),
+        )
 
     def _unlink_ops(self, ino: int) -> list[Op]:
         return [
-            ("INSERT INTO remote_deletes (key, reason) SELECT remote_key, 'unlink' FROM inodes "
-             "WHERE ino=? AND remote_key IS NOT NULL", (ino,)),
+            (
+                "INSERT INTO remote_deletes (key, reason) SELECT remote_key, 'unlink' FROM inodes "
+                "WHERE ino=? AND remote_key IS NOT NULL",
+                (ino,),
+            ),
             ("UPDATE inodes SET parent=0, remote_key=NULL WHERE ino=?", (ino,)),
-        ]  # fmt: skip
+        ]
 
     def unlink(self, ino: int) -> None:
         """unlink(2) of a file still open (the row stays, parent 0, until its last release)."""
@@ -135,8 +182,7 @@ class Front:
 
     def rename(self, ino: int, new_name: str, new_parent: int = ROOT_INO) -> None:
         ops: list[Op] = []
-        target = self.journal.query("SELECT ino FROM inodes WHERE parent=? AND name=?",
-                                    (new_parent, new_name.encode()))  # fmt: skip
+        target = self.journal.query("SELECT ino FROM inodes WHERE parent=? AND name=?", (new_parent, new_name.encode()))
         if target:
             ops += self._unlink_ops(target[0][0])
         ops += [
@@ -157,8 +203,13 @@ def make_mover(tmp_path: Path, remote: FileRemote | None = None) -> tuple[Mover,
     directory.mkdir(exist_ok=True)
     front = Front(cache)
     hooked = remote if isinstance(remote, HookedRemote) else HookedRemote(directory)
-    mover = Mover(cache, parse_remote_url(f"file://{directory}"), S3Options(),
-                  DrainOptions(part_size=PART, concurrency=2), remote=hooked)  # fmt: skip
+    mover = Mover(
+        cache,
+        parse_remote_url(f"file://{directory}"),
+        S3Options(),
+        DrainOptions(part_size=PART, concurrency=2),
+        remote=hooked,
+    )
     return mover, front, hooked
 
 
@@ -185,8 +236,7 @@ async def until(predicate: Callable[[], object], what: str, timeout: float = 30.
 
 def settled(front: Front) -> bool:
     """Every linked file durable at its own path, and no remote delete pending."""
-    rows = front.journal.query(
-        "SELECT ino, state, remote_key FROM inodes WHERE kind='file' AND parent!=0")
+    rows = front.journal.query("SELECT ino, state, remote_key FROM inodes WHERE kind='file' AND parent!=0")
     for ino, state, key in rows:
         if state != DURABLE or key != front.journal.path_of(ino):
             return False
@@ -245,8 +295,9 @@ def test_rename_during_upload_keeps_the_new_file_at_the_old_name(tmp_path: Path)
         b = front.write("model.pt", new)
         mover.namespace_changed()
         # The new file either raced the old upload (the bug) or waits for the key.
-        await until(lambda: ("put", "model.pt") in remote.calls[1:] or b in mover._not_before,
-                    "the new file's drain attempt")  # fmt: skip
+        await until(
+            lambda: ("put", "model.pt") in remote.calls[1:] or b in mover._not_before, "the new file's drain attempt"
+        )
         release.set()
         await settle(mover, front)
         assert front.row(b).remote_key == "model.pt" and front.row(a).remote_key == "model_100.pt"
@@ -271,8 +322,10 @@ def test_rename_onto_a_key_being_uploaded_waits_for_the_upload(tmp_path: Path) -
         front.rename(x, "y.bin")  # x's upload still goes to x.bin
         front.rename(c, "x.bin")  # c's object must not move onto x.bin under that upload
         mover.namespace_changed()
-        await until(lambda: c in getattr(mover, "_relocate_retry", {}) or ("copy", "c.bin") in remote.calls,
-                    "c's move attempted")  # fmt: skip
+        await until(
+            lambda: c in getattr(mover, "_relocate_retry", {}) or ("copy", "c.bin") in remote.calls,
+            "c's move attempted",
+        )
         release.set()
         await settle(mover, front)
 
@@ -316,8 +369,9 @@ def test_unlink_during_final_put_deletes_the_object(tmp_path: Path, size: int) -
         await until(entered.is_set, "the final request in flight")
         front.unlink(ino)  # still open: the row stays with parent 0
         release.set()
-        await until(lambda: not mover._in_flight and not front.journal.query("SELECT 1 FROM remote_deletes"),
-                    "the delete pass")  # fmt: skip
+        await until(
+            lambda: not mover._in_flight and not front.journal.query("SELECT 1 FROM remote_deletes"), "the delete pass"
+        )
         assert front.row(ino).state != DURABLE
 
     run_mover(mover, scenario)
@@ -341,8 +395,10 @@ def test_unlink_during_relocation_deletes_the_copy(tmp_path: Path) -> None:
         await until(entered.is_set, "the server-side copy in flight")
         front.unlink(big)
         release.set()
-        await until(lambda: not front.journal.query("SELECT 1 FROM remote_deletes")
-                    and ("copy", "d1/big") in remote.calls, "the deletes")  # fmt: skip
+        await until(
+            lambda: not front.journal.query("SELECT 1 FROM remote_deletes") and ("copy", "d1/big") in remote.calls,
+            "the deletes",
+        )
 
     run_mover(mover, scenario)
     assert user_keys(tmp_path) == set()
@@ -351,8 +407,9 @@ def test_unlink_during_relocation_deletes_the_copy(tmp_path: Path) -> None:
 # -- #2: a per-file problem never kills the mover ------------------------------------------
 
 
-@pytest.mark.parametrize("manifest", [b"[" * 100_000, b'{"version": 1, "size": Infinity}', b"\xff"],
-                         ids=["deep", "infinity", "binary"])  # fmt: skip
+@pytest.mark.parametrize(
+    "manifest", [b"[" * 100_000, b'{"version": 1, "size": Infinity}', b"\xff"], ids=["deep", "infinity", "binary"]
+)
 def test_corrupt_manifest_during_relocation_fails_that_file_only(tmp_path: Path, manifest: bytes) -> None:
     mover, front, _ = make_mover(tmp_path)
     a = front.write("a.bin", b"a" * 500)
@@ -451,7 +508,6 @@ def test_s3_key_too_long_fails_only_that_file(tmp_path: Path, s3_env: str) -> No
     assert front.row(bad).state == FAILED and "1024" in (front.row(bad).error or "")
 
 
-
 # -- #22: a file rewritten during its drain is superseded, not corrupt ---------------------
 
 
@@ -543,9 +599,11 @@ def test_startup_aborts_only_uploads_this_cache_started(tmp_path: Path) -> None:
 
 def test_ownership_queries_use_indexes(tmp_path: Path) -> None:
     journal = Journal(tmp_path)
-    for sql in ("SELECT ino FROM inodes WHERE remote_key=? AND parent!=0",
-                "SELECT ino FROM inodes WHERE upload_key=?",
-                "SELECT id FROM remote_deletes WHERE key=?"):  # fmt: skip
+    for sql in (
+        "SELECT ino FROM inodes WHERE remote_key=? AND parent!=0",
+        "SELECT ino FROM inodes WHERE upload_key=?",
+        "SELECT id FROM remote_deletes WHERE key=?",
+    ):
         plan = " ".join(str(row[-1]) for row in journal.query(f"EXPLAIN QUERY PLAN {sql}", ("k",)))
         assert "USING INDEX" in plan or "USING COVERING INDEX" in plan, (sql, plan)
 
@@ -556,11 +614,16 @@ def test_a_version_1_journal_is_upgraded_in_place(tmp_path: Path) -> None:
     from burstfs import journal as journal_module
 
     db = sqlite3.connect(tmp_path / "journal.db")
-    db.executescript(journal_module._SCHEMA.replace(
-        "CREATE TABLE IF NOT EXISTS uploads (", "CREATE TABLE IF NOT EXISTS unused_uploads ("))  # fmt: skip
+    db.executescript(
+        journal_module._SCHEMA.replace(
+            "CREATE TABLE IF NOT EXISTS uploads (", "CREATE TABLE IF NOT EXISTS unused_uploads ("
+        )
+    )
     db.execute("INSERT INTO meta VALUES ('schema_version', '1')")
-    db.execute("INSERT INTO inodes (ino, parent, name, kind, mode, uid, gid, atime_ns, mtime_ns, ctime_ns, state, "
-               "remote_key) VALUES (5, 1, x'61', 'file', 33188, 0, 0, 0, 0, 0, 'durable', 'a')")  # fmt: skip
+    db.execute(
+        "INSERT INTO inodes (ino, parent, name, kind, mode, uid, gid, atime_ns, mtime_ns, ctime_ns, state, "
+        "remote_key) VALUES (5, 1, x'61', 'file', 33188, 0, 0, 0, 0, 0, 'durable', 'a')"
+    )
     db.commit()
     db.close()
     journal = Journal(tmp_path)
@@ -682,8 +745,14 @@ def test_a_listed_file_renamed_away_frees_its_name(tmp_path: Path) -> None:
         front.rename(listed, "latest", new_parent=d)
         mine = front.write("latest", b"ours")
         mover.namespace_changed()
-        await until(lambda: front.row(mine).state == DURABLE and front.row(listed).remote_key == "a/latest"
-                    and not front.journal.query("SELECT 1 FROM remote_deletes"), "both names settled")  # fmt: skip
+        await until(
+            lambda: (
+                front.row(mine).state == DURABLE
+                and front.row(listed).remote_key == "a/latest"
+                and not front.journal.query("SELECT 1 FROM remote_deletes")
+            ),
+            "both names settled",
+        )
 
     run_mover(mover, scenario)
     assert remote_bytes(tmp_path, "latest") == b"ours"
@@ -775,8 +844,10 @@ def test_an_object_error_fails_only_that_file_and_retry_requeues_it(tmp_path: Pa
         bad = front.write("bad", b"b" * 10)
         good = front.write("good", b"g" * 10)
         mover.wake()
-        await until(lambda: front.row(bad).state == FAILED and front.row(good).state == DURABLE,
-                    "one file failed, the other durable")  # fmt: skip
+        await until(
+            lambda: front.row(bad).state == FAILED and front.row(good).state == DURABLE,
+            "one file failed, the other durable",
+        )
         assert mover.stats.halted is None  # an object's error does not stop the drain
         assert mover.retry_failed() == 1
         await settle(mover, front)

@@ -31,8 +31,9 @@ HELD = ("--drain-delay", "3600")
 def admin(*args: str | Path, expect: int | None = 0, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     result = subprocess.run([ADMIN, *map(str, args)], capture_output=True, text=True, timeout=timeout)
     if expect is not None and result.returncode != expect:
-        raise AssertionError(f"burstfs-admin {' '.join(map(str, args))}: exit {result.returncode}, "
-                             f"{result.stdout} {result.stderr}")  # fmt: skip
+        raise AssertionError(
+            f"burstfs-admin {' '.join(map(str, args))}: exit {result.returncode}, {result.stdout} {result.stderr}"
+        )
     return result
 
 
@@ -89,8 +90,9 @@ def shard(step: int, rank: int) -> bytes:
     return os.urandom(64) + f"step {step} rank {rank}".encode() * 5000
 
 
-def test_marker_appears_only_after_every_node_shards_are_durable(mounted_factory: type[MountedFS],
-                                                                  bucket: Bucket) -> None:  # fmt: skip
+def test_marker_appears_only_after_every_node_shards_are_durable(
+    mounted_factory: type[MountedFS], bucket: Bucket
+) -> None:
     n0 = node(mounted_factory, bucket, "n0")
     n1 = node(mounted_factory, bucket, "n1", *HELD)
     step = "ckpt/step_100"
@@ -100,8 +102,10 @@ def test_marker_appears_only_after_every_node_shards_are_durable(mounted_factory
     admin("wait", n0.path / step / "__0_0.distcp", n0.path / step / "__1_0.distcp")
     write(n0, f"{step}/.metadata", b"metadata of step 100")
     # n0's gate has looked at the remote and found n1's intent without a done:
-    status = wait_for(lambda: json.loads(admin("status", n0.path, "--json").stdout).get("checkpoints_waiting"),
-                      what="n0's marker to wait for n1")  # fmt: skip
+    status = wait_for(
+        lambda: json.loads(admin("status", n0.path, "--json").stdout).get("checkpoints_waiting"),
+        what="n0's marker to wait for n1",
+    )
     assert [w["node"] for w in status[0]["waiting"]] == ["n1"] and status[0]["dir"] == step
     assert "waiting for node n1" in admin("status", n0.path).stdout
     assert {state(n1, p) for p in list(shards)[2:]} == {"staged"}
@@ -154,9 +158,11 @@ def test_a_killed_node_holds_its_checkpoint_back_and_latest_returns_the_previous
 
     n1.kill()
     shutil.rmtree(n1.cache)
-    wait_for(lambda: json.loads(admin("status", n0.path, "--json").stdout).get("checkpoints_waiting"),
-             what="n0's step-200 marker to wait for the lost node")  # fmt: skip
-    assert "ckpt/step_200/.metadata" not in bucket.keys()
+    wait_for(
+        lambda: json.loads(admin("status", n0.path, "--json").stdout).get("checkpoints_waiting"),
+        what="n0's step-200 marker to wait for the lost node",
+    )
+    assert "ckpt/step_200/.metadata" not in bucket
     assert bucket.latest("ckpt")["dir"] == "ckpt/step_100"
 
     fresh = node(mounted_factory, bucket, "n2")
@@ -171,7 +177,7 @@ def test_a_killed_node_holds_its_checkpoint_back_and_latest_returns_the_previous
     wait_for(lambda: "abandoned" in admin("status", n0.path).stdout, what="status to say abandoned")
     admin("drain", n0.path, "--now")
     assert state(n0, "ckpt/step_200/.metadata") == "staged"
-    assert "ckpt/step_200/.metadata" not in bucket.keys()
+    assert "ckpt/step_200/.metadata" not in bucket
     assert bucket.latest("ckpt")["dir"] == "ckpt/step_100"
 
 
@@ -236,10 +242,24 @@ def torchrun(script: str, ranks: int, *args: str, timeout: float = 300) -> list[
         port = s.getsockname()[1]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-addr=127.0.0.1",
-         f"--master-port={port}", "--no-python", sys.executable, "-c", script, *args],
-        capture_output=True, text=True, timeout=timeout, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={ranks}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            "--no-python",
+            sys.executable,
+            "-c",
+            script,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout.split("\n")
 
@@ -272,7 +292,7 @@ def test_two_nodes_writing_one_name_leave_one_whole_object(mounted_factory: type
     write(n0, "ckpt/dup/.metadata", b"m")
     for fs in (n0, n1):
         admin("wait", fs.path / "ckpt", timeout=120)
-    wait_for(lambda: "ckpt/dup/.metadata" in bucket.keys(), what="the marker")
+    wait_for(lambda: "ckpt/dup/.metadata" in bucket, what="the marker")
     stored = bucket.client.get_object(Bucket=bucket.name, Key="job/ckpt/dup/blob")["Body"].read()
     assert stored in (ours, theirs)
     fresh = node(mounted_factory, bucket, "n2")

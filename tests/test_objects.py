@@ -12,9 +12,9 @@ from typing import Any, TypeVar
 
 import pytest
 import xxhash
+from faultproxy import FaultProxy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from faultproxy import FaultProxy
 from s3server import fresh_bucket
 
 from burstfs.config import S3Options, parse_remote_url
@@ -90,9 +90,15 @@ def test_manifest_json_and_ranges() -> None:
     from burstfs.objects import ChunkInfo, StoredChunk
 
     manifest = Manifest(
-        key="a/b", size=250, chunk_size=100, digest="d" * 32, generation=3, mtime_ns=9, mode=0o644,
+        key="a/b",
+        size=250,
+        chunk_size=100,
+        digest="d" * 32,
+        generation=3,
+        mtime_ns=9,
+        mode=0o644,
         chunks=(ChunkInfo("1" * 16, "lz4", 40), ChunkInfo("2" * 16, "raw", 100), ChunkInfo("3" * 16, "lz4", 20)),
-    )  # fmt: skip
+    )
     assert Manifest.from_json(manifest.to_json()) == manifest
     assert manifest.stored_chunks(0, 10) == [StoredChunk(0, 0, 40)]
     assert manifest.stored_chunks(99, 201) == [StoredChunk(0, 0, 40), StoredChunk(1, 40, 100), StoredChunk(2, 140, 20)]
@@ -107,12 +113,20 @@ def test_manifest_json_and_ranges() -> None:
 def manifest_doc(**changes: Any) -> dict[str, Any]:
     """A valid manifest document (250 bytes in chunks of 100), with ``changes`` applied."""
     doc: dict[str, Any] = {
-        "version": 1, "key": "a/b", "size": 250, "chunk_size": 100, "digest": "d" * 32, "generation": 3,
-        "mtime_ns": 9, "mode": 0o100600,
-        "chunks": [{"xxh3": "1" * 16, "codec": "lz4", "stored_size": 40},
-                   {"xxh3": "2" * 16, "codec": "raw", "stored_size": 100},
-                   {"xxh3": "3" * 16, "codec": "raw", "stored_size": 50}],
-    }  # fmt: skip
+        "version": 1,
+        "key": "a/b",
+        "size": 250,
+        "chunk_size": 100,
+        "digest": "d" * 32,
+        "generation": 3,
+        "mtime_ns": 9,
+        "mode": 0o100600,
+        "chunks": [
+            {"xxh3": "1" * 16, "codec": "lz4", "stored_size": 40},
+            {"xxh3": "2" * 16, "codec": "raw", "stored_size": 100},
+            {"xxh3": "3" * 16, "codec": "raw", "stored_size": 50},
+        ],
+    }
     doc.update(changes)
     return doc
 
@@ -156,24 +170,64 @@ HUGE = 5 << 30
         (doc_bytes(manifest_doc(chunks=[1, 2, 3])), "'chunks[0]' is int"),
         (doc_bytes(manifest_doc(chunk_size=0)), "'chunk_size'"),
         # A hostile manifest must not make 16 fetches of a 5 GiB chunk possible.
-        (doc_bytes(manifest_doc(size=HUGE + 1, chunk_size=HUGE + 1, chunks=[
-            {"xxh3": "1" * 16, "codec": "raw", "stored_size": HUGE + 1}])), "'chunk_size' 5368709121 is outside"),
-        (doc_bytes(manifest_doc(chunks=[
-            {"xxh3": "1" * 16, "codec": "lz4", "stored_size": HUGE},
-            {"xxh3": "2" * 16, "codec": "raw", "stored_size": 100},
-            {"xxh3": "3" * 16, "codec": "raw", "stored_size": 50}])), "'chunks[0].stored_size' is 5368709120"),
-        (doc_bytes(manifest_doc(chunks=[
-            {"xxh3": "1" * 16, "codec": "raw", "stored_size": 100},
-            {"xxh3": "2" * 16, "codec": "raw", "stored_size": 99},
-            {"xxh3": "3" * 16, "codec": "raw", "stored_size": 50}])), "'chunks[1].stored_size' is 99"),
-        (doc_bytes(manifest_doc(chunks=[
-            {"xxh3": "1" * 16, "codec": "zstd", "stored_size": 100},
-            {"xxh3": "2" * 16, "codec": "raw", "stored_size": 100},
-            {"xxh3": "3" * 16, "codec": "raw", "stored_size": 50}])), "'chunks[0].codec'"),
-        (doc_bytes(manifest_doc(chunks=[
-            {"xxh3": 1, "codec": "raw", "stored_size": 100},
-            {"xxh3": "2" * 16, "codec": "raw", "stored_size": 100},
-            {"xxh3": "3" * 16, "codec": "raw", "stored_size": 50}])), "'chunks[0].xxh3' is int"),
+        (
+            doc_bytes(
+                manifest_doc(
+                    size=HUGE + 1,
+                    chunk_size=HUGE + 1,
+                    chunks=[{"xxh3": "1" * 16, "codec": "raw", "stored_size": HUGE + 1}],
+                )
+            ),
+            "'chunk_size' 5368709121 is outside",
+        ),
+        (
+            doc_bytes(
+                manifest_doc(
+                    chunks=[
+                        {"xxh3": "1" * 16, "codec": "lz4", "stored_size": HUGE},
+                        {"xxh3": "2" * 16, "codec": "raw", "stored_size": 100},
+                        {"xxh3": "3" * 16, "codec": "raw", "stored_size": 50},
+                    ]
+                )
+            ),
+            "'chunks[0].stored_size' is 5368709120",
+        ),
+        (
+            doc_bytes(
+                manifest_doc(
+                    chunks=[
+                        {"xxh3": "1" * 16, "codec": "raw", "stored_size": 100},
+                        {"xxh3": "2" * 16, "codec": "raw", "stored_size": 99},
+                        {"xxh3": "3" * 16, "codec": "raw", "stored_size": 50},
+                    ]
+                )
+            ),
+            "'chunks[1].stored_size' is 99",
+        ),
+        (
+            doc_bytes(
+                manifest_doc(
+                    chunks=[
+                        {"xxh3": "1" * 16, "codec": "zstd", "stored_size": 100},
+                        {"xxh3": "2" * 16, "codec": "raw", "stored_size": 100},
+                        {"xxh3": "3" * 16, "codec": "raw", "stored_size": 50},
+                    ]
+                )
+            ),
+            "'chunks[0].codec'",
+        ),
+        (
+            doc_bytes(
+                manifest_doc(
+                    chunks=[
+                        {"xxh3": 1, "codec": "raw", "stored_size": 100},
+                        {"xxh3": "2" * 16, "codec": "raw", "stored_size": 100},
+                        {"xxh3": "3" * 16, "codec": "raw", "stored_size": 50},
+                    ]
+                )
+            ),
+            "'chunks[0].xxh3' is int",
+        ),
         (b" " * (80 << 20) + b"{}", "exceeds the limit"),
         (b"[" + b"0," * 4_000_000 + b"0]", "more elements"),
     ],
@@ -210,16 +264,53 @@ def test_oversized_manifest_object_is_not_read_whole(store: ObjectStore, monkeyp
     run(store, body)
 
 
-JSON_JUNK = (b"Infinity", b"-Infinity", b"NaN", b"1e999", b"1.5", b"[" * 50_000, b"{" * 50_000, b'"x"', b"true",
-             b"null", b"{}", b"[]", b"-1", b"9" * 5000, b"99999999999999999999999", b"\xff")
+JSON_JUNK = (
+    b"Infinity",
+    b"-Infinity",
+    b"NaN",
+    b"1e999",
+    b"1.5",
+    b"[" * 50_000,
+    b"{" * 50_000,
+    b'"x"',
+    b"true",
+    b"null",
+    b"{}",
+    b"[]",
+    b"-1",
+    b"9" * 5000,
+    b"99999999999999999999999",
+    b"\xff",
+)
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20)
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text(max_size=20)
     | st.sampled_from([float("inf"), float("-inf"), float("nan"), 10**30, -(10**30)]),
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
     max_leaves=30,
 )
-SPECIAL_VALUES: tuple[Any, ...] = (float("inf"), float("-inf"), float("nan"), 1.5, 10**30, -1, 0, True, "1", None, [], {},
-                  {"stored_size": float("inf")}, {"stored_size": 10**12}, {"codec": "lz4"}, {"xxh3": 1}, [[[]]])
+SPECIAL_VALUES: tuple[Any, ...] = (
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+    1.5,
+    10**30,
+    -1,
+    0,
+    True,
+    "1",
+    None,
+    [],
+    {},
+    {"stored_size": float("inf")},
+    {"stored_size": 10**12},
+    {"codec": "lz4"},
+    {"xxh3": 1},
+    [[[]]],
+)
 MANIFEST_FIELDS = ("version", "key", "size", "chunk_size", "digest", "generation", "mtime_ns", "mode", "chunks")
 
 
@@ -259,7 +350,11 @@ def test_fuzz_manifest_arbitrary_json(doc: Any) -> None:
 
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from(MANIFEST_FIELDS), st.sampled_from(SPECIAL_VALUES) | json_values, st.integers(min_value=0, max_value=2))
+@given(
+    st.sampled_from(MANIFEST_FIELDS),
+    st.sampled_from(SPECIAL_VALUES) | json_values,
+    st.integers(min_value=0, max_value=2),
+)
 def test_fuzz_manifest_one_field_replaced(field: str, value: Any, chunk: int) -> None:
     """Valid manifests with one field (or one chunk's field) replaced by arbitrary JSON."""
     import json
@@ -586,6 +681,7 @@ def test_task_cancellation_aborts_upload(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_abort_stale_uploads(store: ObjectStore) -> None:
     """Only the uploads named (the ones this cache journaled) are aborted: never another node's."""
+
     async def body() -> None:
         a = await store.remote.create_multipart("a")
         c = await store.remote.create_multipart("b/c")

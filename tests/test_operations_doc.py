@@ -60,8 +60,9 @@ def test_runbook_config_files_pass_config_check(tmp_path: Path) -> None:
     for i, block in enumerate(blocks):
         config = tmp_path / f"example{i}.toml"
         config.write_text(block + "\n")
-        result = subprocess.run([str(BIN / "burstfs"), "config", "check", str(config)], capture_output=True,
-                                text=True, timeout=60)  # fmt: skip
+        result = subprocess.run(
+            [str(BIN / "burstfs"), "config", "check", str(config)], capture_output=True, text=True, timeout=60
+        )
         assert result.returncode == 0, result.stderr
 
 

@@ -32,17 +32,35 @@ INSTALLED_BIN = "/usr/local/bin/burstfs"  # where the unit expects the CLI (pip 
 # Each of these puts the service in a mount namespace of its own: the FUSE mount
 # would not be seen by the trainers on the host.
 NAMESPACE_OPTIONS = {
-    "ProtectSystem", "ProtectHome", "PrivateTmp", "PrivateDevices", "PrivateMounts", "ReadWritePaths",
-    "ReadOnlyPaths", "InaccessiblePaths", "TemporaryFileSystem", "BindPaths", "BindReadOnlyPaths",
-    "ProtectKernelTunables", "ProtectKernelModules", "ProtectKernelLogs", "ProtectControlGroups",
-    "ProtectProc", "ProcSubset", "MountFlags", "RootDirectory", "RootImage", "PrivateNetwork",
-}  # fmt: skip
+    "ProtectSystem",
+    "ProtectHome",
+    "PrivateTmp",
+    "PrivateDevices",
+    "PrivateMounts",
+    "ReadWritePaths",
+    "ReadOnlyPaths",
+    "InaccessiblePaths",
+    "TemporaryFileSystem",
+    "BindPaths",
+    "BindReadOnlyPaths",
+    "ProtectKernelTunables",
+    "ProtectKernelModules",
+    "ProtectKernelLogs",
+    "ProtectControlGroups",
+    "ProtectProc",
+    "ProcSubset",
+    "MountFlags",
+    "RootDirectory",
+    "RootImage",
+    "PrivateNetwork",
+}
 
 
 def unit_service_section() -> dict[str, list[str]]:
     """The [Service] keys of the unit, each with all its values (systemd keys repeat)."""
-    parser = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",),
-                                       comment_prefixes=("#", ";"), dict_type=_MultiDict)  # fmt: skip
+    parser = configparser.ConfigParser(
+        strict=False, interpolation=None, delimiters=("=",), comment_prefixes=("#", ";"), dict_type=_MultiDict
+    )
     parser.optionxform = str  # type: ignore[assignment,method-assign]
     parser.read(UNIT)
     return {key: value.split("\n") for key, value in parser["Service"].items()}
@@ -83,8 +101,9 @@ def test_unit_is_notify_with_watchdog_and_no_private_mount_namespace() -> None:
     assert not NAMESPACE_OPTIONS & set(service), "the mount would be invisible outside the service"
     assert service["DeviceAllow"] == ["/dev/fuse rw"]
     assert "CAP_SYS_ADMIN" in service["CapabilityBoundingSet"][0].split()
-    drain_wait = int(next(v for v in service["Environment"] if v.startswith("BURSTFS_STOP_DRAIN_TIMEOUT="))
-                     .split("=", 1)[1])  # fmt: skip
+    drain_wait = int(
+        next(v for v in service["Environment"] if v.startswith("BURSTFS_STOP_DRAIN_TIMEOUT=")).split("=", 1)[1]
+    )
     assert int(service["TimeoutStopSec"][0]) > drain_wait + 30, "systemd would kill the drain wait"
 
 
@@ -111,10 +130,22 @@ def receive(sock: socket.socket) -> dict[str, str]:
 
 def start_foreground(fs: MountedFS, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [str(BIN / "burstfs"), "mount", str(fs.path), "--cache", str(fs.cache), "--remote", fs.remote_url,
-         "--foreground", *args],
-        env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            str(BIN / "burstfs"),
+            "mount",
+            str(fs.path),
+            "--cache",
+            str(fs.cache),
+            "--remote",
+            fs.remote_url,
+            "--foreground",
+            *args,
+        ],
+        env={**os.environ, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 needs_fuse = pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse, fusermount3 and root")
@@ -186,8 +217,9 @@ def unit_command(key: str, env: dict[str, str], config: Path) -> list[str]:
 def instance_config(fs: MountedFS, *extra: str) -> Path:
     """/etc/burstfs/ckpt.toml for the test mount's paths."""
     config = fs.root / "ckpt.toml"
-    config.write_text("\n".join([f'mountpoint = "{fs.path}"', f'cache = "{fs.cache}"', f'remote = "{fs.remote_url}"',
-                                 *extra]) + "\n")  # fmt: skip
+    config.write_text(
+        "\n".join([f'mountpoint = "{fs.path}"', f'cache = "{fs.cache}"', f'remote = "{fs.remote_url}"', *extra]) + "\n"
+    )
     return config
 
 
@@ -204,8 +236,13 @@ def test_unit_stop_waits_for_the_drain_then_leaves_undrained_files_staged(
     env = {"BURSTFS_STOP_DRAIN_TIMEOUT": "1"}
     start = unit_command("ExecStart", env, config)
     assert start[:2] == [str(BIN / "burstfs"), "mount"] and "--foreground" in start
-    daemon = subprocess.Popen(start, env={**os.environ, "NOTIFY_SOCKET": address},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    daemon = subprocess.Popen(
+        start,
+        env={**os.environ, "NOTIFY_SOCKET": address},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert receive(sock).get("READY") == "1"
         (fs.path / "step1").mkdir()
@@ -240,8 +277,11 @@ def test_unit_restarts_over_the_dead_mount_of_a_crash(
     fs = mounted_factory()
     config = instance_config(fs)
     start = unit_command("ExecStart", {}, config)
-    daemons = [subprocess.Popen(start, env={**os.environ, "NOTIFY_SOCKET": address},
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]  # fmt: skip
+    daemons = [
+        subprocess.Popen(
+            start, env={**os.environ, "NOTIFY_SOCKET": address}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+    ]
     try:
         assert receive(sock).get("READY") == "1"
         (fs.path / "a").write_bytes(b"before the crash")
@@ -251,8 +291,14 @@ def test_unit_restarts_over_the_dead_mount_of_a_crash(
         assert burstfs("mount", "--config", str(config), "--foreground", check=False).returncode == 2
         subprocess.run(unit_command("ExecStopPost", {}, config), capture_output=True, timeout=60)
         assert not is_mounted(fs.path)
-        daemons.append(subprocess.Popen(start, env={**os.environ, "NOTIFY_SOCKET": address},
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+        daemons.append(
+            subprocess.Popen(
+                start,
+                env={**os.environ, "NOTIFY_SOCKET": address},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         while receive(sock).get("READY") != "1":
             pass
         assert (fs.path / "a").read_bytes() == b"before the crash"
@@ -280,7 +326,13 @@ def manifests(path: Path) -> list[dict[str, Any]]:
 def burstfs_container(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(pod spec, the burstfs container) of the DaemonSet or the sidecar pod."""
     for doc in manifests(path):
-        spec = doc["spec"]["template"]["spec"] if doc["kind"] == "DaemonSet" else doc["spec"] if doc["kind"] == "Pod" else None
+        spec = (
+            doc["spec"]["template"]["spec"]
+            if doc["kind"] == "DaemonSet"
+            else doc["spec"]
+            if doc["kind"] == "Pod"
+            else None
+        )
         if spec is not None:
             containers = spec.get("initContainers", []) + spec["containers"]
             return spec, next(c for c in containers if c["name"] == "burstfs")
@@ -320,8 +372,11 @@ def test_kubernetes_fields_that_matter(path: Path, tmp_path: Path) -> None:
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert mounts[settings["mountpoint"]]["mountPropagation"] == "Bidirectional"
-    cache_mount = next(m for point, m in mounts.items() if settings["cache"].startswith(point.rstrip("/") + "/")
-                        or settings["cache"] == point)  # fmt: skip
+    cache_mount = next(
+        m
+        for point, m in mounts.items()
+        if settings["cache"].startswith(point.rstrip("/") + "/") or settings["cache"] == point
+    )
     assert "hostPath" in volumes[cache_mount["name"]] or "persistentVolumeClaim" in volumes[cache_mount["name"]]
     config_mount = mounts[str(Path(CONFIG_IN_POD).parent)]
     assert "configMap" in volumes[config_mount["name"]]
@@ -330,11 +385,15 @@ def test_kubernetes_fields_that_matter(path: Path, tmp_path: Path) -> None:
     assert pre_stop[:4] == ["burstfs", "unmount", "--config", CONFIG_IN_POD] and "--wait" in pre_stop
     drain_wait = int(pre_stop[pre_stop.index("--wait-timeout") + 1])
     assert spec["terminationGracePeriodSeconds"] >= drain_wait + 30, "the kubelet would kill the drain wait"
-    assert f"burstfs-admin status --json {settings['mountpoint']}" in " ".join(container["readinessProbe"]["exec"]["command"])
+    assert f"burstfs-admin status --json {settings['mountpoint']}" in " ".join(
+        container["readinessProbe"]["exec"]["command"]
+    )
     metrics_port = int(settings["metrics-addr"].rsplit(":", 1)[1])
     assert {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"} in container["ports"]
     pod = next(doc for doc in manifests(path) if doc["kind"] in ("DaemonSet", "Pod"))
-    annotations = (pod["spec"]["template"]["metadata"] if pod["kind"] == "DaemonSet" else pod["metadata"])["annotations"]
+    annotations = (pod["spec"]["template"]["metadata"] if pod["kind"] == "DaemonSet" else pod["metadata"])[
+        "annotations"
+    ]
     assert annotations["prometheus.io/scrape"] == "true" and int(annotations["prometheus.io/port"]) == metrics_port
 
 
@@ -351,8 +410,12 @@ def test_daemonset_commands_start_probe_restart_and_stop_a_real_mount(mounted_fa
         probe_port.bind(("127.0.0.1", 0))
         port = probe_port.getsockname()[1]
     config = fs.root / "burstfs.toml"  # the ConfigMap's file, with this node's paths and a loopback port
-    config.write_text(text.replace(settings["mountpoint"], str(fs.path)).replace(settings["cache"], str(fs.cache))
-                      .replace(settings["remote"], fs.remote_url).replace(settings["metrics-addr"], f"127.0.0.1:{port}"))
+    config.write_text(
+        text.replace(settings["mountpoint"], str(fs.path))
+        .replace(settings["cache"], str(fs.cache))
+        .replace(settings["remote"], fs.remote_url)
+        .replace(settings["metrics-addr"], f"127.0.0.1:{port}")
+    )
 
     def here(argv: list[str]) -> list[str]:
         return [word.replace(CONFIG_IN_POD, str(config)).replace(settings["mountpoint"], str(fs.path)) for word in argv]

@@ -30,8 +30,9 @@ needs_passthrough = pytest.mark.skipif(not _kernel_has_passthrough(), reason="FU
 
 
 def status(path: Path) -> dict[str, Any]:
-    out = subprocess.run([str(BIN / "burstfs-admin"), "status", "--json", str(path)],
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [str(BIN / "burstfs-admin"), "status", "--json", str(path)], capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout)
 
 

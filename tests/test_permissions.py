@@ -42,8 +42,10 @@ def test_cache_files_are_private_and_the_remote_gets_each_files_mode(mounted_fac
         f.write(b"weights" * 1000)
     (fs.path / "public.txt").write_bytes(b"readme")
     os.chmod(fs.path / "public.txt", 0o644)
-    wait_for(lambda: file_state(fs.cache, "secret.pt") == "durable" and file_state(fs.cache, "public.txt") == "durable",
-             what="drain")  # fmt: skip
+    wait_for(
+        lambda: file_state(fs.cache, "secret.pt") == "durable" and file_state(fs.cache, "public.txt") == "durable",
+        what="drain",
+    )
     assert mode_of(fs.cache) == 0o700
     for name in ("journal.db", "journal.db-wal", "journal.db-shm", "burstfs.log", "lock"):
         if (fs.cache / name).exists():
@@ -101,8 +103,9 @@ def test_file_remote_objects_carry_the_files_mode(tmp_path: Path, mode: int) -> 
         async def body() -> None:
             for key, size in (("small.bin", 100), ("big.bin", 3 * 5 * 1024 * 1024 + 1)):
                 staged.write_bytes(os.urandom(size))
-                await store.upload_file(key, staged, None, chunk_size=5 * 1024 * 1024, generation=1, mtime_ns=0,
-                                        mode=mode, concurrency=2)  # fmt: skip
+                await store.upload_file(
+                    key, staged, None, chunk_size=5 * 1024 * 1024, generation=1, mtime_ns=0, mode=mode, concurrency=2
+                )
                 assert mode_of(root / key) == stat.S_IMODE(mode) & 0o666, key
             await store.rename("small.bin", "moved/small.bin")
             assert mode_of(root / "moved/small.bin") == stat.S_IMODE(mode) & 0o666

@@ -23,8 +23,9 @@ import pytest
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
-from burstfs.pinned import PinnedPool, SaveHandle, async_save  # noqa: E402
 from conftest import FUSE_OK  # noqa: E402
+
+from burstfs.pinned import PinnedPool, SaveHandle, async_save  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.cuda
@@ -109,8 +110,13 @@ def _assert_same(got: Any, want: Any, where: str = "state") -> None:
     assert type(got) is type(want), f"{where}: {type(got)} != {type(want)}"
     if isinstance(want, torch.Tensor):
         assert (got.dtype, got.shape, got.stride(), got.storage_offset(), got.requires_grad, got.device) == (
-            want.dtype, want.shape, want.stride(), want.storage_offset(), want.requires_grad, want.device,
-        ), where  # fmt: skip
+            want.dtype,
+            want.shape,
+            want.stride(),
+            want.storage_offset(),
+            want.requires_grad,
+            want.device,
+        ), where
         assert _tensor_bytes(got) == _tensor_bytes(want), where
     elif isinstance(want, dict):
         assert list(got) == list(want), where
@@ -119,7 +125,7 @@ def _assert_same(got: Any, want: Any, where: str = "state") -> None:
             _assert_same(got[key], want[key], f"{where}[{key!r}]")
     elif isinstance(want, (list, tuple)):
         assert len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want)):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
             _assert_same(g, w, f"{where}[{i}]")
     elif isinstance(want, np.ndarray):
         assert np.array_equal(got, want), where
@@ -167,7 +173,10 @@ def test_round_trip_matches_torch_save(ckpt_dir: Path) -> None:
     got, want = _load(ckpt_dir / "async.pt"), _load(ckpt_dir / "reference.pt")
     _assert_same(got, want)
     assert _sharing(got) == _sharing(want)
-    assert got["model"]["emb.weight"].untyped_storage().data_ptr() == got["model"]["head.weight"].untyped_storage().data_ptr()
+    assert (
+        got["model"]["emb.weight"].untyped_storage().data_ptr()
+        == got["model"]["head.weight"].untyped_storage().data_ptr()
+    )
     assert got["views"]["row"].untyped_storage().data_ptr() == got["views"]["base"].untyped_storage().data_ptr()
     assert got["same_twice"][0] is got["same_twice"][1]
 
@@ -300,11 +309,21 @@ def test_one_structured_log_line_per_save(tmp_path: Path, caplog: pytest.LogCapt
 
 def _dcp_state() -> dict[str, Any]:
     torch.manual_seed(3)
-    return {"w": torch.randn(8, 8), "bf16": torch.randn(4).to(torch.bfloat16), "step": 7, "nested": {"b": torch.ones(3)}}
+    return {
+        "w": torch.randn(8, 8),
+        "bf16": torch.randn(4).to(torch.bfloat16),
+        "step": 7,
+        "nested": {"b": torch.ones(3)},
+    }
 
 
 def _dcp_target() -> dict[str, Any]:
-    return {"w": torch.zeros(8, 8), "bf16": torch.zeros(4, dtype=torch.bfloat16), "step": 0, "nested": {"b": torch.zeros(3)}}
+    return {
+        "w": torch.zeros(8, 8),
+        "bf16": torch.zeros(4, dtype=torch.bfloat16),
+        "step": 0,
+        "nested": {"b": torch.zeros(3)},
+    }
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -324,8 +343,11 @@ def test_dcp_async_staging_recipe(ckpt_dir: Path) -> None:
     dcp = pytest.importorskip("torch.distributed.checkpoint")
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                          use_async_staging=True, use_non_blocking_copy=False))  # fmt: skip
+    stager = DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=False
+        )
+    )
     try:
         state = _dcp_state()
         expected = {**state, "w": state["w"].clone()}
@@ -381,7 +403,10 @@ def test_cuda_mixed_state_round_trip(ckpt_dir: Path) -> None:
     _assert_same(got, want)  # the snapshot holds host tensors: everything loads on the CPU
     assert _sharing(got) == _sharing(want)
     on_gpu = _load(ckpt_dir / "async.pt", map_location="cuda")
-    assert on_gpu["views"]["base"].is_cuda and on_gpu["views"]["t"].untyped_storage().data_ptr() == on_gpu["views"]["base"].untyped_storage().data_ptr()
+    assert (
+        on_gpu["views"]["base"].is_cuda
+        and on_gpu["views"]["t"].untyped_storage().data_ptr() == on_gpu["views"]["base"].untyped_storage().data_ptr()
+    )
 
 
 @cuda

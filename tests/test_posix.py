@@ -464,8 +464,13 @@ def test_sparse_growth_counts_allocated_bytes_not_logical_size(mounted_factory: 
         f.seek(3 << 24)
         assert f.read(4096) == b"s" * 4096
     # Each drains at its logical size.
-    expected = {"sparse.bin": 48 << 20, "copied.bin": (4 << 24) + 4096, "seek-ahead.bin": (40 << 20) + 4,
-                "dense.bin": 6 << 20, "src.bin": 4096}  # fmt: skip
+    expected = {
+        "sparse.bin": 48 << 20,
+        "copied.bin": (4 << 24) + 4096,
+        "seek-ahead.bin": (40 << 20) + 4,
+        "dense.bin": 6 << 20,
+        "src.bin": 4096,
+    }
     for name, size in expected.items():
         _wait_state(fs.path / name, (b"durable",))
         assert (fs.remote_dir / name).stat().st_size == size, name
@@ -797,8 +802,9 @@ def _as_nobody(cwd: Path, code: str) -> subprocess.CompletedProcess[str]:
         os.setgid(NOBODY)
         os.setuid(NOBODY)
 
-    return subprocess.run([SYSTEM_PYTHON, "-c", code], check=False, preexec_fn=drop,
-                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    return subprocess.run(
+        [SYSTEM_PYTHON, "-c", code], check=False, preexec_fn=drop, capture_output=True, text=True, timeout=30
+    )
 
 
 def _errno_of(result: subprocess.CompletedProcess[str]) -> str:
@@ -842,7 +848,10 @@ def test_allow_other_permissions(mounted_factory: type[MountedFS]) -> None:
     public.write_bytes(b"everyone")
     os.chmod(public, 0o644)
 
-    result = _as_nobody(shared, TRY + """
+    result = _as_nobody(
+        shared,
+        TRY
+        + """
 with open("mine", "wb") as f:
     f.write(b"by nobody")
 st = os.stat("mine")
@@ -854,7 +863,8 @@ attempt(os.chown, "public", 65534, 65534)
 attempt(os.chmod, "public", 0o777)
 attempt(os.unlink, "public")
 attempt(os.setxattr, "mine", "user.who", b"nobody")
-""")
+""",
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:-1] == [
         "65534 65534",

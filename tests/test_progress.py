@@ -10,7 +10,6 @@ import select
 import struct
 import subprocess
 import termios
-from pathlib import Path
 
 import pytest
 from conftest import BIN, FUSE_OK, MountedFS
@@ -32,13 +31,17 @@ def delayed(mounted_factory: type[MountedFS]) -> MountedFS:
 
 
 def test_wait_prints_plain_progress_lines_without_a_terminal(delayed: MountedFS) -> None:
-    wait = subprocess.Popen([ADMIN, "wait", str(delayed.path / "ck"), "--timeout", "120"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    wait = subprocess.Popen(
+        [ADMIN, "wait", str(delayed.path / "ck"), "--timeout", "120"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert wait.stderr is not None
     first = wait.stderr.readline()  # before anything drains
     assert first.startswith("durable: 0/2 files, 0 B of 390.6 KiB"), first
     subprocess.run([ADMIN, "drain", str(delayed.path), "--now"], check=True, capture_output=True, timeout=60)
-    out, err = wait.communicate(timeout=120)
+    _out, err = wait.communicate(timeout=120)
     assert wait.returncode == 0, err
     lines = [first.strip(), *err.splitlines()]
     assert lines[-1].startswith("durable: 2/2 files, 390.6 KiB of 390.6 KiB, ") and lines[-1].endswith("ETA 0s"), lines
@@ -89,6 +92,8 @@ def test_prefetch_plain_lines_have_rate_and_eta(delayed: MountedFS) -> None:
     result = subprocess.run([ADMIN, "prefetch", str(delayed.path / "ck")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert len(lines) == 3 and lines[1].startswith("[2/2 files, 390.6 KiB of 390.6 KiB, ") and "ETA 0s]" in lines[1], lines
+    assert len(lines) == 3 and lines[1].startswith("[2/2 files, 390.6 KiB of 390.6 KiB, ") and "ETA 0s]" in lines[1], (
+        lines
+    )
     assert {line.rsplit("] ", 1)[1] for line in lines[:2]} == {"fetched ck/a", "fetched ck/b"}
     assert all("B/s" in line for line in lines[:2])

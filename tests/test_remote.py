@@ -22,8 +22,7 @@ from s3server import free_port, fresh_bucket
 from burstfs.config import S3Options, parse_remote_url
 from burstfs.errors import RemoteError, RemoteNotFound
 from burstfs.remote import INTERNAL_DIR, FileRemote, Remote, RetryPolicy, open_remote, retrying
-from burstfs.remote.s3 import S3Remote
-from burstfs.remote.s3 import crc32c_b64
+from burstfs.remote.s3 import S3Remote, crc32c_b64
 
 T = TypeVar("T")
 
@@ -458,9 +457,16 @@ def test_multipart_survives_503_and_resets(s3_endpoint: str, caplog: pytest.LogC
             async def part(n: int) -> object:
                 chunk = data[(n - 1) * part_size : n * part_size]
                 return await retrying(
-                    remote, remote.upload_part, key, upload_id, n, (n - 1) * part_size, chunk,
-                    what=f"part {n}", base_delay=0.01,
-                )  # fmt: skip
+                    remote,
+                    remote.upload_part,
+                    key,
+                    upload_id,
+                    n,
+                    (n - 1) * part_size,
+                    chunk,
+                    what=f"part {n}",
+                    base_delay=0.01,
+                )
 
             parts = await asyncio.gather(*(part(n) for n in range(1, 8)))
             await retrying(
@@ -663,8 +669,9 @@ def test_request_path_listing_is_one_short_attempt(tmp_path: Path) -> None:
     asyncio.run(body())
 
 
-def test_check_wrong_credentials_keeps_s3_error_code(monkeypatch: pytest.MonkeyPatch,
-                                                     caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+def test_check_wrong_credentials_keeps_s3_error_code(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """Issue 11 leftover (a): head_bucket's 403 has no body; check() asks once more with a
     listing and reports S3's code and message (here InvalidAccessKeyId), never the credentials.
     A stand-in server answers as S3 does to an unknown key (moto does not check credentials)."""
@@ -676,9 +683,11 @@ def test_check_wrong_credentials_keeps_s3_error_code(monkeypatch: pytest.MonkeyP
     class Denying(http.server.BaseHTTPRequestHandler):
         def _deny(self, with_body: bool) -> None:
             seen.append(f"{self.command} {self.path}")
-            body = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InvalidAccessKeyId</Code>'
-                    b"<Message>The AWS Access Key Id you provided does not exist in our records.</Message>"
-                    b"<AWSAccessKeyId>AKIAWRONGKEYFORTEST</AWSAccessKeyId><RequestId>1</RequestId></Error>")  # fmt: skip
+            body = (
+                b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InvalidAccessKeyId</Code>'
+                b"<Message>The AWS Access Key Id you provided does not exist in our records.</Message>"
+                b"<AWSAccessKeyId>AKIAWRONGKEYFORTEST</AWSAccessKeyId><RequestId>1</RequestId></Error>"
+            )
             self.send_response(403)
             self.send_header("Content-Type", "application/xml")
             self.send_header("Content-Length", str(len(body)))
@@ -710,9 +719,8 @@ def test_check_wrong_credentials_keeps_s3_error_code(monkeypatch: pytest.MonkeyP
         remote = s3_remote(f"http://127.0.0.1:{server.server_address[1]}", "bucket")
 
         async def body() -> None:
-            with caplog.at_level(logging.DEBUG, logger="burstfs"):
-                with pytest.raises(RemoteError) as info:
-                    await remote.check()
+            with caplog.at_level(logging.DEBUG, logger="burstfs"), pytest.raises(RemoteError) as info:
+                await remote.check()
             text = str(info.value)
             assert info.value.kind == "access_denied", text
             assert "InvalidAccessKeyId" in text and "does not exist in our records" in text, text

@@ -11,7 +11,6 @@ import errno
 import logging
 import multiprocessing
 import os
-import sqlite3
 import subprocess
 import threading
 import types
@@ -152,7 +151,9 @@ def test_eight_ranks_restore_shards_in_parallel(mounted_factory: type[MountedFS]
         p.join(timeout=30)
     assert {os.path.basename(k): v for k, v in results.items()} == {f"rank{r}.bin": MiB + r for r in range(8)}
     for rank in range(8):
-        assert (reader.path / f"shards/rank{rank}.bin").read_bytes() == (writer.path / f"shards/rank{rank}.bin").read_bytes()
+        assert (reader.path / f"shards/rank{rank}.bin").read_bytes() == (
+            writer.path / f"shards/rank{rank}.bin"
+        ).read_bytes()
 
 
 @fuse
@@ -182,9 +183,8 @@ def test_tier_full_of_undrained_data_waits_then_enospc(mounted_factory: type[Mou
     fs.expect_log("request_failed")
     first = os.urandom(8 * MiB)
     (fs.path / "first.bin").write_bytes(first)
-    with pytest.raises(OSError) as err:
-        with open(fs.path / "second.bin", "wb") as f:
-            f.write(os.urandom(8 * MiB))
+    with pytest.raises(OSError) as err, open(fs.path / "second.bin", "wb") as f:
+        f.write(os.urandom(8 * MiB))
     assert err.value.errno == errno.ENOSPC
     assert (fs.path / "first.bin").read_bytes() == first  # undrained data is never evicted
     remote.proxy.clear()
@@ -197,8 +197,9 @@ def test_admin_prefetch_warms_a_checkpoint(mounted_factory: type[MountedFS], rem
     write_checkpoint(writer)
     reader = mounted_factory("r", remote.url, remote.extra_args)  # type: ignore[call-arg]
     reader.mount()
-    result = subprocess.run([str(BIN / "burstfs-admin"), "prefetch", str(reader.path / "run")],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [str(BIN / "burstfs-admin"), "prefetch", str(reader.path / "run")], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert file_state(reader.cache, "model.pt") == "durable"
     assert file_state(reader.cache, "optim.pt") == "durable"
@@ -227,8 +228,9 @@ def test_evicted_file_without_manifest_is_verified_against_the_journal(mounted_f
     content = os.urandom(3 * MiB + 5)
     (fs.path / "ckpt.pt").write_bytes(content)
     wait_for(lambda: drained(fs, "ckpt.pt"), what="drain")
-    subprocess.run([str(BIN / "burstfs-admin"), "evict", str(fs.path / "ckpt.pt")], check=True,
-                   capture_output=True, timeout=60)  # fmt: skip
+    subprocess.run(
+        [str(BIN / "burstfs-admin"), "evict", str(fs.path / "ckpt.pt")], check=True, capture_output=True, timeout=60
+    )
     assert file_state(fs.cache, "ckpt.pt") == "evicted"
     swapped = bytearray(content)
     swapped[2 * MiB + 7] ^= 0x01
@@ -258,12 +260,25 @@ class FakeJournal:
         self.rows: dict[int, types.SimpleNamespace] = {}
         self.updates: list[tuple[str, tuple[Any, ...]]] = []
 
-    def add(self, ino: int, key: str, size: int, digest: str | None = None, chunk_size: int | None = None,
-            chunks: list[str] | None = None) -> None:  # fmt: skip
+    def add(
+        self,
+        ino: int,
+        key: str,
+        size: int,
+        digest: str | None = None,
+        chunk_size: int | None = None,
+        chunks: list[str] | None = None,
+    ) -> None:
         import json
 
-        self.rows[ino] = types.SimpleNamespace(ino=ino, remote_key=key, size=size, digest=digest, chunk_size=chunk_size,
-                                               chunks=json.dumps(chunks) if chunks is not None else None)  # fmt: skip
+        self.rows[ino] = types.SimpleNamespace(
+            ino=ino,
+            remote_key=key,
+            size=size,
+            digest=digest,
+            chunk_size=chunk_size,
+            chunks=json.dumps(chunks) if chunks is not None else None,
+        )
 
     def fetch_row(self, ino: int) -> types.SimpleNamespace | None:
         return self.rows.get(ino)
@@ -277,10 +292,18 @@ def chunk_digests(data: bytes, chunk: int = CHUNK) -> list[str]:
 
 
 async def put_with_manifest(store: ObjectStore, key: str, data: bytes, chunk: int = CHUNK) -> Manifest:
-    manifest = Manifest(key=key, size=len(data), chunk_size=chunk, digest=xxhash.xxh3_128_hexdigest(data),
-                        generation=1, mtime_ns=0, mode=0o100600,
-                        chunks=tuple(ChunkInfo(d, "raw", min(chunk, len(data) - i * chunk))
-                                     for i, d in enumerate(chunk_digests(data, chunk))))  # fmt: skip
+    manifest = Manifest(
+        key=key,
+        size=len(data),
+        chunk_size=chunk,
+        digest=xxhash.xxh3_128_hexdigest(data),
+        generation=1,
+        mtime_ns=0,
+        mode=0o100600,
+        chunks=tuple(
+            ChunkInfo(d, "raw", min(chunk, len(data) - i * chunk)) for i, d in enumerate(chunk_digests(data, chunk))
+        ),
+    )
     await store.remote.put_object(key, data)
     await store.remote.put_object(manifest_key(key), manifest.to_json())
     return manifest
@@ -413,7 +436,9 @@ def test_object_without_manifest_is_verified_against_journal_digests(
     run_async(body)
 
 
-def test_object_nobody_recorded_digests_for_is_served_unverified(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_object_nobody_recorded_digests_for_is_served_unverified(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     journal = FakeJournal()
     svc = service(tmp_path, journal)
     content = b"written by another tool" * 100
@@ -453,7 +478,10 @@ def test_sequential_reads_grow_the_prefetch_window_and_a_seek_resets_it(tmp_path
     run_async(body)
     assert MAX_WINDOW_CHUNKS == 16  # the numbers above assume it
     data = svc.tier.path(7).read_bytes()
-    assert data[: 21 * CHUNK] == content[: 21 * CHUNK] and data[40 * CHUNK : 44 * CHUNK] == content[40 * CHUNK : 44 * CHUNK]
+    assert (
+        data[: 21 * CHUNK] == content[: 21 * CHUNK]
+        and data[40 * CHUNK : 44 * CHUNK] == content[40 * CHUNK : 44 * CHUNK]
+    )
 
 
 def test_a_chunk_that_does_not_match_its_manifest_is_never_written_or_served(tmp_path: Path) -> None:

@@ -28,11 +28,15 @@ DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontr
 MISSING = [name for name in DAEMONS if shutil.which(name) is None and not Path(f"/usr/sbin/{name}").exists()]
 
 pytestmark = [
-    pytest.mark.fuse, pytest.mark.slow,
-    pytest.mark.skipif(bool(MISSING), reason=f"Slurm/munge not installed ({', '.join(MISSING)} missing): "
-                                             "apt-get install slurm-wlm munge (tools/setup.sh does)"),
+    pytest.mark.fuse,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        bool(MISSING),
+        reason=f"Slurm/munge not installed ({', '.join(MISSING)} missing): "
+        "apt-get install slurm-wlm munge (tools/setup.sh does)",
+    ),
     pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse, fusermount3 and root"),
-]  # fmt: skip
+]
 
 
 def binary(name: str) -> str:
@@ -69,7 +73,8 @@ class Cluster:
         os.chmod(munge / "munge.key", 0o600)
         for sub in ("state", "spool"):
             (self.root / sub).mkdir()
-        self.site_env.write_text(textwrap.dedent(f"""\
+        self.site_env.write_text(
+            textwrap.dedent(f"""\
             BURSTFS={BIN / "burstfs"}
             BURSTFS_ADMIN={BIN / "burstfs-admin"}
             BURSTFS_REMOTE="file://{self.remote}/{{user}}"
@@ -77,7 +82,8 @@ class Cluster:
             BURSTFS_CACHE_ROOT={self.cache_root}
             BURSTFS_CONFIG={self.root / "slurm.toml"}
             BURSTFS_EPILOG_DRAIN_TIMEOUT={self.epilog_timeout}
-            """))  # fmt: skip
+            """)
+        )
         (self.root / "slurm.toml").write_text(self.mount_options)  # the site's mount options
         hooks = {}
         for hook in ("prolog", "epilog"):  # the packaged scripts, pointed at this site's settings
@@ -85,7 +91,8 @@ class Cluster:
             wrapper.write_text(f"#!/bin/sh\nBURSTFS_SLURM_CONF={self.site_env} exec {SLURM / f'{hook}.sh'}\n")
             wrapper.chmod(0o755)
             hooks[hook] = wrapper
-        self.conf.write_text(textwrap.dedent(f"""\
+        self.conf.write_text(
+            textwrap.dedent(f"""\
             ClusterName=burstfstest
             SlurmctldHost={self.node}(127.0.0.1)
             SlurmctldPort={free_port()}
@@ -115,27 +122,39 @@ class Cluster:
             PrologFlags=Alloc
             NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count() or 1} State=UNKNOWN
             PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-            """))  # fmt: skip
+            """)
+        )
 
     def start(self) -> None:
         munge = self.root / "munge"
-        self._spawn(binary("munged"), "-F", "--force", "--num-threads=4", f"--key-file={munge / 'munge.key'}",
-                    f"--socket={munge / 'munge.sock'}", f"--pid-file={munge / 'munged.pid'}",
-                    f"--log-file={munge / 'munged.log'}", f"--seed-file={munge / 'seed'}")  # fmt: skip
+        self._spawn(
+            binary("munged"),
+            "-F",
+            "--force",
+            "--num-threads=4",
+            f"--key-file={munge / 'munge.key'}",
+            f"--socket={munge / 'munge.sock'}",
+            f"--pid-file={munge / 'munged.pid'}",
+            f"--log-file={munge / 'munged.log'}",
+            f"--seed-file={munge / 'seed'}",
+        )
         wait_for(lambda: (munge / "munge.sock").exists(), timeout=30, what="munged")
         self._spawn(binary("slurmctld"), "-D", "-i", "-f", str(self.conf))
         self._spawn(binary("slurmd"), "-D", "-f", str(self.conf))
-        wait_for(lambda: self.slurm("sinfo", "-h", "-o", "%T", check=False).strip() == "idle", timeout=60,
-                 what="the node to be idle")  # fmt: skip
+        wait_for(
+            lambda: self.slurm("sinfo", "-h", "-o", "%T", check=False).strip() == "idle",
+            timeout=60,
+            what="the node to be idle",
+        )
 
     def _spawn(self, *argv: str) -> None:
-        log = open(self.root / f"{Path(argv[0]).name}.out", "wb")
-        self.processes.append(subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT))
-        log.close()
+        with open(self.root / f"{Path(argv[0]).name}.out", "wb") as log:
+            self.processes.append(subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT))
 
     def slurm(self, *argv: str, check: bool = True, timeout: float = 60) -> str:
-        result = subprocess.run([binary(argv[0]), *argv[1:]], env=self.env, capture_output=True, text=True,
-                                timeout=timeout)  # fmt: skip
+        result = subprocess.run(
+            [binary(argv[0]), *argv[1:]], env=self.env, capture_output=True, text=True, timeout=timeout
+        )
         if check and result.returncode != 0:
             raise AssertionError(f"{' '.join(argv)}: {result.stderr}")
         return result.stdout
@@ -180,18 +199,37 @@ def test_job_checkpoints_are_durable_after_the_epilog(cluster: Cluster) -> None:
     import torch.distributed.checkpoint as dcp
 
     out = cluster.root / "job.out"
-    env = {"PYTHON": sys.executable, "TRAIN": str(SLURM / "train_example.py"), "STEPS": "12", "EVERY": "4",
-           "RDZV_HOST": "127.0.0.1", "RDZV_PORT": str(free_port()), "BURSTFS_MOUNT_ROOT": str(cluster.mount_root),
-           "PYTHONPATH": os.environ.get("PYTHONPATH", "")}  # fmt: skip
-    submitted = cluster.slurm("sbatch", "--parsable", "--wait", f"--output={out}", "--chdir", str(cluster.root),
-                              "--export=ALL," + ",".join(f"{k}={v}" for k, v in env.items()),
-                              str(SLURM / "train.sbatch"), check=False, timeout=300)  # fmt: skip
+    env = {
+        "PYTHON": sys.executable,
+        "TRAIN": str(SLURM / "train_example.py"),
+        "STEPS": "12",
+        "EVERY": "4",
+        "RDZV_HOST": "127.0.0.1",
+        "RDZV_PORT": str(free_port()),
+        "BURSTFS_MOUNT_ROOT": str(cluster.mount_root),
+        "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+    }
+    submitted = cluster.slurm(
+        "sbatch",
+        "--parsable",
+        "--wait",
+        f"--output={out}",
+        "--chdir",
+        str(cluster.root),
+        "--export=ALL," + ",".join(f"{k}={v}" for k, v in env.items()),
+        str(SLURM / "train.sbatch"),
+        check=False,
+        timeout=300,
+    )
     job = submitted.strip().split(";")[0]
     assert job.isdigit() and out.exists(), cluster.diagnostics()
     assert "step_000012 durable" in out.read_text(), cluster.diagnostics()
     mnt, cache = cluster.mount_root / job, cluster.cache_root / f"job-{job}"
-    wait_for(lambda: "event=durable" in (cluster.cache_root / "slurm.log").read_text(), timeout=90,
-             what="the epilog to report the checkpoints durable")  # fmt: skip
+    wait_for(
+        lambda: "event=durable" in (cluster.cache_root / "slurm.log").read_text(),
+        timeout=90,
+        what="the epilog to report the checkpoints durable",
+    )
     assert not is_mounted(mnt) and not mnt.exists() and not cache.exists(), cluster.diagnostics()
     run = cluster.remote / "root" / "run"  # the file remote, read without burstfs
     assert sorted(p.name for p in run.iterdir()) == ["step_000008", "step_000012"]  # the last two kept
@@ -206,12 +244,15 @@ def test_epilog_reports_what_is_staged_and_drains_it_after_the_job(cluster: Clus
     """The remote is too slow for the epilog's bound (here: files drain an hour after
     their close): the epilog reports, unmounts, and `burstfs drain` finishes the job."""
     mount_root = cluster.mount_root
-    script = f'set -e; d={mount_root}/$SLURM_JOB_ID/run/step_1; mkdir -p $d; head -c 300000 /dev/urandom > $d/shard0'
-    submitted = cluster.slurm("sbatch", "--parsable", "--wait", f"--output={cluster.root / 'job.out'}",
-                              "--wrap", script, timeout=300)  # fmt: skip
+    script = f"set -e; d={mount_root}/$SLURM_JOB_ID/run/step_1; mkdir -p $d; head -c 300000 /dev/urandom > $d/shard0"
+    submitted = cluster.slurm(
+        "sbatch", "--parsable", "--wait", f"--output={cluster.root / 'job.out'}", "--wrap", script, timeout=300
+    )
     job = submitted.strip().split(";")[0]
     log = cluster.cache_root / "slurm.log"
-    wait_for(lambda: "event=draining_in_background" in log.read_text(), timeout=90, what="the epilog to give up waiting")
+    wait_for(
+        lambda: "event=draining_in_background" in log.read_text(), timeout=90, what="the epilog to give up waiting"
+    )
     text = log.read_text()
     assert "event=not_durable" in text and "not durable" in text, cluster.diagnostics()
     assert "staged" in text  # burstfs-admin status of the mount: what is still staged

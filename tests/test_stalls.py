@@ -136,13 +136,21 @@ def test_status_counts_a_sparse_file_by_its_allocated_bytes(mounted_factory: typ
     with open(fs.path / "sparse.pt", "wb") as f:
         f.seek(300 << 20)
         f.write(b"tail")
-    status = subprocess.run([str(Path(sys.executable).parent / "burstfs-admin"), "status", str(fs.path), "--json"],
-                            capture_output=True, text=True, timeout=BOUND_S, check=True)  # fmt: skip
+    status = subprocess.run(
+        [str(Path(sys.executable).parent / "burstfs-admin"), "status", str(fs.path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=BOUND_S,
+        check=True,
+    )
     import json
 
     doc = json.loads(status.stdout)
     assert doc["local_tier"]["used_bytes"] < 1 << 20, doc["local_tier"]
-    assert doc["states"]["staged"]["bytes"] + doc["states"]["durable"]["bytes"] + doc["states"]["draining"]["bytes"] == (300 << 20) + 4
+    assert (
+        doc["states"]["staged"]["bytes"] + doc["states"]["durable"]["bytes"] + doc["states"]["draining"]["bytes"]
+        == (300 << 20) + 4
+    )
 
 
 def test_status_during_an_outage_has_a_headline_and_no_stale_rate(
@@ -161,8 +169,11 @@ def test_status_during_an_outage_has_a_headline_and_no_stale_rate(
     (fs.path / "during.pt").write_bytes(os.urandom(1 << 20))
 
     def outage() -> dict | None:  # type: ignore[type-arg]
-        doc = json.loads(subprocess.run([admin, "status", str(fs.path), "--json"], capture_output=True, text=True,
-                                        timeout=BOUND_S, check=True).stdout)  # fmt: skip
+        doc = json.loads(
+            subprocess.run(
+                [admin, "status", str(fs.path), "--json"], capture_output=True, text=True, timeout=BOUND_S, check=True
+            ).stdout
+        )
         return doc if doc["drain"]["outage"] else None
 
     doc = wait_for(outage, timeout=120, interval=0.5, what="an outage in status")
@@ -178,14 +189,15 @@ def test_outage_headline_uses_the_error_kind_and_the_first_failed_attempt() -> N
     """Issue 11 leftover (c): the headline says "unreachable" from the error's kind, not by
     matching words in its message, and dates the outage from its first failed attempt
     (before the retries that preceded the recorded error)."""
-    from burstfs.status import outage_of
     from burstfs.mover import MoverStats
+    from burstfs.status import outage_of
 
     stats = MoverStats()
     stats.bytes_drained_recent.append((time.time() - 100, 1 << 20))
     first = time.time() - 40  # the request's first attempt; its retries ran until now
-    stats.error("unavailable", "put ckpt/a.pt: remote s3://b unavailable after 8 attempts: EndpointError",
-                first_attempt=first)  # fmt: skip
+    stats.error(
+        "unavailable", "put ckpt/a.pt: remote s3://b unavailable after 8 attempts: EndpointError", first_attempt=first
+    )
     outage = outage_of(stats)
     assert outage is not None and outage["unreachable"] and outage["kind"] == "unavailable", outage
     assert outage["since"] == first, outage

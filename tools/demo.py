@@ -58,7 +58,9 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--keep", action="store_true", help="keep the demo's files (default: removed)")
     args = parser.parse_args()
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="burstfs-demo-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    work = args.workdir or Path(
+        tempfile.mkdtemp(prefix="burstfs-demo-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    )
     mnt, cache, remote = work / "mnt", work / "cache", work / "remote"
     for d in (mnt, remote):
         d.mkdir(parents=True, exist_ok=True)
@@ -76,8 +78,10 @@ def main() -> None:
 
     latest = (remote / "ckpt" / "latest").read_text()
     state = torch.load(remote / "ckpt" / latest / "model.pt", weights_only=True)
-    print(f"loaded {latest} from the remote directory without burstfs: step {state['step']}, "
-          f"{sum(t.numel() for t in state['model'].values())} parameters")  # fmt: skip
+    print(
+        f"loaded {latest} from the remote directory without burstfs: step {state['step']}, "
+        f"{sum(t.numel() for t in state['model'].values())} parameters"
+    )
     if args.keep or args.workdir:
         print(f"demo files are in {work}")
     else:

@@ -59,7 +59,6 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-import queue
 import random
 import signal
 import subprocess
@@ -77,8 +76,9 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from conftest import FUSE_OK, MountedFS, burstfs, force_unmount, is_mounted  # noqa: E402
 from faultproxy import FaultProxy, _reset, _Rule  # noqa: E402
-from burstfs.config import parse_size  # noqa: E402
 from s3server import _USER_AWS_VARS, MotoServer, client_env, fresh_bucket  # noqa: E402
+
+from burstfs.config import parse_size  # noqa: E402
 
 BIN = Path(sys.executable).parent
 ALL_DRILLS = ("kill", "outage", "faults", "full", "corrupt")
@@ -144,8 +144,9 @@ def _writer_main(rank: int, nranks: int, cmd_q: Any, res_q: Any, stop: Any, done
         res_q.put(("idle", rank, job["id"], time.time()))
 
 
-def _run_job(torch: Any, rank: int, nranks: int, job: dict[str, Any], res_q: Any, stop: Any, done: Any,
-             failed: Any) -> None:  # fmt: skip
+def _run_job(
+    torch: Any, rank: int, nranks: int, job: dict[str, Any], res_q: Any, stop: Any, done: Any, failed: Any
+) -> None:
     base = job["base"]
     gen = torch.Generator().manual_seed(job["seed"] * 1000 + rank)
 
@@ -229,8 +230,12 @@ class Writers:
         self.done = ctx.Array("i", n)
         self.failed = ctx.Array("i", 64)
         self.procs = [
-            ctx.Process(target=_writer_main, args=(r, n, self.cmd[r], self.res, self.stop_ev, self.done, self.failed),
-                        daemon=True, name=f"drill-rank{r}")  # fmt: skip
+            ctx.Process(
+                target=_writer_main,
+                args=(r, n, self.cmd[r], self.res, self.stop_ev, self.done, self.failed),
+                daemon=True,
+                name=f"drill-rank{r}",
+            )
             for r in range(n)
         ]
         for p in self.procs:
@@ -267,8 +272,18 @@ class Writers:
                 elif msg[0] == "idle":
                     led.idle.add(msg[1])
 
-    def start(self, base: Path, seed: int, shard_bytes: int, oversize_bytes: int = 0, oversize_every: int = 0,
-              marker: bool = True, retries: int = 40, retry_sleep: float = 0.25, step_sleep: float = 0.0) -> None:  # fmt: skip
+    def start(
+        self,
+        base: Path,
+        seed: int,
+        shard_bytes: int,
+        oversize_bytes: int = 0,
+        oversize_every: int = 0,
+        marker: bool = True,
+        retries: int = 40,
+        retry_sleep: float = 0.25,
+        step_sleep: float = 0.0,
+    ) -> None:
         self._job += 1
         self.running = True
         with self.lock:
@@ -278,9 +293,18 @@ class Writers:
             self.done[r] = -1
         for i in range(64):
             self.failed[i] = 0
-        job = dict(id=self._job, base=str(base), seed=seed, shard_bytes=shard_bytes, oversize_bytes=oversize_bytes,
-                   oversize_every=oversize_every, marker=marker, retries=retries, retry_sleep=retry_sleep,
-                   step_sleep=step_sleep)  # fmt: skip
+        job = dict(
+            id=self._job,
+            base=str(base),
+            seed=seed,
+            shard_bytes=shard_bytes,
+            oversize_bytes=oversize_bytes,
+            oversize_every=oversize_every,
+            marker=marker,
+            retries=retries,
+            retry_sleep=retry_sleep,
+            step_sleep=step_sleep,
+        )
         for q in self.cmd:
             q.put(job)
 
@@ -479,14 +503,25 @@ class Figures:
     def row(self) -> dict[str, Any]:
         rec = self.recover_s
         return {
-            "drill": self.drill, "rounds": self.rounds, "rounds_aborted": self.aborted, "faults": self.faults, "fault_kinds": dict(self.fault_kinds),
-            "files_closed": self.files_closed, "files_lost": self.files_lost, "wrong_bytes_served": self.wrong_bytes,
+            "drill": self.drill,
+            "rounds": self.rounds,
+            "rounds_aborted": self.aborted,
+            "faults": self.faults,
+            "fault_kinds": dict(self.fault_kinds),
+            "files_closed": self.files_closed,
+            "files_lost": self.files_lost,
+            "wrong_bytes_served": self.wrong_bytes,
             "recover_s_mean": round(sum(rec) / len(rec), 2) if rec else None,
-            "recover_s_max": round(max(rec), 2) if rec else None, "recoveries": len(rec),
-            "writer_errors": dict(self.writer_errors), "problems": self.problems[:50],
-            "daemon_log_bugs": self.daemon_log_bugs[:20], "listing_retries": self.listing_retries,
-            "corrupt_read_right_bytes": self.corrupt_served_right, "seconds": round(self.seconds, 1), "skipped": self.skipped,
-        }  # fmt: skip
+            "recover_s_max": round(max(rec), 2) if rec else None,
+            "recoveries": len(rec),
+            "writer_errors": dict(self.writer_errors),
+            "problems": self.problems[:50],
+            "daemon_log_bugs": self.daemon_log_bugs[:20],
+            "listing_retries": self.listing_retries,
+            "corrupt_read_right_bytes": self.corrupt_served_right,
+            "seconds": round(self.seconds, 1),
+            "skipped": self.skipped,
+        }
 
 
 class Drill:
@@ -549,8 +584,7 @@ class Drill:
         if not ok:
             fig.problems.append(f"not all durable under {what}: {why}")
 
-    def verify(self, fig: Figures, fs: MountedFS, remote: Remote, closed: dict[str, tuple[str, int]],
-               tag: str) -> None:  # fmt: skip
+    def verify(self, fig: Figures, fs: MountedFS, remote: Remote, closed: dict[str, tuple[str, int]], tag: str) -> None:
         """Every closed file: through the mount, the remote object, a cold mount.  Unmounts ``fs``."""
         fig.files_closed += len(closed)
         bad: dict[str, str] = {}
@@ -573,8 +607,15 @@ class Drill:
                     check(where, rel, None, f"{errno.errorcode.get(e.errno or 0, e.errno)} {e.strerror}")
 
         read_all(fs.path, "mount")
-        r = burstfs("unmount", "--wait", "--wait-timeout", str(self.a.durable_timeout), str(fs.path), check=False,
-                    timeout=self.a.durable_timeout + 120)  # fmt: skip
+        r = burstfs(
+            "unmount",
+            "--wait",
+            "--wait-timeout",
+            str(self.a.durable_timeout),
+            str(fs.path),
+            check=False,
+            timeout=self.a.durable_timeout + 120,
+        )
         if r.returncode != 0:
             fig.problems.append(f"{tag}: unmount --wait: {r.stdout.strip()[-300:]} {r.stderr.strip()[-300:]}")
         self.finish_mount(fs, fig)
@@ -691,8 +732,13 @@ class Drill:
         start_injected, start_kinds = proxy.injected, Counter(proxy.by_kind)
         proxy.fault_rate = self.a.fault_rate
         # Every 4th step one shard is over the part size: multipart uploads under faults too.
-        self.writers.start(base, self.a.seed * 100 + rnd, self.a.small_shard_bytes, oversize_every=4,
-                           oversize_bytes=parse_size(self.a.part_size) * 3 // 2)
+        self.writers.start(
+            base,
+            self.a.seed * 100 + rnd,
+            self.a.small_shard_bytes,
+            oversize_every=4,
+            oversize_bytes=parse_size(self.a.part_size) * 3 // 2,
+        )
         try:
             time.sleep(self.a.faults_s)
         finally:
@@ -706,8 +752,10 @@ class Drill:
             r = burstfs("drain", "--cache", str(fs.cache), check=False, timeout=self.a.durable_timeout)
             if r.returncode == 0:
                 break
-            fig.problems.append(f"faults round {rnd}: burstfs drain attempt {attempt} exit {r.returncode}: "
-                                f"{(r.stdout + r.stderr).strip()[-300:]}")  # fmt: skip
+            fig.problems.append(
+                f"faults round {rnd}: burstfs drain attempt {attempt} exit {r.returncode}: "
+                f"{(r.stdout + r.stderr).strip()[-300:]}"
+            )
         proxy.fault_rate = 0.0
         fig.recover_s.append(time.monotonic() - t0)
         for kind, n in (proxy.by_kind - start_kinds).items():
@@ -724,13 +772,20 @@ class Drill:
     def full(self, fig: Figures, rnd: int) -> None:
         remote = self.new_remote(f"full{rnd}")
         cache_size = self.a.full_cache_bytes
-        fs = self.new_mount(f"full{rnd}", remote, "--cache-size", str(cache_size), "--full-timeout",
-                            str(self.a.full_timeout))  # fmt: skip
+        fs = self.new_mount(
+            f"full{rnd}", remote, "--cache-size", str(cache_size), "--full-timeout", str(self.a.full_timeout)
+        )
         fs.mount()
         base = fs.path / "ckpt"
         base.mkdir()
-        self.writers.start(base, self.a.seed * 100 + rnd, self.a.shard_bytes, oversize_bytes=2 * cache_size,
-                           oversize_every=3, retries=3)  # fmt: skip
+        self.writers.start(
+            base,
+            self.a.seed * 100 + rnd,
+            self.a.shard_bytes,
+            oversize_bytes=2 * cache_size,
+            oversize_every=3,
+            retries=3,
+        )
         try:
             t_end = time.monotonic() + self.a.full_s
             while time.monotonic() < t_end:
@@ -850,10 +905,30 @@ class Drill:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    cols = ("drill", "rounds", "rounds_aborted", "faults", "files_closed", "files_lost", "wrong_bytes_served",
-            "recover_s_mean", "recover_s_max", "seconds")  # fmt: skip
-    heads = ("drill", "rounds", "aborted", "faults injected", "files closed", "files lost", "wrong bytes served",
-             "recover s (mean)", "recover s (max)", "wall s")  # fmt: skip
+    cols = (
+        "drill",
+        "rounds",
+        "rounds_aborted",
+        "faults",
+        "files_closed",
+        "files_lost",
+        "wrong_bytes_served",
+        "recover_s_mean",
+        "recover_s_max",
+        "seconds",
+    )
+    heads = (
+        "drill",
+        "rounds",
+        "aborted",
+        "faults injected",
+        "files closed",
+        "files lost",
+        "wrong bytes served",
+        "recover s (mean)",
+        "recover s (max)",
+        "wall s",
+    )
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for r in rows:
         lines.append("| " + " | ".join("—" if r.get(c) is None else str(r[c]) for c in cols) + " |")
@@ -861,7 +936,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--drills", default=",".join(ALL_DRILLS), help="comma-separated: " + ",".join(ALL_DRILLS))
     p.add_argument("--rounds", type=int, default=1, help="rounds of each drill")
     p.add_argument("--remote", choices=("s3", "file"), default="s3")
@@ -924,9 +1001,13 @@ def main(argv: list[str] | None = None) -> int:
                     drill.run(name, fig, rnd)
                     row = fig.row()
                     if a.out:  # figures so far, in case the run is stopped
-                        a.out.write_text(json.dumps({"partial": True, "drills": [f.row() for f in figs.values()]}) + "\n")
-                    log(f"{name}: faults={row['faults']} closed={row['files_closed']} lost={row['files_lost']} "
-                        f"wrong={row['wrong_bytes_served']} problems={len(fig.problems)}")  # fmt: skip
+                        a.out.write_text(
+                            json.dumps({"partial": True, "drills": [f.row() for f in figs.values()]}) + "\n"
+                        )
+                    log(
+                        f"{name}: faults={row['faults']} closed={row['files_closed']} lost={row['files_lost']} "
+                        f"wrong={row['wrong_bytes_served']} problems={len(fig.problems)}"
+                    )
         finally:
             if drill is not None:
                 drill.close()
@@ -935,13 +1016,17 @@ def main(argv: list[str] | None = None) -> int:
                 moto_server.stop()
     rows = [figs[d].row() for d in a.drill_list]
     total = {
-        "drill": "total", "rounds": sum(r["rounds"] for r in rows),
-        "rounds_aborted": sum(r["rounds_aborted"] for r in rows), "faults": sum(r["faults"] for r in rows),
-        "files_closed": sum(r["files_closed"] for r in rows), "files_lost": sum(r["files_lost"] for r in rows),
+        "drill": "total",
+        "rounds": sum(r["rounds"] for r in rows),
+        "rounds_aborted": sum(r["rounds_aborted"] for r in rows),
+        "faults": sum(r["faults"] for r in rows),
+        "files_closed": sum(r["files_closed"] for r in rows),
+        "files_lost": sum(r["files_lost"] for r in rows),
         "wrong_bytes_served": sum(r["wrong_bytes_served"] for r in rows),
-        "recover_s_mean": None, "recover_s_max": max((r["recover_s_max"] or 0 for r in rows), default=None),
+        "recover_s_mean": None,
+        "recover_s_max": max((r["recover_s_max"] or 0 for r in rows), default=None),
         "seconds": round(time.monotonic() - started, 1),
-    }  # fmt: skip
+    }
     print()
     print(table([*rows, total]))
     for r in rows:
@@ -954,8 +1039,13 @@ def main(argv: list[str] | None = None) -> int:
         if r["fault_kinds"]:
             print(f"- {r['drill']}: faults by kind {r['fault_kinds']}; writer errors {r['writer_errors']}")
     if a.out:
-        doc = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-               "seed": a.seed, "remote": a.remote, "drills": rows, "total": total}  # fmt: skip
+        doc = {
+            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+            "seed": a.seed,
+            "remote": a.remote,
+            "drills": rows,
+            "total": total,
+        }
         a.out.write_text(json.dumps(doc, indent=2) + "\n")
     if total["files_lost"] or total["wrong_bytes_served"]:
         return 1

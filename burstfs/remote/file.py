@@ -710,9 +710,12 @@ def _openat2(dir_fd: int, path: str, flags: int) -> int:
     how = _OpenHow(flags, 0, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
     assert _SYS_OPENAT2 is not None  # _openat2_usable() is false without it
     fd = syscall(  # type: ignore[operator]
-        ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd), ctypes.c_char_p(os.fsencode(path)),
-        ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)),
-    )  # fmt: skip
+        ctypes.c_long(_SYS_OPENAT2),
+        ctypes.c_int(dir_fd),
+        ctypes.c_char_p(os.fsencode(path)),
+        ctypes.byref(how),
+        ctypes.c_size_t(ctypes.sizeof(how)),
+    )
     if fd < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), path)

@@ -14,9 +14,9 @@ import asyncio
 import base64
 import contextlib
 import hashlib
+import logging
 import os
 import uuid
-import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -299,9 +299,13 @@ class S3Remote(Remote):
         client = await self._get_client()
         try:
             response = await client.put_object(
-                Bucket=self._bucket, Key=self._full(key), Body=data, IfNoneMatch="*",
-                ChecksumAlgorithm="CRC32C", ChecksumCRC32C=checksum,
-            )  # fmt: skip
+                Bucket=self._bucket,
+                Key=self._full(key),
+                Body=data,
+                IfNoneMatch="*",
+                ChecksumAlgorithm="CRC32C",
+                ChecksumCRC32C=checksum,
+            )
         except Exception as exc:
             if isinstance(exc, botocore.exceptions.ClientError) and _error_code(exc)[1] == 412:
                 return False  # PreconditionFailed: the key exists
@@ -334,8 +338,12 @@ class S3Remote(Remote):
             return
         if not self._warned_unverified:
             self._warned_unverified = True
-            log.warning("event=upload_unverified remote=%s what=%r etag=%r reason=no checksum and no MD5 ETag "
-                        "returned", self.url, what, etag)  # fmt: skip
+            log.warning(
+                "event=upload_unverified remote=%s what=%r etag=%r reason=no checksum and no MD5 ETag returned",
+                self.url,
+                what,
+                etag,
+            )
 
     async def get_object(self, key: str) -> bytes:
         response = await self._call("get_object", f"get {key}", Key=self._full(key))
