@@ -162,7 +162,7 @@ def test_a_killed_node_holds_its_checkpoint_back_and_latest_returns_the_previous
         lambda: json.loads(admin("status", n0.path, "--json").stdout).get("checkpoints_waiting"),
         what="n0's step-200 marker to wait for the lost node",
     )
-    assert "ckpt/step_200/.metadata" not in bucket
+    assert "ckpt/step_200/.metadata" not in bucket.keys()
     assert bucket.latest("ckpt")["dir"] == "ckpt/step_100"
 
     fresh = node(mounted_factory, bucket, "n2")
@@ -177,7 +177,7 @@ def test_a_killed_node_holds_its_checkpoint_back_and_latest_returns_the_previous
     wait_for(lambda: "abandoned" in admin("status", n0.path).stdout, what="status to say abandoned")
     admin("drain", n0.path, "--now")
     assert state(n0, "ckpt/step_200/.metadata") == "staged"
-    assert "ckpt/step_200/.metadata" not in bucket
+    assert "ckpt/step_200/.metadata" not in bucket.keys()
     assert bucket.latest("ckpt")["dir"] == "ckpt/step_100"
 
 
@@ -292,7 +292,7 @@ def test_two_nodes_writing_one_name_leave_one_whole_object(mounted_factory: type
     write(n0, "ckpt/dup/.metadata", b"m")
     for fs in (n0, n1):
         admin("wait", fs.path / "ckpt", timeout=120)
-    wait_for(lambda: "ckpt/dup/.metadata" in bucket, what="the marker")
+    wait_for(lambda: "ckpt/dup/.metadata" in bucket.keys(), what="the marker")
     stored = bucket.client.get_object(Bucket=bucket.name, Key="job/ckpt/dup/blob")["Body"].read()
     assert stored in (ours, theirs)
     fresh = node(mounted_factory, bucket, "n2")
