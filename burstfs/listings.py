@@ -141,7 +141,7 @@ class RemoteListings:
         if dir_key is None:
             return False
         try:
-            known_keys = await trio.to_thread.run_sync(self.core.journal.keys_owned_under, dir_key)
+            known_keys = await trio.to_thread.run_sync(self.core.journal.keys.owned_under, dir_key)
             files, subdirs = await self.core.fetcher.list_dir(dir_key)
         except Exception as exc:
             log.warning("event=list_failed dir=%s error=%s", dir_key or "/", exc)

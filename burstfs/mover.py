@@ -4,8 +4,9 @@ It runs on its own asyncio loop (aiobotocore is asyncio) in a thread of the
 daemon, or alone as ``burstfs drain --cache DIR``.  It talks to the front only
 through the journal: it picks ``staged`` rows, marks them ``draining``, uploads
 the generation it read, and marks it ``durable`` only if that generation is
-still current (``UPDATE ... WHERE generation=?``), so a close racing an upload
-always wins and the file simply drains again.
+still current (every transition of ``journal.drain`` is conditional on the
+generation it was computed for), so a close racing an upload always wins and
+the file simply drains again.
 
 Contract (see docs/SEMANTICS.md):
 - oldest close first; at most ``max_files`` files in flight, each with at most
@@ -216,7 +217,7 @@ class Mover:
 
     def retry_failed(self) -> int:
         """Requeue failed files and lift a halt; returns how many files were requeued."""
-        count = self.journal.retry_failed()
+        count = self.journal.drain.retry_failed()
         self.stats.halted = None
         self.drain_now()
         return count
@@ -254,7 +255,9 @@ class Mover:
             )
         self._hook_uploads(self.remote)
         self.store = ObjectStore(
-            self.remote, on_upload_started=self.journal.upload_started, on_upload_ended=self.journal.upload_ended
+            self.remote,
+            on_upload_started=self.journal.drain.upload_started,
+            on_upload_ended=self.journal.drain.upload_ended,
         )
         self.restore = RestoreService(self.store, self.journal, self.tier_paths)
         self.groups.journal = self.journal
@@ -324,8 +327,8 @@ class Mover:
     def _hook_uploads(self, remote: Remote) -> None:
         """Remotes that start multipart uploads of their own (S3 copies) record them too."""
         if hasattr(remote, "on_upload_started") and hasattr(remote, "on_upload_ended"):
-            setattr(remote, "on_upload_started", self.journal.upload_started)  # noqa: B010 (not in Remote)
-            setattr(remote, "on_upload_ended", self.journal.upload_ended)  # noqa: B010
+            setattr(remote, "on_upload_started", self.journal.drain.upload_started)  # noqa: B010 (not in Remote)
+            setattr(remote, "on_upload_ended", self.journal.drain.upload_ended)  # noqa: B010
 
     async def _sleep(self, seconds: float) -> None:
         assert self._wakeup is not None
@@ -334,7 +337,7 @@ class Mover:
 
     def _recover(self) -> None:
         """Uploads cut short by a crash start again from their staged bytes."""
-        requeued = self.journal.recover_drains()
+        requeued = self.journal.drain.recover()
         if requeued:
             log.info("event=drain_recover requeued=%d", requeued)
 
@@ -342,7 +345,7 @@ class Mover:
         """Abort the multipart uploads this cache started and never finished (never another node's)."""
         assert self.store is not None
         try:
-            aborted = await self.store.abort_stale_uploads(self.journal.own_uploads())
+            aborted = await self.store.abort_stale_uploads(self.journal.drain.own_uploads())
         except RemoteError as exc:
             if error_scope(exc) == HALT:
                 self._halt(exc)
@@ -354,7 +357,7 @@ class Mover:
 
     async def _retry_stale_uploads(self) -> None:
         """Abort again the uploads whose abort failed (call only while none is in flight)."""
-        if time.monotonic() < self._next_stale_abort or not self.journal.own_uploads():
+        if time.monotonic() < self._next_stale_abort or not self.journal.drain.own_uploads():
             return
         self._next_stale_abort = time.monotonic() + STALE_UPLOAD_RETRY_S
         await self._abort_stale_uploads()
@@ -398,7 +401,7 @@ class Mover:
     # -- choosing what to drain -------------------------------------------------------
 
     def _has_pending_work(self) -> bool:
-        return self.journal.has_drain_work() or self.groups.has_work()
+        return self.journal.drain.has_work() or self.groups.has_work()
 
     def _is_marker_name(self, name: str) -> bool:
         return is_commit_marker(name, self.options.commit_markers)
@@ -422,7 +425,7 @@ class Mover:
         def is_marker(row: InodeRow) -> bool:
             return self._is_marker_name(os.fsdecode(row.name))
 
-        chosen = self.journal.eligible(
+        chosen = self.journal.drain.eligible(
             slots,
             limit,
             closed_before=now - delay,
@@ -445,7 +448,7 @@ class Mover:
         (``upload_key`` and ``_in_flight``) until it is recorded or given up.
         """
         started = time.time()
-        claimed = self.journal.claim_for_drain(row.ino, row.generation)
+        claimed = self.journal.drain.claim(row.ino, row.generation)
         if claimed is None:
             return None
         if isinstance(claimed, int):
@@ -477,10 +480,10 @@ class Mover:
                 mode=row.mode,
                 concurrency=self.options.concurrency,
                 compress=self.options.compress,
-                cancel_check=lambda: self.journal.superseded(ino, generation),
+                cancel_check=lambda: self.journal.drain.superseded(ino, generation),
             )
             if digests is None:  # taken during the upload: journal them for verify and the xattr
-                self.journal.record_digests(
+                self.journal.drain.record_digests(
                     ino, generation, manifest.digest, [c.xxh3 for c in manifest.chunks], manifest.chunk_size
                 )
             if self._finish(row, key, manifest.size, started, intent) and self._is_marker_name(os.fsdecode(row.name)):
@@ -497,7 +500,7 @@ class Mover:
                 self._fail(ino, generation, exc)
         except RemoteError as exc:
             scope = error_scope(exc)
-            if scope == OBJECT and self.journal.superseded(ino, generation):
+            if scope == OBJECT and self.journal.drain.superseded(ino, generation):
                 self._requeue(ino, generation, None)  # renamed or changed meanwhile: try the new key/bytes
             elif exc.kind == "key_conflict" and row.attempts < KEY_CONFLICT_RETRIES:
                 # A file remote's file/directory clash may be this node's own object on its way
@@ -510,7 +513,7 @@ class Mover:
                 if scope == HALT:
                     self._halt(exc)
         except FileNotFoundError as exc:
-            if self.journal.superseded(ino, generation):
+            if self.journal.drain.superseded(ino, generation):
                 self._requeue(ino, generation, None)  # unlinked under us: nothing to drain
             else:
                 self._fail(ino, generation, exc)
@@ -538,7 +541,7 @@ class Mover:
         seen yet (a handle still open).  Bit rot moves neither; a mismatch that
         keeps coming back without any change is corruption after a few tries.
         """
-        if self.journal.superseded(row.ino, row.generation):
+        if self.journal.drain.superseded(row.ino, row.generation):
             return True
         try:
             st = os.stat(self.tier_paths.path(row.data_ino))
@@ -556,7 +559,7 @@ class Mover:
     def _finish(self, row: InodeRow, key: str, size: int, started: float, intent: int) -> bool:
         """Record the upload (True if it was); the ``intent`` row stays as a delete request if the file went away."""
         detail = f"key={key} generation={row.generation} size={size}"
-        if not self.journal.finish_upload(row.ino, row.generation, key, intent, detail):
+        if not self.journal.drain.finish_upload(row.ino, row.generation, key, intent, detail):
             log.info("event=upload_superseded ino=%d key=%s generation=%d", row.ino, key, row.generation)
             return False
         self._mismatches.pop((row.ino, row.generation), None)
@@ -578,11 +581,11 @@ class Mover:
         attempts = 0
         if exc is not None:
             self.stats.error(getattr(exc, "kind", "remote"), str(exc))
-            attempts = self.journal.attempts(ino) + 1
+            attempts = self.journal.drain.attempts(ino) + 1
             delay = min(REQUEUE_BACKOFF_MAX_S, REQUEUE_BACKOFF_S * 2 ** (attempts - 1))
             self._not_before[ino] = time.time() + delay
             log.warning("event=drain_retry ino=%d attempts=%d delay=%.1f error=%s", ino, attempts, delay, exc)
-        self.journal.requeue(ino, generation, str(exc) if exc else None, attempts)
+        self.journal.drain.requeue(ino, generation, str(exc) if exc else None, attempts)
 
     def _fail(self, ino: int, generation: int, exc: BaseException) -> None:
         if isinstance(exc, CorruptDataError):
@@ -594,10 +597,10 @@ class Mover:
         message = str(exc) or repr(exc)
         self.stats.error(kind, message)
         self._mismatches.pop((ino, generation), None)
-        if self.journal.fail(ino, generation, message):
+        if self.journal.drain.fail(ino, generation, message):
             log.error("event=drain_failed ino=%d generation=%d kind=%s error=%s", ino, generation, kind, message)
         else:
-            self.journal.requeue(ino, generation, None, 0)
+            self.journal.drain.requeue(ino, generation, None, 0)
 
     # -- namespace changes -------------------------------------------------------------
 
@@ -605,13 +608,13 @@ class Mover:
         """Delete objects of unlinked or replaced files (never a key another inode owns or uploads to)."""
         assert self.store is not None
         now = time.time()
-        for row_id, key, reason in self.journal.pending_deletes(500):
+        for row_id, key, reason in self.journal.keys.pending_deletes(500):
             if key in self._in_flight.values() or self._delete_retry.get(key, 0.0) > now:
                 continue
-            holder = self.journal.key_holder(key)
+            holder = self.journal.keys.holder(key)
             if holder is not None:
                 if holder not in self._in_flight:  # a live file owns the key now: nothing to delete
-                    self.journal.drop_delete(row_id)
+                    self.journal.keys.drop_delete(row_id)
                 continue
             try:
                 await self.store.delete(key)
@@ -625,7 +628,7 @@ class Mover:
                 if scope == OBJECT:  # no object can exist (or be removed) under such a key: the request is void
                     log.warning("event=remote_delete_skipped key=%s reason=%s error=%s", key, reason, exc)
                     self.stats.error(exc.kind, f"delete {key}: {exc}")
-                    self.journal.drop_delete(row_id)
+                    self.journal.keys.drop_delete(row_id)
                     continue
                 if scope == HALT:
                     self._halt(exc)
@@ -633,7 +636,7 @@ class Mover:
                     self.stats.error(exc.kind, str(exc))
                 return
             self._delete_retry.pop(key, None)
-            self.journal.drop_delete(row_id)
+            self.journal.keys.drop_delete(row_id)
             log.info("event=remote_delete key=%s reason=%s", key, reason)
 
     async def _relocate_renamed(self) -> None:
@@ -662,10 +665,10 @@ class Mover:
         self._relocate_roots.clear()
         for ino in due:
             self._relocate_retry.pop(ino, None)
-        for ino, key in self.journal.stale_keys(roots):
-            if ino not in self._in_flight and self.journal.drop_stale_key(ino, key):
+        for ino, key in self.journal.keys.stale_keys(roots):
+            if ino not in self._in_flight and self.journal.keys.drop_stale(ino, key):
                 log.info("event=stale_key ino=%d key=%s action=delete", ino, key)
-        pending = list(dict.fromkeys(ino for ino, _, _ in self.journal.relocation_candidates(roots)))
+        pending = list(dict.fromkeys(ino for ino, _, _ in self.journal.keys.relocation_candidates(roots)))
         for _ in range(len(pending) + 2):  # each round moves or parks at least one file, or ends the pass
             pending = [ino for ino in pending if ino not in self._relocate_retry]
             blocked: dict[int, int] = {}
@@ -697,18 +700,18 @@ class Mover:
         this file only), the inode holding the target key if it must wait, _STOP if the
         remote failed (end the pass)."""
         assert self.store is not None
-        target = self.journal.relocation_target(ino)
+        target = self.journal.keys.relocation_target(ino)
         if target is None or ino in self._in_flight:
             return None
         path, old_key = target
-        holder = self.journal.key_holder(path, other_than=ino)
+        holder = self.journal.keys.holder(path, other_than=ino)
         if holder is not None:
             return holder
         try:
             await self.store.rename(old_key, path, delete_source=False)
         except Exception as exc:
             return self._relocation_failed(ino, old_key, path, exc)
-        moved = self.journal.finish_relocation(ino, old_key, path)
+        moved = self.journal.keys.finish_relocation(ino, old_key, path)
         self._relocate_failures.pop(ino, None)
         log.info("event=remote_rename from=%s to=%s recorded=%s", old_key, path, moved)
         return None
@@ -728,7 +731,7 @@ class Mover:
         message = f"cannot move {old_key} to {path}: {exc!r}"
         self.stats.error("relocate", message)
         self.journal.set_error(ino, message)
-        if self.journal.restage_durable(ino, old_key):  # still local: upload it again at its path
+        if self.journal.keys.restage_durable(ino, old_key):  # still local: upload it again at its path
             log.error("event=relocate_failed ino=%d from=%s to=%s action=reupload error=%r", ino, old_key, path, exc)
             self.wake()
             return None
@@ -754,15 +757,15 @@ class Mover:
             if ino in chain:
                 return ino
             target = self.journal.path_of(ino)
-            held = {self.journal.relocation_target(member) for member in chain}
+            held = {self.journal.keys.relocation_target(member) for member in chain}
             if target is not None and any(t is not None and t[1] == target for t in held):
-                return next(m for m in chain if (t := self.journal.relocation_target(m)) and t[1] == target)
+                return next(m for m in chain if (t := self.journal.keys.relocation_target(m)) and t[1] == target)
         return None
 
     async def _park(self, ino: int) -> int | None:
         """Move ``ino``'s object to a private key so that the key it holds frees up."""
         assert self.store is not None
-        target = self.journal.relocation_target(ino)
+        target = self.journal.keys.relocation_target(ino)
         if target is None:
             return None
         _, old_key = target
@@ -771,6 +774,6 @@ class Mover:
             await self.store.rename(old_key, parked, delete_source=False)
         except Exception as exc:
             return self._relocation_failed(ino, old_key, parked, exc)
-        self.journal.finish_relocation(ino, old_key, parked)
+        self.journal.keys.finish_relocation(ino, old_key, parked)
         log.info("event=remote_rename_parked from=%s to=%s", old_key, parked)
         return None

@@ -202,8 +202,9 @@ def _mover_journal(cache_dir: Path, **kw: Any) -> Journal:
 
 def crashable_journal(cache: Path, faults: Faults) -> Journal:
     journal = Journal(cache)
-    faults.connections.append(journal._db)
-    journal._db = _CrashableConnection(journal._db, faults)  # type: ignore[assignment]
+    database = journal.database
+    faults.connections.append(database.connection)
+    database.connection = _CrashableConnection(database.connection, faults)  # type: ignore[assignment]
     return journal
 
 

@@ -19,7 +19,7 @@ from test_mover import PART, Front, HookedRemote, until
 from burstfs.commitgroups import COMMITS_PREFIX, GROUPS_PREFIX, find_latest, parse_record_key, record_key
 from burstfs.config import DrainOptions, S3Options, check_node_id, parse_remote_url
 from burstfs.errors import ConfigError
-from burstfs.journal import DURABLE
+from burstfs.journal import DURABLE, FAILED, WRITING
 from burstfs.mover import Mover
 from burstfs.remote import FileRemote
 
@@ -192,7 +192,7 @@ def test_a_file_that_cannot_drain_holds_the_marker_and_a_marker_alone_needs_no_r
     a, b = Node(tmp_path, "a", remote_dir), Node(tmp_path, "b", remote_dir)
 
     async def scenario() -> None:
-        broken = b.front._new(b.mkdirs("ckpt/s1"), "shard_b", "file", "failed")
+        broken = b.front.new(b.mkdirs("ckpt/s1"), "shard_b", "file", FAILED)
         b.mover.groups.writing_in(broken, "ckpt/s1", b"shard_b")
         await until(lambda: b.mover.groups.intent_out("ckpt/s1"), "b's intent")
         meta = a.write("ckpt/s1/.metadata", b"m")
@@ -212,12 +212,12 @@ def test_open_files_and_later_rounds_do_not_hold_a_marker(tmp_path: Path) -> Non
     a = Node(tmp_path, "a", remote_dir)
 
     async def scenario() -> None:
-        log = a.front._new(a.mkdirs("run/logs"), "train.log", "file", "writing")
+        log = a.front.new(a.mkdirs("run/logs"), "train.log", "file", WRITING)
         a.mover.groups.writing_in(log, "run/logs", b"train.log")
         entered, release = a.remote.hold("put", "run/step_1/shard")
         a.write("run/step_1/shard", b"s")
         meta = a.write("run/latest", b"1")
-        later = a.front._new(a.mkdirs("run/step_2"), "shard", "file", "writing")
+        later = a.front.new(a.mkdirs("run/step_2"), "shard", "file", WRITING)
         await asyncio.sleep(0.01)
         a.mover.groups.writing_in(later, "run/step_2", b"shard")
         await until(lambda: entered.is_set(), "the shard's upload")

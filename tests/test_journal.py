@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import itertools
-import stat
+import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from journaltree import JournalTree
 
+from burstfs.errors import ConfigError
 from burstfs.journal import (
     BROKEN,
     CLOSED_UNDRAINED,
@@ -24,99 +25,21 @@ from burstfs.journal import (
     NOT_YET_DURABLE,
     REMOTE,
     ROOT_INO,
+    SCHEMA_VERSION,
     STAGED,
     UNDRAINED,
     WRITING,
     FileState,
     InodeRow,
     Journal,
-    close_ops,
-    insert_inode_op,
     link_ops,
     mark_writing_op,
+    schema,
     unchanged_close_op,
     unlink_name_ops,
     unlink_ops,
     update_inode_op,
 )
-
-
-class Tree:
-    """Rows written the way the front writes them (creates, closes, unlinks)."""
-
-    def __init__(self, journal: Journal) -> None:
-        self.journal = journal
-        self._ino = itertools.count(ROOT_INO + 1)
-        self._seq = itertools.count(1)
-        self._insert(ROOT_INO, ROOT_INO, b"", "dir", META)
-
-    def _insert(self, ino: int, parent: int, name: bytes, kind: str, state: FileState) -> int:
-        now = time.time_ns()
-        mode = stat.S_IFDIR | 0o755 if kind == "dir" else stat.S_IFREG | 0o644
-        self.journal.apply(
-            [
-                insert_inode_op(
-                    InodeRow(
-                        ino=ino,
-                        parent=parent,
-                        name=name,
-                        kind=kind,
-                        mode=mode,
-                        uid=0,
-                        gid=0,
-                        atime_ns=now,
-                        mtime_ns=now,
-                        ctime_ns=now,
-                        state=state,
-                        updated=time.time(),
-                    )
-                )
-            ]
-        )
-        return ino
-
-    def mkdir(self, name: str, parent: int = ROOT_INO) -> int:
-        return self._insert(next(self._ino), parent, name.encode(), "dir", META)
-
-    def create(self, name: str, parent: int = ROOT_INO) -> int:
-        return self._insert(next(self._ino), parent, name.encode(), "file", WRITING)
-
-    def close(self, ino: int, size: int = 10) -> int:
-        """A journaled close (invariant 1): returns the new generation."""
-        row = self.journal.inode(ino)
-        assert row is not None
-        generation = row.generation + 1
-        self.journal.apply(
-            close_ops(
-                ino,
-                generation=generation,
-                close_seq=next(self._seq),
-                size=size,
-                mtime_ns=row.mtime_ns,
-                ctime_ns=row.ctime_ns,
-                digest=None,
-                chunks=None,
-                chunk_size=None,
-                incomplete=None,
-            )
-        )
-        return generation
-
-    def write_file(self, name: str, parent: int = ROOT_INO) -> tuple[int, int]:
-        ino = self.create(name, parent)
-        return ino, self.close(ino)
-
-    def durable(self, ino: int, generation: int) -> str:
-        claimed = self.journal.claim_for_drain(ino, generation)
-        assert isinstance(claimed, tuple), claimed
-        key, intent = claimed
-        assert self.journal.finish_upload(ino, generation, key, intent, "test")
-        return key
-
-    def state(self, ino: int) -> FileState:
-        row = self.journal.inode(ino)
-        assert row is not None
-        return row.state
 
 
 @pytest.fixture
@@ -127,8 +50,8 @@ def journal(tmp_path: Path) -> Iterator[Journal]:
 
 
 @pytest.fixture
-def tree(journal: Journal) -> Tree:
-    return Tree(journal)
+def tree(journal: Journal, tmp_path: Path) -> JournalTree:
+    return JournalTree(journal, tmp_path)
 
 
 def _markers(row: InodeRow) -> bool:
@@ -146,7 +69,7 @@ def test_state_sets_partition_the_file_states() -> None:
     assert STAGED == "staged" and f"{DURABLE}" == "durable"  # stored values unchanged
 
 
-def test_rows_read_back_as_file_states(journal: Journal, tree: Tree) -> None:
+def test_rows_read_back_as_file_states(journal: Journal, tree: JournalTree) -> None:
     ino, _ = tree.write_file("a")
     row = journal.inode(ino)
     assert row is not None and row.state is STAGED
@@ -162,54 +85,54 @@ def test_inode_row_is_keyword_only() -> None:
 # -- invariant 3: the mover only moves forward the generation it read -----------------------
 
 
-def test_finish_upload_never_overwrites_a_newer_close(journal: Journal, tree: Tree) -> None:
+def test_finish_upload_never_overwrites_a_newer_close(journal: Journal, tree: JournalTree) -> None:
     ino, generation = tree.write_file("ckpt.bin")
-    claimed = journal.claim_for_drain(ino, generation)
+    claimed = journal.drain.claim(ino, generation)
     assert isinstance(claimed, tuple)
     key, intent = claimed
     newer = tree.close(ino)  # a close races the upload
     assert newer == generation + 1
-    assert journal.superseded(ino, generation)
-    assert not journal.finish_upload(ino, generation, key, intent, "late")
+    assert journal.drain.superseded(ino, generation)
+    assert not journal.drain.finish_upload(ino, generation, key, intent, "late")
     row = journal.inode(ino)
     assert row is not None
     assert (row.state, row.generation, row.durable_generation) == (STAGED, newer, None)
     # The object at the key is still this file's (no delete queued for it).
-    assert all(k != key for _, k, _ in journal.pending_deletes(10))
+    assert all(k != key for _, k, _ in journal.keys.pending_deletes(10))
 
 
 @pytest.mark.parametrize("how", ["requeue", "fail"])
-def test_requeue_and_fail_leave_a_newer_close_alone(journal: Journal, tree: Tree, how: str) -> None:
+def test_requeue_and_fail_leave_a_newer_close_alone(journal: Journal, tree: JournalTree, how: str) -> None:
     ino, generation = tree.write_file("f")
-    assert isinstance(journal.claim_for_drain(ino, generation), tuple)
+    assert isinstance(journal.drain.claim(ino, generation), tuple)
     tree.close(ino)
     if how == "requeue":
-        journal.requeue(ino, generation, "boom", 3)
+        journal.drain.requeue(ino, generation, "boom", 3)
     else:
-        assert not journal.fail(ino, generation, "boom")
+        assert not journal.drain.fail(ino, generation, "boom")
     row = journal.inode(ino)
     assert row is not None and row.state == STAGED and row.attempts == 0 and row.error is None
-    assert journal.key_holder("f") is None  # the upload no longer holds the key
+    assert journal.keys.holder("f") is None  # the upload no longer holds the key
 
 
-def test_record_digests_is_conditional_on_the_generation(journal: Journal, tree: Tree) -> None:
+def test_record_digests_is_conditional_on_the_generation(journal: Journal, tree: JournalTree) -> None:
     ino, generation = tree.write_file("f")
     tree.close(ino)
-    journal.record_digests(ino, generation, "old", ["a"], 4)
+    journal.drain.record_digests(ino, generation, "old", ["a"], 4)
     row = journal.inode(ino)
     assert row is not None and row.digest is None
 
 
-def test_claim_only_from_staged_and_the_right_generation(journal: Journal, tree: Tree) -> None:
+def test_claim_only_from_staged_and_the_right_generation(journal: Journal, tree: JournalTree) -> None:
     ino = tree.create("f")
-    assert journal.claim_for_drain(ino, 0) is None  # writing
+    assert journal.drain.claim(ino, 0) is None  # writing
     generation = tree.close(ino)
-    assert journal.claim_for_drain(ino, generation - 1) is None
+    assert journal.drain.claim(ino, generation - 1) is None
     journal.apply([mark_writing_op(ino)])
-    assert journal.claim_for_drain(ino, generation) is None
+    assert journal.drain.claim(ino, generation) is None
 
 
-def test_unchanged_close_restores_the_previous_state(journal: Journal, tree: Tree) -> None:
+def test_unchanged_close_restores_the_previous_state(journal: Journal, tree: JournalTree) -> None:
     ino, generation = tree.write_file("f")
     tree.durable(ino, generation)
     journal.apply([mark_writing_op(ino)])
@@ -221,19 +144,19 @@ def test_unchanged_close_restores_the_previous_state(journal: Journal, tree: Tre
     assert tree.state(other) == STAGED
 
 
-def test_recover_drains_stages_again(journal: Journal, tree: Tree) -> None:
+def test_recover_stages_draining_files_again(journal: Journal, tree: JournalTree) -> None:
     ino, generation = tree.write_file("f")
-    assert isinstance(journal.claim_for_drain(ino, generation), tuple)
-    assert journal.recover_drains() == 1
-    assert tree.state(ino) == STAGED and journal.key_holder("f") is None
+    assert isinstance(journal.drain.claim(ino, generation), tuple)
+    assert journal.drain.recover() == 1
+    assert tree.state(ino) == STAGED and journal.keys.holder("f") is None
 
 
-def test_retry_failed(journal: Journal, tree: Tree) -> None:
+def test_retry_failed(journal: Journal, tree: JournalTree) -> None:
     ino, generation = tree.write_file("f")
-    assert isinstance(journal.claim_for_drain(ino, generation), tuple)
-    assert journal.fail(ino, generation, "corrupt")
+    assert isinstance(journal.drain.claim(ino, generation), tuple)
+    assert journal.drain.fail(ino, generation, "corrupt")
     assert tree.state(ino) == FAILED
-    assert journal.retry_failed() == 1
+    assert journal.drain.retry_failed() == 1
     row = journal.inode(ino)
     assert row is not None and (row.state, row.error, row.attempts) == (STAGED, None, 0)
 
@@ -241,38 +164,40 @@ def test_retry_failed(journal: Journal, tree: Tree) -> None:
 # -- invariant 6: a key belongs to one inode ---------------------------------------------
 
 
-def test_claim_of_a_key_another_inode_owns_returns_the_holder(journal: Journal, tree: Tree) -> None:
+def test_claim_of_a_key_another_inode_owns_returns_the_holder(journal: Journal, tree: JournalTree) -> None:
     old, generation = tree.write_file("a")
     tree.durable(old, generation)
     # Renamed here, not yet moved on the remote: its object still sits at "a".
     journal.apply([update_inode_op(old, name=b"b")])
     new, new_generation = tree.write_file("a")
-    assert journal.claim_for_drain(new, new_generation) == old
+    assert journal.drain.claim(new, new_generation) == old
     assert tree.state(new) == STAGED
 
 
-def test_claim_of_a_key_another_upload_writes_returns_the_uploader(journal: Journal, tree: Tree) -> None:
+def test_claim_of_a_key_another_upload_writes_returns_the_uploader(journal: Journal, tree: JournalTree) -> None:
     first, generation = tree.write_file("a")
-    assert isinstance(journal.claim_for_drain(first, generation), tuple)
+    assert isinstance(journal.drain.claim(first, generation), tuple)
     journal.apply(unlink_ops(first, b"a", time.time_ns()))  # unlinked mid-upload: still uploading to "a"
     second, second_generation = tree.write_file("a")
-    assert journal.claim_for_drain(second, second_generation) == first
+    assert journal.drain.claim(second, second_generation) == first
 
 
-def test_unlink_queues_the_object_and_an_unrecorded_upload_leaves_its_intent(journal: Journal, tree: Tree) -> None:
+def test_unlink_queues_the_object_and_an_unrecorded_upload_leaves_its_intent(
+    journal: Journal, tree: JournalTree
+) -> None:
     ino, generation = tree.write_file("a")
     key = tree.durable(ino, generation)
     journal.apply(unlink_ops(ino, b"a", time.time_ns()))
-    assert [(k, r) for _, k, r in journal.pending_deletes(10)] == [(key, "unlink")]
+    assert [(k, r) for _, k, r in journal.keys.pending_deletes(10)] == [(key, "unlink")]
     other, other_generation = tree.write_file("b")
-    claimed = journal.claim_for_drain(other, other_generation)
+    claimed = journal.drain.claim(other, other_generation)
     assert isinstance(claimed, tuple)
     journal.apply(unlink_ops(other, b"b", time.time_ns()))
-    assert not journal.finish_upload(other, other_generation, claimed[0], claimed[1], "gone")
-    assert ("b", "upload") in [(k, r) for _, k, r in journal.pending_deletes(10)]
+    assert not journal.drain.finish_upload(other, other_generation, claimed[0], claimed[1], "gone")
+    assert ("b", "upload") in [(k, r) for _, k, r in journal.keys.pending_deletes(10)]
 
 
-def test_keys_owned_under_is_a_prefix_range(journal: Journal, tree: Tree) -> None:
+def test_owned_under_is_a_key_prefix_range(journal: Journal, tree: JournalTree) -> None:
     d = tree.mkdir("ckpt")
     e = tree.mkdir("ckpt-2")
     inside, g1 = tree.write_file("x", d)
@@ -280,10 +205,10 @@ def test_keys_owned_under_is_a_prefix_range(journal: Journal, tree: Tree) -> Non
     tree.durable(inside, g1)
     tree.durable(beside, g2)
     journal.apply(unlink_ops(inside, b"x", time.time_ns()))
-    assert journal.keys_owned_under("ckpt") == {"ckpt/x"}  # deleting counts as owned
-    assert journal.keys_owned_under("CKPT") == set()  # case matters (LIKE ignored it)
-    assert journal.keys_owned_under("ckpt-2") == {"ckpt-2/y"}
-    assert journal.keys_owned_under("") == {"ckpt/x", "ckpt-2/y"}
+    assert journal.keys.owned_under("ckpt") == {"ckpt/x"}  # deleting counts as owned
+    assert journal.keys.owned_under("CKPT") == set()  # case matters (LIKE ignored it)
+    assert journal.keys.owned_under("ckpt-2") == {"ckpt-2/y"}
+    assert journal.keys.owned_under("") == {"ckpt/x", "ckpt-2/y"}
     plan = " ".join(
         str(r)
         for r in journal.query(
@@ -293,26 +218,69 @@ def test_keys_owned_under_is_a_prefix_range(journal: Journal, tree: Tree) -> Non
     assert "inodes_by_remote_key" in plan
 
 
+# -- the schema: version checked at open, migrations ------------------------------------
+
+
+def test_ownership_queries_use_indexes(journal: Journal) -> None:
+    for sql in (
+        "SELECT ino FROM inodes WHERE remote_key=? AND parent!=0",
+        "SELECT ino FROM inodes WHERE upload_key=?",
+        "SELECT id FROM remote_deletes WHERE key=?",
+    ):
+        plan = " ".join(str(row[-1]) for row in journal.query(f"EXPLAIN QUERY PLAN {sql}", ("k",)))
+        assert "USING INDEX" in plan or "USING COVERING INDEX" in plan, (sql, plan)
+
+
+def test_a_version_1_journal_is_upgraded_in_place(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / "journal.db")
+    db.executescript(schema._BASE_SCHEMA)
+    db.execute("INSERT INTO meta VALUES ('schema_version', '1')")
+    db.execute(
+        "INSERT INTO inodes (ino, parent, name, kind, mode, uid, gid, atime_ns, mtime_ns, ctime_ns, state, "
+        "remote_key) VALUES (5, 1, x'61', 'file', 33188, 0, 0, 0, 0, 0, 'durable', 'a')"
+    )
+    db.commit()
+    db.close()
+    journal = Journal(tmp_path)
+    assert journal.get_meta("schema_version") == str(SCHEMA_VERSION)
+    assert {"upload_key", "link_of"} <= {r[1] for r in journal.query("PRAGMA table_info(inodes)")}
+    assert journal.keys.holder("a") == 5 and journal.drain.own_uploads() == []
+    row = journal.inode(5)
+    assert row is not None and row.link_of is None and row.state == DURABLE
+    journal.close()
+    Journal(tmp_path).close()  # a second open finds nothing to do
+
+
+def test_a_journal_from_a_newer_burstfs_is_refused(tmp_path: Path) -> None:
+    journal = Journal(tmp_path)
+    journal.set_meta("schema_version", str(SCHEMA_VERSION + 1))
+    journal.close()
+    with pytest.raises(ConfigError, match=f"schema {SCHEMA_VERSION + 1}"):
+        Journal(tmp_path)
+    with pytest.raises(ConfigError, match=f"schema {SCHEMA_VERSION + 1}"):
+        Journal(tmp_path, readonly=True)
+
+
 # -- invariant 5: commit markers wait; close order --------------------------------------
 
 
-def test_eligible_in_close_order(journal: Journal, tree: Tree) -> None:
+def test_eligible_in_close_order(journal: Journal, tree: JournalTree) -> None:
     later = tree.create("later")
     first, _ = tree.write_file("first")
     tree.close(later)
-    rows = journal.eligible(10, 10, closed_before=time.time() + 1, is_marker=_markers)
+    rows = journal.drain.eligible(10, 10, closed_before=time.time() + 1, is_marker=_markers)
     assert [r.ino for r in rows] == [first, later]
-    assert [r.ino for r in journal.eligible(1, 10, closed_before=time.time() + 1, is_marker=_markers)] == [first]
-    skipped = journal.eligible(
+    assert [r.ino for r in journal.drain.eligible(1, 10, closed_before=time.time() + 1, is_marker=_markers)] == [first]
+    skipped = journal.drain.eligible(
         10, 10, closed_before=time.time() + 1, is_marker=_markers, skip=lambda row: row.ino == first
     )
     assert [r.ino for r in skipped] == [later]
-    assert journal.eligible(10, 10, closed_before=0.0, is_marker=_markers) == []  # the delay
+    assert journal.drain.eligible(10, 10, closed_before=0.0, is_marker=_markers) == []  # the delay
 
 
 @pytest.mark.parametrize("blocker", [STAGED, DRAINING, FAILED, INCOMPLETE, WRITING])
 def test_commit_marker_waits_for_earlier_closes_under_its_directory(
-    journal: Journal, tree: Tree, blocker: FileState
+    journal: Journal, tree: JournalTree, blocker: FileState
 ) -> None:
     d = tree.mkdir("step-1")
     sub = tree.mkdir("shard", d)
@@ -320,26 +288,26 @@ def test_commit_marker_waits_for_earlier_closes_under_its_directory(
     marker, _ = tree.write_file("COMMIT", d)
     elsewhere, _ = tree.write_file("other")  # not under the marker's directory
     journal.apply([update_inode_op(data, state=blocker)])
-    eligible = [r.ino for r in journal.eligible(10, 10, closed_before=time.time() + 1, is_marker=_markers)]
+    eligible = [r.ino for r in journal.drain.eligible(10, 10, closed_before=time.time() + 1, is_marker=_markers)]
     assert marker not in eligible and elsewhere in eligible
     journal.apply([update_inode_op(data, state=STAGED)])
     tree.durable(data, generation)
-    eligible = [r.ino for r in journal.eligible(10, 10, closed_before=time.time() + 1, is_marker=_markers)]
+    eligible = [r.ino for r in journal.drain.eligible(10, 10, closed_before=time.time() + 1, is_marker=_markers)]
     assert marker in eligible
 
 
-def test_commit_marker_ignores_files_closed_after_it(journal: Journal, tree: Tree) -> None:
+def test_commit_marker_ignores_files_closed_after_it(journal: Journal, tree: JournalTree) -> None:
     d = tree.mkdir("step-1")
     marker, _ = tree.write_file("COMMIT", d)
     tree.write_file("late", d)
     row = journal.inode(marker)
-    assert row is not None and not journal.blocks_marker(row)
+    assert row is not None and not journal.drain.blocks_marker(row)
 
 
 # -- invariant 7: undrained data is never evicted ------------------------------------------
 
 
-def test_only_the_durable_generation_is_evictable(journal: Journal, tree: Tree) -> None:
+def test_only_the_durable_generation_is_evictable(journal: Journal, tree: JournalTree) -> None:
     ino, generation = tree.write_file("f")
     staged, _ = tree.write_file("g")
     tree.durable(ino, generation)
@@ -360,7 +328,7 @@ def test_only_the_durable_generation_is_evictable(journal: Journal, tree: Tree) 
     )
 
 
-def test_a_close_after_durable_is_not_evictable(journal: Journal, tree: Tree) -> None:
+def test_a_close_after_durable_is_not_evictable(journal: Journal, tree: JournalTree) -> None:
     ino, generation = tree.write_file("f")
     tree.durable(ino, generation)
     journal.apply([mark_writing_op(ino)])
@@ -370,7 +338,7 @@ def test_a_close_after_durable_is_not_evictable(journal: Journal, tree: Tree) ->
     assert journal.evictable() == []
 
 
-def test_finish_fetch_only_for_files_not_local(journal: Journal, tree: Tree) -> None:
+def test_finish_fetch_only_for_files_not_local(journal: Journal, tree: JournalTree) -> None:
     ino, _ = tree.write_file("f")
     journal.finish_fetch(ino, 10)
     assert tree.state(ino) == STAGED
@@ -384,7 +352,7 @@ def test_finish_fetch_only_for_files_not_local(journal: Journal, tree: Tree) -> 
 
 
 def test_a_hard_link_drains_its_own_key_and_the_file_evicts_only_when_every_name_is_durable(
-    journal: Journal, tree: Tree
+    journal: Journal, tree: JournalTree
 ) -> None:
     d = tree.mkdir("d")
     ino, generation = tree.write_file("a")
@@ -398,7 +366,7 @@ def test_a_hard_link_drains_its_own_key_and_the_file_evicts_only_when_every_name
     assert [i for i, _ in journal.evictable()] == [ino]
     # the first name goes: its object is queued, the file lives on under d/b and is fetched from there
     journal.apply(unlink_ops(ino, b"a", 1))
-    assert [key for _, key, _ in journal.pending_deletes(10)] == ["a"]
+    assert [key for _, key, _ in journal.keys.pending_deletes(10)] == ["a"]
     assert journal.evict(ino, generation)
     assert {r.state for r in journal.inodes("WHERE ino=? OR link_of=?", (ino, ino))} == {EVICTED}
     fetch = journal.fetch_row(ino)
@@ -411,17 +379,17 @@ def test_a_hard_link_drains_its_own_key_and_the_file_evicts_only_when_every_name
     # a write marks every name writing; the close stages every name with the new generation
     journal.apply([mark_writing_op(ino)])
     assert journal.state_row(ino).state == WRITING  # type: ignore[union-attr]
-    assert journal.superseded(link, generation)
+    assert journal.drain.superseded(link, generation)
     generation = tree.close(ino)
     assert [r.ino for r in journal.names_of(ino)] == [link] and tree.state(link) == STAGED
     assert journal.inode(link).generation == generation  # type: ignore[union-attr]
     # unlink of the link name: its row goes, its object is queued for deletion
     journal.apply(unlink_name_ops(link, b"b"))
     assert journal.inode(link) is None and journal.names_of(ino) == []
-    assert [key for _, key, _ in journal.pending_deletes(10)] == ["a", "d/b"]
+    assert [key for _, key, _ in journal.keys.pending_deletes(10)] == ["a", "d/b"]
 
 
-def test_a_link_of_a_file_being_written_waits_like_its_other_names(journal: Journal, tree: Tree) -> None:
+def test_a_link_of_a_file_being_written_waits_like_its_other_names(journal: Journal, tree: JournalTree) -> None:
     ino, _ = tree.write_file("a")
     journal.apply([mark_writing_op(ino)])
     journal.apply(link_ops(100, ino, ROOT_INO, b"b", 1))
@@ -433,7 +401,7 @@ def test_a_link_of_a_file_being_written_waits_like_its_other_names(journal: Jour
 # -- status queries ------------------------------------------------------------------------
 
 
-def test_status_queries(journal: Journal, tree: Tree) -> None:
+def test_status_queries(journal: Journal, tree: JournalTree) -> None:
     d = tree.mkdir("d")
     a, _ = tree.write_file("a", d)
     b, _ = tree.write_file("b", d)
@@ -447,5 +415,5 @@ def test_status_queries(journal: Journal, tree: Tree) -> None:
     assert journal.oldest_closed_undrained() is not None
     assert journal.oldest_closed_undrained()[0] == a  # type: ignore[index]
     assert journal.last_closed_at(a) is not None and journal.last_closed_at(d) is None
-    assert journal.has_drain_work()
+    assert journal.drain.has_work()
     assert journal.undrained() == {"staged": (2, 20), "writing": (1, 0)}

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import json
 import logging
 import os
-import stat
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -20,15 +18,14 @@ from pathlib import Path
 
 import pytest
 import trio
+from journaltree import JournalTree
 
 from burstfs import drainservice as drainservice_module
 from burstfs import mover as mover_module
 from burstfs.config import DrainOptions, S3Options, parse_remote_url
 from burstfs.errors import FsError, RemoteError
-from burstfs.journal import DURABLE, FAILED, META, ROOT_INO, STAGED, FileState, InodeRow, Journal, Op, insert_inode_op
-from burstfs.localtier import LocalTier
+from burstfs.journal import DURABLE, FAILED, REMOTE, ROOT_INO, STAGED, Journal
 from burstfs.mover import Mover
-from burstfs.objects import compute_digests
 from burstfs.remote import FileRemote
 from burstfs.remote.base import UploadedPart
 
@@ -75,126 +72,11 @@ class HookedRemote(FileRemote):
         await super().copy(src, dst)
 
 
-class Front:
-    """The journal records of the FUSE front (core.py), without a mount."""
+class Front(JournalTree):
+    """The journal records of the FUSE front (core.py), without a mount, on a journal of its own."""
 
     def __init__(self, cache: Path) -> None:
-        self.journal = Journal(cache)
-        self.tier = LocalTier(cache)
-        self.seq = 0
-        now = time.time_ns()
-        self.journal.apply(
-            [
-                insert_inode_op(
-                    InodeRow(
-                        ino=ROOT_INO,
-                        parent=0,
-                        name=b"",
-                        kind="dir",
-                        mode=stat.S_IFDIR | 0o755,
-                        uid=0,
-                        gid=0,
-                        atime_ns=now,
-                        mtime_ns=now,
-                        ctime_ns=now,
-                        state=META,
-                        updated=time.time(),
-                    )
-                )
-            ]
-        )
-        self.next_ino = 2
-
-    def _new(self, parent: int, name: str, kind: str, state: str) -> int:
-        ino, self.next_ino = self.next_ino, self.next_ino + 1
-        now = time.time_ns()
-        mode = (stat.S_IFDIR | 0o755) if kind == "dir" else (stat.S_IFREG | 0o644)
-        self.journal.apply(
-            [
-                insert_inode_op(
-                    InodeRow(
-                        ino=ino,
-                        parent=parent,
-                        name=name.encode(),
-                        kind=kind,
-                        mode=mode,
-                        uid=0,
-                        gid=0,
-                        atime_ns=now,
-                        mtime_ns=now,
-                        ctime_ns=now,
-                        state=FileState(state),
-                        updated=time.time(),
-                    )
-                )
-            ]
-        )
-        return ino
-
-    def mkdir(self, name: str, parent: int = ROOT_INO) -> int:
-        return self._new(parent, name, "dir", META)
-
-    def write(self, name: str, data: bytes, parent: int = ROOT_INO) -> int:
-        ino = self._new(parent, name, "file", "writing")
-        self.rewrite(ino, data)
-        return ino
-
-    def rewrite(self, ino: int, data: bytes, *, digests: bool = True) -> None:
-        """Write ``data`` and close: a new generation, staged (with close-time digests)."""
-        self.tier.path(ino).write_bytes(data)
-        self.close(ino, digests=digests)
-
-    def close(self, ino: int, *, digests: bool = True) -> None:
-        path = self.tier.path(ino)
-        size = path.stat().st_size
-        d = compute_digests(path, PART) if digests else None
-        self.seq += 1
-        self.journal.execute(
-            "UPDATE inodes SET state=?, generation=generation+1, close_seq=?, size=?, mtime_ns=?, digest=?, "
-            "chunks=?, chunk_size=?, local_bytes=?, updated=? WHERE ino=?",
-            (
-                STAGED,
-                self.seq,
-                size,
-                path.stat().st_mtime_ns,
-                d.digest if d else None,
-                json.dumps(list(d.chunks)) if d else None,
-                PART if d else None,
-                size,
-                time.time(),
-                ino,
-            ),
-        )
-
-    def _unlink_ops(self, ino: int) -> list[Op]:
-        return [
-            (
-                "INSERT INTO remote_deletes (key, reason) SELECT remote_key, 'unlink' FROM inodes "
-                "WHERE ino=? AND remote_key IS NOT NULL",
-                (ino,),
-            ),
-            ("UPDATE inodes SET parent=0, remote_key=NULL WHERE ino=?", (ino,)),
-        ]
-
-    def unlink(self, ino: int) -> None:
-        """unlink(2) of a file still open (the row stays, parent 0, until its last release)."""
-        self.journal.apply(self._unlink_ops(ino))
-
-    def rename(self, ino: int, new_name: str, new_parent: int = ROOT_INO) -> None:
-        ops: list[Op] = []
-        target = self.journal.query("SELECT ino FROM inodes WHERE parent=? AND name=?", (new_parent, new_name.encode()))
-        if target:
-            ops += self._unlink_ops(target[0][0])
-        ops += [
-            ("UPDATE inodes SET parent=?, name=? WHERE ino=?", (new_parent, new_name.encode(), ino)),
-            self.journal.log_event(ino, "rename", new_name),
-        ]
-        self.journal.apply(ops)
-
-    def row(self, ino: int) -> InodeRow:
-        row = self.journal.inode(ino)
-        assert row is not None
-        return row
+        super().__init__(Journal(cache), cache, chunk_size=PART)
 
 
 def make_mover(tmp_path: Path, remote: FileRemote | None = None) -> tuple[Mover, Front, HookedRemote]:
@@ -581,10 +463,10 @@ def test_startup_aborts_only_uploads_this_cache_started(tmp_path: Path) -> None:
 
     async def restart() -> None:
         left = await remote.create_multipart("big.bin")  # as if a crash had cut this one short
-        front.journal.upload_started("big.bin", left)
+        front.journal.drain.upload_started("big.bin", left)
         # A crash between the create and its record: only the placeholder was journaled.
         unnamed = await remote.create_multipart("c.bin")
-        front.journal.upload_started("c.bin", "pending-0123")
+        front.journal.drain.upload_started("c.bin", "pending-0123")
         mover2, _, _ = make_mover(tmp_path, remote)
         await mover2.run(until_idle=True)
         uploads = {u for _, u in await remote.list_multipart_uploads()}
@@ -594,46 +476,7 @@ def test_startup_aborts_only_uploads_this_cache_started(tmp_path: Path) -> None:
     asyncio.run(restart())
 
 
-# -- #15: indexed ownership queries, subtree relocation, schema upgrade ---------------------
-
-
-def test_ownership_queries_use_indexes(tmp_path: Path) -> None:
-    journal = Journal(tmp_path)
-    for sql in (
-        "SELECT ino FROM inodes WHERE remote_key=? AND parent!=0",
-        "SELECT ino FROM inodes WHERE upload_key=?",
-        "SELECT id FROM remote_deletes WHERE key=?",
-    ):
-        plan = " ".join(str(row[-1]) for row in journal.query(f"EXPLAIN QUERY PLAN {sql}", ("k",)))
-        assert "USING INDEX" in plan or "USING COVERING INDEX" in plan, (sql, plan)
-
-
-def test_a_version_1_journal_is_upgraded_in_place(tmp_path: Path) -> None:
-    import sqlite3
-
-    from burstfs import journal as journal_module
-
-    db = sqlite3.connect(tmp_path / "journal.db")
-    db.executescript(
-        journal_module._SCHEMA.replace(
-            "CREATE TABLE IF NOT EXISTS uploads (", "CREATE TABLE IF NOT EXISTS unused_uploads ("
-        )
-    )
-    db.execute("INSERT INTO meta VALUES ('schema_version', '1')")
-    db.execute(
-        "INSERT INTO inodes (ino, parent, name, kind, mode, uid, gid, atime_ns, mtime_ns, ctime_ns, state, "
-        "remote_key) VALUES (5, 1, x'61', 'file', 33188, 0, 0, 0, 0, 0, 'durable', 'a')"
-    )
-    db.commit()
-    db.close()
-    journal = Journal(tmp_path)
-    assert journal.get_meta("schema_version") == str(journal_module.SCHEMA_VERSION)
-    assert "upload_key" in {r[1] for r in journal.query("PRAGMA table_info(inodes)")}
-    assert journal.key_holder("a") == 5 and journal.own_uploads() == []
-    journal.set_meta("schema_version", "99")
-    journal.close()
-    with pytest.raises(Exception, match="schema 99"):
-        Journal(tmp_path)
+# -- #15: subtree relocation ---------------------------------------------------------------
 
 
 def test_relocation_walks_only_the_renamed_subtree(tmp_path: Path) -> None:
@@ -647,13 +490,13 @@ def test_relocation_walks_only_the_renamed_subtree(tmp_path: Path) -> None:
         for i in range(20):
             front.write(f"other{i}", b"o")
         await settle(mover, front)
-        original = mover.journal.relocation_candidates
+        original = mover.journal.keys.relocation_candidates
 
         def spy(roots: object = None) -> list[tuple[int, str, str]]:
             walked.append(roots)
             return original(roots)  # type: ignore[arg-type]
 
-        mover.journal.relocation_candidates = spy  # type: ignore[method-assign]
+        mover.journal.keys.relocation_candidates = spy  # type: ignore[method-assign]
         front.rename(d, "run2")
         mover.namespace_changed()
         await settle(mover, front)
@@ -739,7 +582,7 @@ def test_a_listed_file_renamed_away_frees_its_name(tmp_path: Path) -> None:
     (tmp_path / "remote/latest").write_bytes(b"theirs")
 
     async def scenario() -> None:
-        listed = front._new(ROOT_INO, "latest", "file", "remote")
+        listed = front.new(ROOT_INO, "latest", "file", REMOTE)
         front.journal.execute("UPDATE inodes SET remote_key='latest', size=6 WHERE ino=?", (listed,))
         d = front.mkdir("a")
         front.rename(listed, "latest", new_parent=d)

@@ -1,0 +1,165 @@
+"""Who owns which remote key (DESIGN-NOTES invariant 6): deletes, relocations, stale keys.
+
+``Journal.keys`` (one per connection).  A key belongs to at most one inode: the
+live inode whose ``remote_key`` it is, or the inode whose upload is writing to
+it (``upload_key``).  No upload, relocation or delete touches a key another
+inode holds.  Each method is one transaction, so a racing close, rename or
+unlink is seen whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .connection import Database
+from .ops import event_op
+from .rows import ROOT_INO
+from .states import DONE, DURABLE, RESTAGED, STAGED, state_marks
+
+# Every file at or below a seed ``(ino, path)``, with its path: the walk behind relocations.
+_PATHS_BELOW = """WITH RECURSIVE paths(ino, path) AS (
+       SELECT ?, ?
+       UNION ALL SELECT i.ino, paths.path || '/' || CAST(i.name AS TEXT)
+       FROM inodes i JOIN paths ON i.parent=paths.ino)"""
+
+
+class KeyOwnership:
+    """The remote keys this node owns, gives up and moves."""
+
+    def __init__(self, database: Database) -> None:
+        self._db = database
+
+    def holder(self, key: str, other_than: int = 0) -> int | None:
+        """The inode (not ``other_than``) that owns ``key`` (live ``remote_key``) or is uploading to it."""
+        with self._db.lock:
+            return self._db.holder_locked(key, other_than)
+
+    def owned_under(self, dir_key: str) -> set[str]:
+        """Keys below ``dir_key`` ("" = everywhere) this node owns (some inode's ``remote_key``)
+        or is deleting: a listing must not resurrect them.  A key range, so the
+        ``remote_key`` and ``remote_deletes(key)`` indexes serve it."""
+        if not dir_key:
+            rows = self._db.query(
+                "SELECT remote_key FROM inodes WHERE remote_key IS NOT NULL UNION SELECT key FROM remote_deletes"
+            )
+        else:
+            low, high = f"{dir_key}/", f"{dir_key}0"  # '0' sorts right after '/'
+            rows = self._db.query(
+                "SELECT remote_key FROM inodes WHERE remote_key >= ? AND remote_key < ? "
+                "UNION SELECT key FROM remote_deletes WHERE key >= ? AND key < ?",
+                (low, high, low, high),
+            )
+        return {str(row[0]) for row in rows}
+
+    # -- the delete queue --------------------------------------------------------------------
+
+    def pending_deletes(self, limit: int) -> list[tuple[int, str, str]]:
+        """``(id, key, reason)`` of queued remote deletes, oldest first."""
+        return [
+            (int(i), str(k), str(r))
+            for i, k, r in self._db.query("SELECT id, key, reason FROM remote_deletes ORDER BY id LIMIT ?", (limit,))
+        ]
+
+    def drop_delete(self, request_id: int) -> None:
+        self._db.execute("DELETE FROM remote_deletes WHERE id=?", (request_id,))
+
+    # -- objects that must follow a rename ------------------------------------------------------
+
+    def _seeds_locked(self, roots: Iterable[int] | None) -> list[tuple[int, str]]:
+        """``(ino, path)`` to walk from: ``roots`` (None: the root's children)."""
+        if roots is None:
+            return self._db.top_level_locked()
+        return [(ino, path) for ino in set(roots) if ino != ROOT_INO and (path := self._db.path_locked(ino))]
+
+    def relocation_candidates(self, roots: Iterable[int] | None = None) -> list[tuple[int, str, str]]:
+        """``(ino, path, remote_key)`` of durable files whose object is not at their path.
+
+        ``roots``: only files at or below these inodes (the subtrees a rename
+        touched), instead of walking the whole namespace.
+        """
+        found: list[tuple[int, str, str]] = []
+        marks, movable = state_marks(DONE)
+        with self._db.lock:
+            for ino, path in self._seeds_locked(roots):
+                rows = self._db.connection.execute(
+                    f"""{_PATHS_BELOW}
+                       SELECT i.ino, paths.path, i.remote_key FROM inodes i JOIN paths USING (ino)
+                       WHERE i.kind='file' AND i.remote_key IS NOT NULL AND i.remote_key != paths.path
+                           AND i.state IN ({marks})""",
+                    (ino, path, *movable),
+                ).fetchall()
+                found.extend((int(i), str(p), str(k)) for i, p, k in rows)
+        return found
+
+    def relocation_target(self, ino: int) -> tuple[str, str] | None:
+        """``(path, remote_key)`` if ``ino`` is durable and its object still has to move."""
+        marks, movable = state_marks(DONE)
+        with self._db.lock:
+            row = self._db.connection.execute(
+                f"SELECT remote_key FROM inodes WHERE ino=? AND parent!=0 AND kind='file' AND state IN ({marks})",
+                (ino, *movable),
+            ).fetchone()
+            path = self._db.path_locked(ino)
+        if row is None or row[0] is None or path is None or row[0] == path:
+            return None
+        return path, str(row[0])
+
+    def finish_relocation(self, ino: int, old_key: str, new_key: str) -> bool:
+        """After copying ``old_key`` to ``new_key``: the file owns ``new_key``; the old object goes.
+
+        If the file was unlinked (or its object changed) during the copy, the copy
+        at ``new_key`` is nobody's: its delete is queued instead (the delete pass
+        spares it if a live file owns that key by then).
+        """
+        with self._db.transaction() as db:
+            moved = db.execute(
+                "UPDATE inodes SET remote_key=? WHERE ino=? AND remote_key=? AND parent!=0", (new_key, ino, old_key)
+            ).rowcount
+            gone = old_key if moved else new_key
+            db.execute("INSERT INTO remote_deletes (key, reason) VALUES (?, 'moved')", (gone,))
+            if moved:
+                db.execute(*event_op(ino, "moved", f"{old_key} -> {new_key}"))
+            return bool(moved)
+
+    def restage_durable(self, ino: int, remote_key: str) -> bool:
+        """A durable local file whose object cannot be moved uploads again to its path."""
+        return bool(
+            self._db.execute(
+                "UPDATE inodes SET state=?, attempts=0 WHERE ino=? AND state=? AND remote_key=? AND parent!=0",
+                (STAGED, ino, DURABLE, remote_key),
+            )
+        )
+
+    # -- keys given up by files renamed while not durable -------------------------------------
+
+    def stale_keys(self, roots: Iterable[int] | None = None) -> list[tuple[int, str]]:
+        """``(ino, remote_key)`` of files (at or below ``roots``; None: all) that were renamed
+        while not durable (staged again, incomplete, failed): their object is an older
+        version at a name that no longer exists here, and nothing will move it."""
+        found: list[tuple[int, str]] = []
+        marks, restaged = state_marks(RESTAGED)
+        with self._db.lock:
+            for root, path in self._seeds_locked(roots):
+                rows = self._db.connection.execute(
+                    f"""{_PATHS_BELOW}
+                       SELECT i.ino, i.remote_key FROM inodes i JOIN paths USING (ino)
+                       WHERE i.kind='file' AND i.remote_key IS NOT NULL AND i.remote_key != paths.path
+                           AND i.state IN ({marks})""",
+                    (root, path, *restaged),
+                ).fetchall()
+                found.extend((int(i), str(k)) for i, k in rows)
+        return found
+
+    def drop_stale(self, ino: int, key: str) -> bool:
+        """The file no longer owns ``key`` (see :meth:`stale_keys`); its object is queued for deletion.
+        Its next upload goes to its path."""
+        marks, restaged = state_marks(RESTAGED)
+        with self._db.transaction() as db:
+            dropped = db.execute(
+                f"UPDATE inodes SET remote_key=NULL WHERE ino=? AND remote_key=? AND parent!=0 AND state IN ({marks})",
+                (ino, key, *restaged),
+            ).rowcount
+            if dropped:
+                db.execute("INSERT INTO remote_deletes (key, reason) VALUES (?, 'stale')", (key,))
+                db.execute(*event_op(ino, "stale_key", key))
+            return bool(dropped)

@@ -1,0 +1,195 @@
+"""The records of file and namespace changes, as operations for one transaction.
+
+Pure builders: the front's group committer (and recovery) collects them and
+applies them with ``Journal.apply`` in one commit; nothing here touches the
+database.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .rows import INODE_COLUMNS, InodeRow, Op
+from .states import DURABLE, INCOMPLETE, META, STAGED, WRITING, state_marks
+
+
+def insert_inode_op(row: InodeRow) -> Op:
+    values = dataclasses.astuple(row)
+    marks = ", ".join("?" * len(values))
+    return (f"INSERT OR REPLACE INTO inodes ({', '.join(INODE_COLUMNS)}) VALUES ({marks})", values)
+
+
+def update_inode_op(ino: int, **fields: Any) -> Op:
+    assignments = ", ".join(f"{name}=?" for name in fields)
+    return (f"UPDATE inodes SET {assignments} WHERE ino=?", (*fields.values(), ino))
+
+
+# -- records the front's group committer applies (core.py builds none of its own SQL) ----
+
+
+def event_op(ino: int | None, event: str, detail: str = "") -> Op:
+    return ("INSERT INTO events (time, ino, event, detail) VALUES (?, ?, ?, ?)", (time.time(), ino, event, detail))
+
+
+def update_file_op(ino: int, **fields: Any) -> Op:
+    """``update_inode_op`` for the rows of every name of the file (its hard links too):
+    what its bytes are (state, generation, digests) is the same under each name."""
+    assignments = ", ".join(f"{name}=?" for name in fields)
+    return (f"UPDATE inodes SET {assignments} WHERE ino=? OR link_of=?", (*fields.values(), ino, ino))
+
+
+def mark_writing_op(ino: int) -> Op:
+    """The first change after a close (invariant 2): ``writing`` until the next close, under every name."""
+    return update_file_op(ino, state=WRITING, updated=time.time())
+
+
+def close_ops(
+    ino: int,
+    *,
+    generation: int,
+    close_seq: int,
+    size: int,
+    mtime_ns: int,
+    ctime_ns: int,
+    digest: str | None,
+    chunks: Sequence[str] | None,
+    chunk_size: int | None,
+    incomplete: str | None,
+) -> list[Op]:
+    """A changed file closed (invariant 1): a new generation, ``staged`` to drain with its
+    digests, or ``incomplete`` (with the reason) when it may lack bytes."""
+    state = INCOMPLETE if incomplete else STAGED
+    return [
+        update_file_op(
+            ino,
+            state=state,
+            generation=generation,
+            close_seq=close_seq,
+            size=size,
+            mtime_ns=mtime_ns,
+            ctime_ns=ctime_ns,
+            digest=digest,
+            chunks=json.dumps(list(chunks)) if chunks is not None else None,
+            chunk_size=chunk_size,
+            error=incomplete,
+            attempts=0,
+            updated=time.time(),
+        ),
+        update_inode_op(ino, local_bytes=size),
+        event_op(
+            ino,
+            "closed" if state == STAGED else "incomplete",
+            f"generation={generation} size={size} {incomplete or ''}".rstrip(),
+        ),
+    ]
+
+
+def unchanged_close_op(ino: int) -> Op:
+    """A file opened for writing and closed unchanged: back to the state it had (``durable``
+    if the remote holds its generation, else ``staged``)."""
+    return (
+        "UPDATE inodes SET state=CASE WHEN durable_generation=generation THEN ? ELSE ? END "
+        "WHERE (ino=? OR link_of=?) AND state=?",
+        (DURABLE, STAGED, ino, ino, WRITING),
+    )
+
+
+def recovered_incomplete_ops(ino: int, size: int, error: str) -> list[Op]:
+    """At start-up: a file the stopped daemon had open for writing is ``incomplete``."""
+    return [
+        update_file_op(ino, state=INCOMPLETE, size=size, error=error, updated=time.time()),
+        update_inode_op(ino, local_bytes=size),
+        event_op(ino, "incomplete", "open for writing at crash"),
+    ]
+
+
+def unlink_ops(ino: int, name: bytes, ctime_ns: int) -> list[Op]:
+    """``ino`` loses its name; its object (if any) is queued for deletion (invariant 6)."""
+    return [
+        (
+            "INSERT INTO remote_deletes (key, reason) SELECT remote_key, 'unlink' FROM inodes "
+            "WHERE ino=? AND remote_key IS NOT NULL",
+            (ino,),
+        ),
+        update_inode_op(ino, parent=0, remote_key=None, ctime_ns=ctime_ns),
+        event_op(ino, "unlink", os.fsdecode(name)),
+    ]
+
+
+def link_ops(row: int, ino: int, parent: int, name: bytes, ctime_ns: int) -> list[Op]:
+    """``ino`` gets another name (a hard link): row ``row`` in ``parent``, with no object yet.
+
+    The new name drains the file's current generation to its own key (``staged``),
+    unless the file is being written or incomplete: then it waits, like the others.
+    """
+    marks, states = state_marks({WRITING, INCOMPLETE, META})
+    columns = [
+        c
+        for c in INODE_COLUMNS
+        if c
+        not in (
+            "ino",
+            "parent",
+            "name",
+            "remote_key",
+            "durable_generation",
+            "attempts",
+            "local_bytes",
+            "link_of",
+            "state",
+            "updated",
+        )
+    ]
+    return [
+        (
+            f"INSERT INTO inodes (ino, parent, name, state, updated, link_of, {', '.join(columns)}) "
+            f"SELECT ?, ?, ?, CASE WHEN state IN ({marks}) THEN state ELSE ? END, ?, ino, {', '.join(columns)} "
+            "FROM inodes WHERE ino=?",
+            (row, parent, name, *states, STAGED, time.time(), ino),
+        ),
+        update_inode_op(ino, ctime_ns=ctime_ns),
+        event_op(row, "link", f"{os.fsdecode(name)} of inode {ino}"),
+    ]
+
+
+def unlink_name_ops(row: int, name: bytes) -> list[Op]:
+    """A hard link's name goes: its row goes, its object (if any) is queued for deletion."""
+    return [
+        (
+            "INSERT INTO remote_deletes (key, reason) SELECT remote_key, 'unlink' FROM inodes "
+            "WHERE ino=? AND remote_key IS NOT NULL",
+            (row,),
+        ),
+        ("DELETE FROM inodes WHERE ino=? AND link_of IS NOT NULL", (row,)),
+        event_op(row, "unlink", os.fsdecode(name)),
+    ]
+
+
+def forget_listed_ops(ino: int, name: bytes, ctime_ns: int) -> list[Op]:
+    """A listed file that vanished from the remote: dropped here, nothing deleted there."""
+    return [
+        update_inode_op(ino, parent=0, remote_key=None, ctime_ns=ctime_ns),
+        event_op(ino, "forgotten", os.fsdecode(name)),
+    ]
+
+
+def drop_unlinked_ops(ino: int) -> list[Op]:
+    """An unlinked inode nothing references any more: its row and xattrs go."""
+    return [("DELETE FROM inodes WHERE ino=? AND parent=0", (ino,)), ("DELETE FROM xattrs WHERE ino=?", (ino,))]
+
+
+def set_xattr_op(ino: int, name: bytes, value: bytes) -> Op:
+    return ("INSERT OR REPLACE INTO xattrs VALUES (?, ?, ?)", (ino, name, value))
+
+
+def remove_xattr_op(ino: int, name: bytes) -> Op:
+    return ("DELETE FROM xattrs WHERE ino=? AND name=?", (ino, name))
+
+
+def set_meta_op(key: str, value: str) -> Op:
+    return ("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
