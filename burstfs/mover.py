@@ -260,6 +260,7 @@ class Mover:
             on_upload_ended=self.journal.drain.upload_ended,
         )
         self.restore = RestoreService(self.store, self.journal, self.tier_paths)
+        self.restore.warm()
         self.groups.journal = self.journal
         self.groups.load()
         self._in_flight.clear()

@@ -1,13 +1,27 @@
 """Restore: fetching remote files into the local tier, chunk by chunk, verified.
 
 Runs on the mover's asyncio loop.  A read of a file that is not local asks for
-the chunks covering it; a sequential reader grows a prefetch window ahead of
-itself (doubling per sequential read, back to one chunk on a seek — the shape
-of mountpoint-s3's prefetcher), so a ``torch.load`` streams at the remote's
-bandwidth while a random reader (safetensors, mmap) fetches only what it
-touches.  Every chunk is checked against the digests recorded at drain time
-before a byte of it lands on the local tier; fetched chunks stay there, so the
-next read is local.
+the chunks covering it, in one of two plans:
+
+- a file read sequentially from its start (``torch.load``, a rank reading its
+  shard, ``burstfs-admin prefetch``) on a remote that prefers it (S3) is
+  *streamed*: one GET of the rest of the file, its body written to the tier in
+  ~1 MiB pieces as it arrives and each chunk served as soon as it is complete
+  and verified.  The stream runs at most as far ahead of its reader as the
+  reader has read (up to ``MAX_STREAM_LEAD``), so bytes fetched stay within
+  twice the bytes read; a connection lost mid-body is resumed from the first
+  byte that has not landed.  One GET per file is what moto wants (it reads the
+  whole object for every ranged GET) and costs real S3 nothing per byte;
+- any other read (mmap, safetensors ``safe_open``, the zip directory at the end
+  of a ``torch.save`` file) fetches the chunks it touches with ranged GETs, and
+  a sequential run grows a prefetch window of half as many chunks as it has
+  read (up to ``MAX_WINDOW_CHUNKS``; none after a seek), so a random reader
+  fetches little more than it touches.
+
+Every chunk is checked against the digests recorded at drain time before a
+byte of it is served (a ranged chunk before it lands on the tier; a streamed
+chunk as its pieces pass, and it is only marked present once the whole chunk
+checked out); fetched chunks stay there, so the next read is local.
 
 What a fetch is verified against, strongest first: the manifest's chunk
 digests (whose whole-file digest must match the journal's, for files this node
@@ -27,8 +41,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import errno
+import functools
 import json
 import logging
 import os
@@ -42,16 +58,24 @@ from .fileio import pread_full, pwrite_full
 from .journal import InodeRow, Journal
 from .localtier import LocalTier
 from .objects import Manifest, ObjectStore
-from .remote.retry import RetryPolicy
+from .remote.retry import RetryPolicy, describe_error
 
 log = logging.getLogger("burstfs.restore")
 
 # Chunk size for objects without a manifest (written by other tools): large
 # enough to amortize a GET, small enough that a random read stays cheap.
 UNVERIFIED_CHUNK = 8 * 1024 * 1024
-# The prefetch window grows to this many chunks (8 MiB each: 128 MiB ahead),
+# The ranged prefetch window grows to this many chunks (8 MiB each: 128 MiB ahead),
 # enough to keep a fast remote busy; memory use is bounded by `concurrency`.
 MAX_WINDOW_CHUNKS = 16
+# A stream writes its body to the tier in pieces of this size (one thread hop each).
+STREAM_PIECE = 1 << 20
+# A stream lands at most this far beyond what its reader has asked for (tier space, not memory).
+MAX_STREAM_LEAD = 256 << 20
+# Streams at once (each holds one connection); more sequential readers get ranged chunks.
+MAX_STREAMS = 8
+# A stream that has waited this long for its reader to move on ends (its connection is released).
+STREAM_IDLE_S = 20.0
 # Ranged GETs in flight for all files together: shared fairly (FIFO) by every
 # file being restored, so 8 ranks reading shards each get their share.
 FETCH_CONCURRENCY = 16
@@ -82,9 +106,11 @@ class _FileFetch:
     whole_digest: str | None = None
     verified: bool = False  # whole_digest checked over the complete local file
     present: set[int] = dataclasses.field(default_factory=set)
-    in_flight: dict[int, asyncio.Task[None]] = dataclasses.field(default_factory=dict)
-    window: int = 1
+    in_flight: dict[int, asyncio.Task[None]] = dataclasses.field(default_factory=dict)  # ranged chunk fetches
+    window: int = 0  # ranged prefetch, in chunks beyond the last read
     next_offset: int = 0
+    run_start: int = 0  # where the current sequential run began
+    stream: _Stream | None = None
     contiguous: int = 0  # chunks present from the start without a gap
     fd: int | None = None
     fd_users: int = 0  # pwrites in flight on fd (in threads)
@@ -96,12 +122,40 @@ class _FileFetch:
         return (self.size + self.chunk_size - 1) // self.chunk_size
 
     @property
+    def streamable(self) -> bool:
+        """Stored bytes are the file's bytes (no compressed chunk): a stream can land them as they come."""
+        return self.manifest is None or all(c.codec == "raw" for c in self.manifest.chunks)
+
+    def chunk_start(self, index: int) -> int:
+        return min(index * self.chunk_size, self.size)
+
+    @property
     def verification(self) -> str:
         if self.manifest is not None:
             return "manifest"
         if self.expected_chunks is not None:
             return "journal_chunks"
         return "journal_digest" if self.whole_digest else "none"
+
+
+@dataclasses.dataclass(eq=False)
+class _Stream:
+    """One streaming GET of chunks ``[next_chunk, end_chunk)`` of a file."""
+
+    next_chunk: int  # the chunk landing now
+    end_chunk: int
+    limit: int  # no chunk starting at or beyond this offset is started (the reader's end plus its lead)
+    moved: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # limit raised, or the stream must stop
+    waiters: dict[int, asyncio.Future[None]] = dataclasses.field(default_factory=dict)
+    task: asyncio.Task[None] | None = None
+    landed_bytes: int = 0  # of the chunk landing now, already on the tier and hashed
+    hasher: xxhash.xxh3_64 = dataclasses.field(default_factory=xxhash.xxh3_64)  # of those bytes
+    skipping: bool = False  # the chunk landing now is present or fetched by a ranged GET: read past it
+
+    def extend(self, limit: int) -> None:
+        if limit > self.limit:
+            self.limit = limit
+            self.moved.set()
 
 
 class RestoreService:
@@ -121,6 +175,8 @@ class RestoreService:
         self.fetched_bytes = 0
         self.max_open_fds = max(1, max_open_fds)
         self._slots = asyncio.Semaphore(concurrency)
+        self.max_streams = MAX_STREAMS
+        self._streams = 0
         self._files: dict[int, _FileFetch] = {}
         self._opening: dict[int, asyncio.Future[_FileFetch]] = {}
         self._open_fds: collections.OrderedDict[int, _FileFetch] = collections.OrderedDict()  # LRU, oldest first
@@ -128,6 +184,12 @@ class RestoreService:
         self.listing_retry = LISTING_RETRY
         self._tasks = OwnedTasks()  # every chunk fetch, prefetches included: aclose() ends them
         self.listing_timeout = LISTING_ATTEMPT_TIMEOUT_S
+        self.stream_idle_s = STREAM_IDLE_S
+        self.stream_piece = STREAM_PIECE
+
+    def warm(self) -> None:
+        """Prepare the remote's client and a connection now (the mover starts), not in the first read."""
+        self._tasks.start(self.store.remote.warm())
 
     @property
     def open_fds(self) -> int:
@@ -183,22 +245,35 @@ class RestoreService:
         fetch = await self._fetch_state(ino)
         if fetch.size == 0:
             return await self._complete(fetch)
+        end = min(offset + length, fetch.size)
+        whole = offset == 0 and end >= fetch.size  # a prefetch, or a file opened for writing
         if fetch.whole_digest is not None:
             # Only the whole file can be checked: fetch all of it before serving a byte.
-            await asyncio.gather(*[self._chunk(fetch, i) for i in range(fetch.chunks)])
-            return await self._complete(fetch)
-        end = min(offset + length, fetch.size)
+            offset, end, whole = 0, fetch.size, True
         first, last = offset // fetch.chunk_size, max(offset, end - 1) // fetch.chunk_size
         # Sequential: where the last read ended, or further on inside the gap-free
         # local prefix (the core serves reads there without asking).
-        if offset == fetch.next_offset or fetch.next_offset < offset <= self._contiguous(fetch):
-            fetch.window = min(fetch.window * 2, MAX_WINDOW_CHUNKS)
-        else:
-            fetch.window = 1
+        if not (offset == fetch.next_offset or fetch.next_offset < offset <= self._contiguous(fetch)):
+            fetch.run_start = offset
         fetch.next_offset = end
+        run = end - fetch.run_start
+        # Beyond this read, a stream or the ranged window goes as far as this run has read already:
+        # a reader that stops (at the end of a tensor) has fetched at most about twice what it read.
+        ahead = run if run > length else 0
+        lead = fetch.size if whole else min(ahead, MAX_STREAM_LEAD)
+        stream = fetch.stream
+        at_stream = stream is not None and fetch.chunk_start(first) <= stream.limit  # a read the stream is serving
+        if (
+            self._streaming(fetch)
+            and (whole or at_stream or fetch.run_start < fetch.chunk_size)
+            and self._stream_to(fetch, first, end + lead)
+        ):
+            fetch.window = 0
+        else:
+            fetch.window = min(ahead // 2 // fetch.chunk_size, MAX_WINDOW_CHUNKS)  # prefetches can outlive the reader
+            for i in range(last + 1, min(last + 1 + fetch.window, fetch.chunks)):
+                self._chunk(fetch, i)  # prefetch: not awaited
         needed = [self._chunk(fetch, i) for i in range(first, min(last, fetch.chunks - 1) + 1)]
-        for i in range(last + 1, min(last + 1 + fetch.window, fetch.chunks)):
-            self._chunk(fetch, i)  # prefetch: not awaited
         await asyncio.gather(*needed)
         return await self._complete(fetch)
 
@@ -311,12 +386,14 @@ class RestoreService:
             fd, fetch.fd = fetch.fd, None
             os.close(fd)
 
-    async def _write(self, fetch: _FileFetch, data: bytes, offset: int) -> None:
-        """pwrite ``data`` in a thread; the descriptor stays open until that thread is done,
-        even if this task is cancelled (forget) meanwhile."""
+    async def _write(
+        self, fetch: _FileFetch, data: bytes | memoryview, offset: int, hasher: xxhash.xxh3_64 | None = None
+    ) -> None:
+        """pwrite ``data`` (and hash it into ``hasher``) in a thread; the descriptor stays open
+        until that thread is done, even if this task is cancelled (forget) meanwhile."""
         fd = self._acquire_fd(fetch)
         try:
-            write = asyncio.ensure_future(asyncio.to_thread(pwrite_full, fd, data, offset))
+            write = asyncio.ensure_future(asyncio.to_thread(_write_hashed, fd, data, offset, hasher))
         except BaseException:
             self._release_fd(fetch)
             raise
@@ -332,15 +409,206 @@ class RestoreService:
     # -- chunks -----------------------------------------------------------------------
 
     def _chunk(self, fetch: _FileFetch, index: int) -> asyncio.Future[None]:
+        """A future for chunk ``index`` landing: done, a ranged fetch, or the stream passing it."""
         if index in fetch.present:
             done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             done.set_result(None)
             return done
         task = fetch.in_flight.get(index)
-        if task is None:
-            task = self._tasks.start(self._fetch_chunk(fetch, index))
-            fetch.in_flight[index] = task
+        if task is not None:
+            return task
+        stream = fetch.stream
+        if (
+            stream is not None
+            and stream.next_chunk <= index < stream.end_chunk
+            and fetch.chunk_start(index) < stream.limit
+        ):
+            waiter = stream.waiters.get(index)
+            if waiter is None:
+                waiter = stream.waiters[index] = asyncio.get_running_loop().create_future()
+            return waiter
+        task = self._tasks.start(self._fetch_chunk(fetch, index))
+        fetch.in_flight[index] = task
         return task
+
+    # -- streams ----------------------------------------------------------------------
+
+    def _streaming(self, fetch: _FileFetch) -> bool:
+        return self.store.remote.prefers_streams and fetch.streamable
+
+    def _stream_to(self, fetch: _FileFetch, first: int, limit: int) -> bool:
+        """Have a stream land the chunks from ``first`` on, up to the chunk starting below ``limit``.
+
+        Extends the file's stream if it has not passed ``first``; otherwise starts one
+        from the first missing chunk (to the end of the file).  False when every stream
+        slot is taken: the caller fetches ranged chunks instead.
+        """
+        limit = min(limit, fetch.size)
+        stream = fetch.stream
+        if stream is not None and stream.next_chunk <= first:
+            stream.extend(limit)
+            return True
+        start = first
+        while start < fetch.chunks and (start in fetch.present or start in fetch.in_flight):
+            start += 1
+        if start >= fetch.chunks or fetch.chunk_start(start) >= limit:
+            return True  # everything up to the limit is here or on its way
+        if stream is not None:  # behind us: the stream already passed ``first``
+            stream.extend(limit)
+            if stream.next_chunk <= start:
+                return True
+        if self._streams >= self.max_streams:
+            return False
+        stream = _Stream(next_chunk=start, end_chunk=fetch.chunks, limit=limit)
+        if fetch.stream is None:
+            fetch.stream = stream
+        self._streams += 1
+        try:
+            stream.task = self._tasks.start(self._run_stream(fetch, stream))
+        except BaseException:
+            self._streams -= 1
+            if fetch.stream is stream:
+                fetch.stream = None
+            raise
+        stream.task.add_done_callback(functools.partial(self._stream_ended, fetch, stream))
+        return True
+
+    def _stream_ended(self, fetch: _FileFetch, stream: _Stream, task: asyncio.Task[None]) -> None:
+        """Give the slot back; readers still waiting get its error, or (it went idle) a ranged fetch each."""
+        self._streams -= 1
+        if fetch.stream is stream:
+            fetch.stream = None
+        error = None if task.cancelled() else task.exception()
+        for index, waiter in stream.waiters.items():
+            if waiter.done():
+                continue
+            if task.cancelled() or (error is None and fetch.closed):
+                waiter.cancel()
+            elif error is not None:
+                waiter.set_exception(error)
+                waiter.exception()  # retrieved: a reader that went away leaves no warning
+            else:
+                self._chunk(fetch, index).add_done_callback(functools.partial(_pass_outcome, waiter))
+
+    async def _run_stream(self, fetch: _FileFetch, stream: _Stream) -> None:
+        """Land the stream's chunks, resuming after temporary failures from the first byte not landed."""
+        remote, retry = self.store.remote, self.store.retry
+        failures, landed_at_failure = 0, -1
+        while stream.next_chunk < stream.end_chunk:
+            position = fetch.chunk_start(stream.next_chunk) + stream.landed_bytes
+            try:
+                if not await self._stream_body(fetch, stream, position):
+                    return  # the reader went idle, or the rest is here
+            except Exception as exc:
+                if not remote.is_temp_failure(exc):
+                    raise
+                here = fetch.chunk_start(stream.next_chunk) + stream.landed_bytes
+                failures = 1 if here != landed_at_failure else failures + 1  # progress restarts the count
+                landed_at_failure = here
+                what = f"get {fetch.key} bytes {here}-{fetch.chunk_start(stream.end_chunk)}"
+                if failures >= retry.attempts:
+                    raise RemoteError(
+                        f"{what}: remote {remote.url} unavailable after {failures} attempts: {describe_error(exc)}",
+                        kind="unavailable",
+                    ) from exc
+                delay = retry.backoff(failures)
+                log.warning(
+                    "event=stream_resumed key=%s offset=%d attempt=%d delay=%.2f error=%r",
+                    fetch.key,
+                    here,
+                    failures,
+                    delay,
+                    describe_error(exc),
+                )
+                await asyncio.sleep(delay)
+
+    async def _stream_body(self, fetch: _FileFetch, stream: _Stream, position: int) -> bool:
+        """One GET from ``position`` to the end of the stream's chunks; True if it must be resumed.
+
+        Each piece is written and hashed (one thread hop) as it arrives; a chunk is
+        marked present only once all of it landed and its digest matched.  A chunk
+        that is already present, or being fetched by a ranged GET, is read past.
+        """
+        end = fetch.chunk_start(stream.end_chunk)
+        pieces = self.store.remote.stream_range(fetch.key, position, end, self.stream_piece)
+        async with contextlib.aclosing(pieces):
+            async for piece in pieces:
+                view = memoryview(piece)
+                while view:
+                    index = stream.next_chunk
+                    chunk_start = fetch.chunk_start(index)
+                    if stream.landed_bytes == 0:
+                        stream.skipping = index in fetch.present or index in fetch.in_flight
+                        stream.hasher.reset()
+                    at = chunk_start + stream.landed_bytes
+                    take, view = view[: fetch.chunk_start(index + 1) - at], view[fetch.chunk_start(index + 1) - at :]
+                    if not stream.skipping:
+                        await self._write(fetch, take, at, stream.hasher)
+                        self.fetched_bytes += len(take)
+                    stream.landed_bytes += len(take)
+                    if at + len(take) < fetch.chunk_start(index + 1):
+                        continue
+                    if not stream.skipping:
+                        self._check_digest(fetch, index, stream.hasher.hexdigest())
+                        fetch.present.add(index)
+                    waiter = stream.waiters.pop(index, None)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(None)
+                    stream.next_chunk, stream.landed_bytes = index + 1, 0
+                    if stream.next_chunk >= stream.end_chunk:
+                        return False
+                    if not await self._stream_may_go_on(fetch, stream):
+                        return False
+        here = fetch.chunk_start(stream.next_chunk) + stream.landed_bytes
+        log.error(
+            "event=corrupt_data key=%s ino=%d range=%d-%d problem=%r",
+            fetch.key,
+            fetch.ino,
+            here,
+            end,
+            "object too short",
+        )
+        raise CorruptDataError(f"{fetch.key}: the remote object ends at byte {here}, expected {end}")
+
+    async def _stream_may_go_on(self, fetch: _FileFetch, stream: _Stream) -> bool:
+        """Wait (the GET stays open) until the reader lets the next chunk start; False once idle."""
+        while fetch.chunk_start(stream.next_chunk) >= stream.limit:
+            stream.moved.clear()
+            try:
+                await asyncio.wait_for(stream.moved.wait(), self.stream_idle_s)
+            except TimeoutError:
+                log.info("event=stream_idle key=%s offset=%d", fetch.key, fetch.chunk_start(stream.next_chunk))
+                return False
+        return True
+
+    def _check_digest(self, fetch: _FileFetch, index: int, digest: str) -> None:
+        """A chunk's xxh3-64 against the recorded one (CorruptDataError, logged, if it differs)."""
+        if fetch.manifest is not None:
+            expected: str | None = fetch.manifest.chunks[index].xxh3
+        elif fetch.expected_chunks is not None:
+            expected = fetch.expected_chunks[index]
+        else:
+            return  # checked over the whole file at the end, or nobody recorded digests
+        if digest == expected:
+            return
+        start, end = fetch.chunk_start(index), fetch.chunk_start(index + 1)
+        log.error(
+            "event=corrupt_data key=%s ino=%d range=%d-%d chunk=%d problem=%r",
+            fetch.key,
+            fetch.ino,
+            start,
+            end,
+            index,
+            f"xxh3 {digest}, expected {expected} ({fetch.verification})",
+        )
+        if fetch.manifest is None:
+            raise CorruptDataError(
+                f"{fetch.key}: bytes {start}-{end} do not match the checksum journaled when it was drained "
+                f"(xxh3 {digest}, expected {expected}; the remote object has no manifest)"
+            )
+        raise CorruptDataError(
+            f"{fetch.key}: bytes {start}-{end} do not match their checksum (xxh3 {digest}, expected {expected})"
+        )
 
     async def _fetch_chunk(self, fetch: _FileFetch, index: int) -> None:
         start = index * fetch.chunk_size
@@ -370,25 +638,7 @@ class RestoreService:
             fetch.in_flight.pop(index, None)
 
     async def _check_journal_chunk(self, fetch: _FileFetch, index: int, data: bytes) -> None:
-        assert fetch.expected_chunks is not None
-        digest = await asyncio.to_thread(xxhash.xxh3_64_hexdigest, data)
-        expected = fetch.expected_chunks[index]
-        if digest != expected:
-            start = index * fetch.chunk_size
-            end = start + len(data)
-            log.error(
-                "event=corrupt_data key=%s ino=%d range=%d-%d chunk=%d problem=%r",
-                fetch.key,
-                fetch.ino,
-                start,
-                end,
-                index,
-                f"xxh3 {digest}, journal {expected} (no manifest)",
-            )
-            raise CorruptDataError(
-                f"{fetch.key}: bytes {start}-{end} do not match the checksum journaled when it was drained "
-                f"(xxh3 {digest}, expected {expected}; the remote object has no manifest)"
-            )
+        self._check_digest(fetch, index, await asyncio.to_thread(xxhash.xxh3_64_hexdigest, data))
 
     async def _verify_whole(self, fetch: _FileFetch) -> None:
         """Check the complete local copy against the journal's whole-file digest (once, shared)."""
@@ -474,6 +724,8 @@ class RestoreService:
         fetch.closed = True
         for task in list(fetch.in_flight.values()):
             task.cancel()
+        if fetch.stream is not None and fetch.stream.task is not None:
+            fetch.stream.task.cancel()
         if fetch.fd_users == 0:
             self._close_fd(fetch)
 
@@ -523,6 +775,26 @@ class OwnedTasks:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _pass_outcome(waiter: asyncio.Future[None], source: asyncio.Future[None]) -> None:
+    """Settle ``waiter`` as ``source`` settled."""
+    if waiter.done():
+        return
+    if source.cancelled():
+        waiter.cancel()
+    elif source.exception() is not None:
+        waiter.set_exception(source.exception())  # type: ignore[arg-type]
+        waiter.exception()
+    else:
+        waiter.set_result(None)
+
+
+def _write_hashed(fd: int, data: bytes | memoryview, offset: int, hasher: xxhash.xxh3_64 | None) -> None:
+    """pwrite all of ``data``, then hash it (blocking: run in a thread)."""
+    pwrite_full(fd, data, offset)
+    if hasher is not None:
+        hasher.update(data)
 
 
 def _journal_chunks(row: InodeRow) -> tuple[str, ...] | None:

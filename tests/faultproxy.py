@@ -6,6 +6,7 @@ Sits between a client and moto::
         remote = S3Remote(url, S3Options(endpoint_url=proxy.endpoint))
         proxy.fail_next(3, status=503)                     # SlowDown x3
         proxy.reset_next(1, when="response", match="partNumber=")
+        proxy.reset_next(1, when="body", after=3 << 20)   # the response's first 3 MiB, then a reset
         proxy.delay_next(1, seconds=2.0)
         proxy.blackhole()    # accept every connection, read it, never answer
         proxy.pause()        # hold every request until resume(), then forward it
@@ -48,6 +49,7 @@ class _Rule:
     status: int = 503
     when: str = "request"
     seconds: float = 0.0
+    after: int = 0  # when="body": bytes of the response body sent before the reset
 
     def matches(self, request_line: str) -> bool:
         if self.match is None:
@@ -91,15 +93,16 @@ class FaultProxy:
         """Answer the next ``n`` matching requests with ``status`` and an S3 error body (503 = SlowDown)."""
         self._add(_Rule("fail", n, match, status=status))
 
-    def reset_next(self, n: int, when: str = "request", match: Match = None) -> None:
+    def reset_next(self, n: int, when: str = "request", match: Match = None, after: int = 0) -> None:
         """Reset the connection of the next ``n`` matching requests.
 
         when="request": mid-request, before the server sees it.
         when="response": after the server processed it, before the client gets the answer.
+        when="body": after the response head and ``after`` bytes of its body (a stream cut short).
         """
-        if when not in ("request", "response"):
-            raise ValueError(f"when must be 'request' or 'response', not {when!r}")
-        self._add(_Rule("reset", n, match, when=when))
+        if when not in ("request", "response", "body"):
+            raise ValueError(f"when must be 'request', 'response' or 'body', not {when!r}")
+        self._add(_Rule("reset", n, match, when=when, after=after))
 
     def delay_next(self, n: int, seconds: float, match: Match = None) -> None:
         """Hold the response to the next ``n`` matching requests for ``seconds``."""
@@ -280,10 +283,15 @@ class FaultProxy:
             await writer.drain()
         if rule is not None and rule.kind == "delay":
             await asyncio.sleep(rule.seconds)
-        if rule is not None and rule.kind == "reset":
+        if rule is not None and rule.kind == "reset" and rule.when != "body":
             _reset(writer)
             return
         writer.write(_with_connection_close(head))
+        if rule is not None and rule.kind == "reset":  # when="body": part of the body, then the reset
+            await _copy(up_reader, writer, rule.after)
+            await writer.drain()
+            _reset(writer)
+            return
         status = int(status_line.split(" ")[1])
         if not (request_line.startswith("HEAD ") or status in (204, 304)):
             length = headers.get("content-length")

@@ -14,19 +14,22 @@ import os
 import subprocess
 import threading
 import types
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 import xxhash
 from conftest import BIN, MountedFS, RemoteTarget, file_state, wait_for
+from faultproxy import FaultProxy
+from s3server import fresh_bucket
 
-from burstfs.config import parse_remote_url
+from burstfs.config import S3Options, parse_remote_url
 from burstfs.errors import CorruptDataError, FsError
 from burstfs.localtier import LocalTier
 from burstfs.objects import ChunkInfo, Manifest, ObjectStore, manifest_key
 from burstfs.remote import FileRemote, RetryPolicy
+from burstfs.remote.s3 import S3Remote
 from burstfs.restore import MAX_OPEN_FDS, MAX_WINDOW_CHUNKS, RestoreService
 
 T = TypeVar("T")
@@ -455,7 +458,8 @@ def test_object_nobody_recorded_digests_for_is_served_unverified(
 
 
 def test_sequential_reads_grow_the_prefetch_window_and_a_seek_resets_it(tmp_path: Path) -> None:
-    """The window doubles per sequential read (up to MAX_WINDOW_CHUNKS) and is one chunk after a seek."""
+    """The ranged window is half as many chunks as the sequential run has read (up to MAX_WINDOW_CHUNKS),
+    none after a seek: a reader that stops has fetched at most about 1.5 times what it read."""
     journal = FakeJournal()
     svc = service(tmp_path, journal)
     content = os.urandom(64 * CHUNK)
@@ -469,17 +473,20 @@ def test_sequential_reads_grow_the_prefetch_window_and_a_seek_resets_it(tmp_path
     async def body() -> None:
         await put_with_manifest(svc.store, "seq", content)
         journal.add(7, "seq", len(content))
-        # Windows 2, 4, 8, 16, 16 (capped): each read fetches its chunk and that many ahead.
-        assert [await read_chunk(i) for i in range(5)] == [3, 6, 11, 20, 21]
-        assert await read_chunk(40) == 23  # a seek: window 1 (chunk 40, then 41)
-        assert await read_chunk(41) == 25  # sequential again: window 2 (42, 43)
+        # Windows 0, 1, 1, 2, 2: each read fetches its chunk and half as many ahead as the run has read.
+        assert [await read_chunk(i) for i in range(5)] == [1, 3, 4, 6, 7]
+        assert await read_chunk(40) == 8  # a seek: no window (chunk 40 only)
+        assert await read_chunk(41) == 10  # sequential again: window 1 (42)
+        for i in range(5, 40):  # the window stops growing at MAX_WINDOW_CHUNKS
+            await read_chunk(i)
+        assert svc._files[7].window == MAX_WINDOW_CHUNKS
         await svc.aclose()
 
     run_async(body)
     assert MAX_WINDOW_CHUNKS == 16  # the numbers above assume it
     data = svc.tier.path(7).read_bytes()
     assert (
-        data[: 21 * CHUNK] == content[: 21 * CHUNK]
+        data[: 40 * CHUNK] == content[: 40 * CHUNK]
         and data[40 * CHUNK : 44 * CHUNK] == content[40 * CHUNK : 44 * CHUNK]
     )
 
@@ -530,7 +537,7 @@ def test_aclose_ends_the_prefetches_and_closes_the_descriptors(tmp_path: Path) -
     """The mover's stop (or crash) ends every chunk fetch the restore service started, prefetches
     included, and closes its descriptors; nothing is left running on a loop that is going away."""
     (tmp_path / "remote").mkdir()
-    remote = GatedRemote(tmp_path / "remote", hold_from=CHUNK)
+    remote = GatedRemote(tmp_path / "remote", hold_from=2 * CHUNK)
     journal = FakeJournal()
     svc = RestoreService(ObjectStore(remote, FAST_RETRY), journal, LocalTier(tmp_path / "cache"))  # type: ignore[arg-type]
     content = os.urandom(8 * CHUNK)
@@ -539,16 +546,147 @@ def test_aclose_ends_the_prefetches_and_closes_the_descriptors(tmp_path: Path) -
         await put_with_manifest(svc.store, "p.pt", content)
         journal.add(5, "p.pt", len(content))
         before = open_fd_count()
-        assert await svc.ensure_local(5, 0, CHUNK) == CHUNK  # chunk 0; chunks 1 and 2 prefetch and hang
+        assert await svc.ensure_local(5, 0, CHUNK) == CHUNK  # chunk 0
+        assert await svc.ensure_local(5, CHUNK, CHUNK) == 2 * CHUNK  # sequential: chunk 2 prefetches and hangs
         await remote.entered.wait()
         assert open_fd_count() == before + 1  # the data file, kept open for the prefetches
         tasks = [t for f in svc._files.values() for t in f.in_flight.values()]
         assert tasks
         await svc.aclose()
         assert all(t.done() for t in tasks) and open_fd_count() == before
-        assert svc.fetched_bytes == CHUNK and journal.updates == []
+        assert svc.fetched_bytes == 2 * CHUNK and journal.updates == []
         with pytest.raises(FsError) as info:  # asked for while the mover stops: EIO, nothing started
             await svc.ensure_local(5, 6 * CHUNK, CHUNK)
         assert info.value.errno == errno.EIO
+
+    run_async(body)
+
+
+# -- streams: a file read from its start comes as one GET (S3 on moto, behind the fault proxy) ----------
+
+S3_CHUNK = 64 * 1024
+
+
+@contextlib.asynccontextmanager
+async def s3_service(
+    endpoint: str, proxy: FaultProxy, journal: FakeJournal, tmp_path: Path
+) -> AsyncIterator[RestoreService]:
+    """A RestoreService over a fresh moto bucket reached through ``proxy``; pieces of 16 KiB."""
+    bucket = fresh_bucket(endpoint)
+    remote = S3Remote(parse_remote_url(f"s3://{bucket}/ckpts"), S3Options(endpoint_url=proxy.endpoint))
+    svc = RestoreService(ObjectStore(remote, FAST_RETRY), journal, LocalTier(tmp_path / "cache"))  # type: ignore[arg-type]
+    svc.stream_piece = 16 * 1024
+    try:
+        yield svc
+    finally:
+        await svc.aclose()
+        await remote.close()
+
+
+def gets_of(proxy: FaultProxy, key: str) -> int:
+    """GET requests for the object ``key`` (not its manifest) the proxy has seen."""
+    return sum(1 for line in proxy.requests if line.startswith("GET ") and f"/ckpts/{key} " in line)
+
+
+@pytest.fixture
+def proxy(s3_env: str) -> Iterator[FaultProxy]:
+    with FaultProxy(s3_env) as fault_proxy:
+        yield fault_proxy
+
+
+def test_a_read_from_the_start_streams_the_rest_in_one_get_within_twice_what_was_read(
+    tmp_path: Path, s3_env: str, proxy: FaultProxy
+) -> None:
+    """A sequential run from offset 0 is ONE GET whose lead grows with what was read (so a
+    reader that stops has fetched at most about twice what it read); a seek elsewhere gets ranged
+    chunks and no prefetch; the stream, allowed on, lands the rest of the file."""
+    journal = FakeJournal()
+    content = os.urandom(64 * S3_CHUNK)
+
+    async def body() -> None:
+        async with s3_service(s3_env, proxy, journal, tmp_path) as svc:
+            await put_with_manifest(svc.store, "seq.pt", content, S3_CHUNK)
+            journal.add(1, "seq.pt", len(content))
+            for i in range(4):  # 4 chunks read in 16 KiB reads
+                for offset in range(i * S3_CHUNK, (i + 1) * S3_CHUNK, 16 * 1024):
+                    await svc.ensure_local(1, offset, 16 * 1024)
+            await asyncio.sleep(0.3)  # the stream lands what its lead allows, then waits
+            fetch = svc._files[1]
+            assert fetch.stream is not None  # waiting for the reader, its GET open
+            assert 4 * S3_CHUNK < svc.fetched_bytes <= 2 * 4 * S3_CHUNK + S3_CHUNK
+            gets = gets_of(proxy, "seq.pt")
+            assert gets == 1  # the first read at offset 0 started the stream
+            assert await svc.ensure_local(1, 40 * S3_CHUNK + 5, 100) < 40 * S3_CHUNK  # a seek: one ranged chunk
+            assert 40 in fetch.present and 41 not in fetch.present and gets_of(proxy, "seq.pt") == gets + 1
+            assert await svc.ensure_local(1, 4 * S3_CHUNK, 60 * S3_CHUNK) == len(content)  # the rest: the same stream
+            assert gets_of(proxy, "seq.pt") == gets + 1
+            assert svc.fetched_bytes == len(content)  # no chunk landed twice (40 was read past)
+        assert svc.tier.path(1).read_bytes() == content
+        assert journal.updates and journal.updates[0][1][:2] == (1, len(content))
+
+    run_async(body)
+
+
+def test_a_prefetch_is_one_get(tmp_path: Path, s3_env: str, proxy: FaultProxy) -> None:
+    journal = FakeJournal()
+    content = os.urandom(20 * S3_CHUNK + 123)
+
+    async def body() -> None:
+        async with s3_service(s3_env, proxy, journal, tmp_path) as svc:
+            await put_with_manifest(svc.store, "all.pt", content, S3_CHUNK)
+            journal.add(2, "all.pt", len(content))
+            assert await svc.ensure_local(2, 0, len(content)) == len(content)
+            assert gets_of(proxy, "all.pt") == 1
+        assert svc.tier.path(2).read_bytes() == content
+
+    run_async(body)
+
+
+def test_a_streamed_chunk_that_does_not_match_is_a_clear_error_and_never_served(
+    tmp_path: Path, s3_env: str, proxy: FaultProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    journal = FakeJournal()
+    content = os.urandom(12 * S3_CHUNK)
+    damaged = bytearray(content)
+    damaged[7 * S3_CHUNK + 100] ^= 0x40
+
+    async def body() -> None:
+        async with s3_service(s3_env, proxy, journal, tmp_path) as svc:
+            await put_with_manifest(svc.store, "rot.pt", content, S3_CHUNK)
+            await svc.store.remote.put_object("rot.pt", bytes(damaged))  # the object rots; its manifest does not
+            journal.add(3, "rot.pt", len(content))
+            with caplog.at_level(logging.ERROR, logger="burstfs"), pytest.raises(CorruptDataError) as info:
+                await svc.ensure_local(3, 0, len(content))  # a prefetch: one stream
+            assert f"rot.pt: bytes {7 * S3_CHUNK}-{8 * S3_CHUNK} do not match" in str(info.value)
+            assert f"range={7 * S3_CHUNK}-{8 * S3_CHUNK}" in caplog.text
+            fetch = svc._files[3]
+            assert 7 not in fetch.present and set(range(7)) <= fetch.present
+            assert await svc.ensure_local(3, 0, 7 * S3_CHUNK) == 7 * S3_CHUNK  # what checked out is served
+            assert journal.updates == []
+            await svc.store.remote.put_object("rot.pt", content)  # repaired: the next read streams again
+            assert await svc.ensure_local(3, 0, len(content)) == len(content)
+        assert svc.tier.path(3).read_bytes() == content
+
+    run_async(body)
+
+
+def test_a_stream_cut_mid_body_resumes_from_the_bytes_already_landed(
+    tmp_path: Path, s3_env: str, proxy: FaultProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    journal = FakeJournal()
+    content = os.urandom(48 * S3_CHUNK + 999)
+
+    async def body() -> None:
+        async with s3_service(s3_env, proxy, journal, tmp_path) as svc:
+            await put_with_manifest(svc.store, "cut.pt", content, S3_CHUNK)
+            journal.add(4, "cut.pt", len(content))
+            proxy.reset_next(2, when="body", after=20 * S3_CHUNK + 5000, match="/ckpts/cut.pt ")
+            with caplog.at_level(logging.WARNING, logger="burstfs"):
+                assert await svc.ensure_local(4, 0, len(content)) == len(content)
+            assert proxy.injected == 2 and gets_of(proxy, "cut.pt") == 3
+            assert svc.fetched_bytes == len(content)  # resumed where the bytes stopped landing, never from 0
+            resumed = [line for line in caplog.text.splitlines() if "event=stream_resumed key=cut.pt" in line]
+            assert len(resumed) == 2 and "offset=0 " not in resumed[0]
+        assert svc.tier.path(4).read_bytes() == content
 
     run_async(body)

@@ -14,7 +14,7 @@ copy), which a caller could not restart on its own.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 from ..config import RemoteURL
@@ -62,6 +62,9 @@ class Remote(abc.ABC):
     min_part_size: int = 0
     #: Most parts one multipart upload may have (S3: 10,000).
     max_parts: int = 10_000
+    #: A file read from its start is best fetched as one streaming GET (:meth:`stream_range`)
+    #: rather than as parallel ranged GETs (the restore's two plans, see burstfs.restore).
+    prefers_streams: bool = False
 
     @abc.abstractmethod
     async def check(self) -> None:
@@ -88,6 +91,24 @@ class Remote(abc.ABC):
     @abc.abstractmethod
     async def get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)``, shorter at the end of the object; RemoteNotFound if missing."""
+
+    async def stream_range(self, key: str, start: int, end: int, piece: int) -> AsyncGenerator[bytes, None]:
+        """Bytes ``[start, end)`` in pieces of ``piece`` bytes (the last one shorter), as they arrive.
+
+        Fewer bytes than asked for (the object is shorter, or the connection ended
+        early) is not an error here: the caller sees where the pieces stopped and
+        resumes from there.  This fallback reads one ranged piece after another;
+        remotes with a streaming read (S3: one GET) override it.
+        """
+        while start < end:
+            data = await self.get_range(key, start, min(start + piece, end))
+            if not data:
+                return
+            yield data
+            start += len(data)
+
+    async def warm(self) -> None:  # noqa: B027 (most remotes have nothing to prepare)
+        """Prepare for the first request (clients, connections) so that a read does not pay for it."""
 
     @abc.abstractmethod
     async def head(self, key: str) -> ObjectInfo | None:

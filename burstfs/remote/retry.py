@@ -63,11 +63,16 @@ async def retrying(
                     f"{what}: remote {remote.url} unavailable after {attempts} attempts: {describe_error(exc)}",
                     kind="unavailable",
                 ) from exc
-            delay = random.uniform(0.0, min(max_delay, base_delay * 2 ** (attempt - 1)))
+            delay = backoff(attempt, base_delay, max_delay)
             log.warning(
                 "remote retry what=%r attempt=%d delay=%.2f error=%r", what, attempt, delay, describe_error(exc)
             )
             await asyncio.sleep(delay)
+
+
+def backoff(attempt: int, base_delay: float, max_delay: float) -> float:
+    """The full-jitter delay before retry ``attempt`` (1-based)."""
+    return random.uniform(0.0, min(max_delay, base_delay * 2 ** (attempt - 1)))
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,10 @@ class RetryPolicy:
     attempts: int = 8
     base_delay: float = 0.1
     max_delay: float = 10.0
+
+    def backoff(self, attempt: int) -> float:
+        """The delay before retry ``attempt`` (1-based) of a caller that retries on its own."""
+        return backoff(attempt, self.base_delay, self.max_delay)
 
     async def call(self, remote: Remote, fn: Callable[..., Awaitable[T]], *args: Any, what: str, **kw: Any) -> T:
         """:func:`retrying` with this policy."""

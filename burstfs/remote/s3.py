@@ -17,7 +17,7 @@ import hashlib
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -66,6 +66,7 @@ _TEMP_EXCEPTIONS: tuple[type[BaseException], ...] = (
     botocore.exceptions.ReadTimeoutError,
     botocore.exceptions.ConnectTimeoutError,
     botocore.exceptions.ResponseStreamingError,
+    botocore.exceptions.IncompleteReadError,  # a body shorter than its Content-Length (a dropped connection)
     aiohttp.ClientError,
     TimeoutError,
     ConnectionError,
@@ -134,6 +135,7 @@ class S3Remote(Remote):
     """``s3://bucket/prefix`` through one aiobotocore client, created on first use."""
 
     min_part_size = 5 * 1024**2
+    prefers_streams = True  # one GET per sequentially read file: per-request costs (and moto's) paid once
 
     def __init__(
         self,
@@ -363,6 +365,47 @@ class S3Remote(Remote):
         if "ContentRange" not in response:  # a store that ignored Range sent the whole object
             return data[start:end]
         return data
+
+    async def stream_range(self, key: str, start: int, end: int, piece: int) -> AsyncGenerator[bytes, None]:
+        """Bytes ``[start, end)`` as ONE GET, its body handed on in ``piece``-byte pieces as it arrives.
+
+        A body that ends early (a reset connection) raises a temporary error after
+        the pieces that did arrive; the caller resumes from there.
+        """
+        if end <= start:
+            return
+        what = f"get {key} bytes {start}-{end}"
+        try:
+            response = await self._call("get_object", what, Key=self._full(key), Range=f"bytes={start}-{end - 1}")
+        except RemoteError as exc:
+            if exc.kind == "invalid_range":  # start at or past the end of the object
+                return
+            raise
+        ranged = "ContentRange" in response  # a store that ignored Range sends the whole object
+        left = min(end - start, int(response.get("ContentLength", end)) - (0 if ranged else start))
+        async with response["Body"] as body:
+            skip = 0 if ranged else start
+            while skip > 0:
+                data = await body.read(min(skip, piece))
+                if not data:
+                    return
+                skip -= len(data)
+            while left > 0:
+                want = min(piece, left)
+                parts: list[bytes] = []
+                while want > 0:
+                    data = await body.read(want)
+                    if not data:
+                        raise ConnectionError(f"{what}: the body ended {left - sum(map(len, parts))} bytes early")
+                    parts.append(data)
+                    want -= len(data)
+                left -= sum(map(len, parts))
+                yield parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def warm(self) -> None:
+        """Create the client and open a connection (a HEAD of the bucket) before the first read needs them."""
+        with contextlib.suppress(Exception):  # the first real request reports any problem
+            await self._call("head_bucket", "warm")
 
     async def head(self, key: str) -> ObjectInfo | None:
         try:
