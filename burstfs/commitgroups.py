@@ -39,6 +39,7 @@ from typing import Any
 
 from .errors import CorruptDataError, RemoteError
 from .journal import DONE, INCOMPLETE, WRITING, InodeRow, Journal
+from .journal.thread import JournalCall
 from .objects import Manifest, manifest_key
 from .remote import INTERNAL_DIR, Remote, RetryPolicy
 
@@ -180,14 +181,21 @@ class CommitGroups:
     """This node's side of cross-node commits; lives with the mover, on its loop.
 
     ``writing_in`` is called from the FUSE thread (thread-safe, no I/O); everything
-    else runs on the mover's asyncio loop.
+    else runs on the mover's asyncio loop, its journal reads and writes through
+    ``journal_call`` (the mover's journal thread).
     """
 
     def __init__(
-        self, node_id: str, journal: Journal, is_marker: Callable[[str], bool], wake: Callable[[], None]
+        self,
+        node_id: str,
+        journal: Journal,
+        is_marker: Callable[[str], bool],
+        wake: Callable[[], None],
+        journal_call: JournalCall,
     ) -> None:
         self.node_id = node_id
         self.journal = journal
+        self._db = journal_call
         self.is_marker = is_marker
         self._wake = wake
         self._lock = threading.Lock()
@@ -233,17 +241,19 @@ class CommitGroups:
 
     # -- the mover's loop ------------------------------------------------------------
 
-    def load(self) -> None:
+    async def load(self) -> None:
         """This node's groups and abandons as journaled (a restart continues their rounds)."""
+        own = await self._db(self.journal.meta_items, _META_GROUP)
+        abandoned = await self._db(self.journal.meta_items, _META_ABANDONED)
         with self._lock:
-            for key, value in self.journal.meta_items(_META_GROUP):
+            for key, value in own:
                 try:
                     group = OwnGroup.from_json(value)
                 except (ValueError, TypeError) as exc:
                     log.error("event=group_unreadable key=%s error=%r", key, exc)
                     continue
                 self.groups.setdefault(group.dir_key, group)
-            for key, value in self.journal.meta_items(_META_ABANDONED):
+            for key, value in abandoned:
                 self.abandoned[key[len(_META_ABANDONED) :]] = float(value)
 
     async def wait_intent(self, dir_key: str, timeout: float) -> bool:  # noqa: ASYNC109 (a bound asked from the trio side)
@@ -255,14 +265,17 @@ class CommitGroups:
             await asyncio.wait_for(event.wait(), timeout)
         return self.intent_out(dir_key)
 
-    def has_work(self) -> bool:
+    async def has_work(self) -> bool:
         """Records that can be published now (a drain that runs until idle waits for them;
         a round with a file that never becomes durable is not one)."""
         with self._lock:
-            groups = list(self.groups.values())
-        return bool(self._commits) or any(
-            not g.intent or (not g.done and self._members(set(g.members), g.dir_key) is not None) for g in groups
-        )
+            groups = [(g.intent, g.done, set(g.members), g.dir_key) for g in self.groups.values()]
+        if self._commits:
+            return True
+        for intent, done, members, dir_key in groups:
+            if not intent or (not done and await self._db(self._members, members, dir_key) is not None):
+                return True
+        return False
 
     async def step(self, remote: Remote) -> None:
         """Publish due intents and dones (and their journaled state); never raises for the remote."""
@@ -272,8 +285,10 @@ class CommitGroups:
             pending = [g for g in self.groups.values() if not (g.intent and g.done)]
             dirty = {key: self.groups[key] for key in self._dirty if key in self.groups}
             self._dirty.clear()
-        for group in dirty.values():
-            self.journal.set_meta(f"{_META_GROUP}{group.dir_key}", group.to_json())
+        if dirty:
+            await self._db(
+                self.journal.set_metas, [(f"{_META_GROUP}{group.dir_key}", group.to_json()) for group in dirty.values()]
+            )
         for group in pending:
             if self._retry_at.get(group.dir_key, 0.0) > now:
                 continue
@@ -332,7 +347,7 @@ class CommitGroups:
         A file still open for writing (or left open by a crash: ``incomplete``) is
         not waited for: a checkpoint's files are closed before its marker is
         written, and a later close joins the next round (a log file kept open in
-        a checkpoint directory holds nothing back)."""
+        a checkpoint directory holds nothing back).  Journal reads only: runs on the journal thread."""
         rows = []
         for ino in sorted(members):
             row = self.journal.inode(ino)
@@ -349,7 +364,7 @@ class CommitGroups:
     async def _maybe_done(self, remote: Remote, group: OwnGroup) -> None:
         with self._lock:
             members, touches = set(group.members), group.touches
-        rows = self._members(members, group.dir_key)
+        rows = await self._db(self._members, members, group.dir_key)
         if rows is None:
             return
         with self._lock:
@@ -357,9 +372,10 @@ class CommitGroups:
                 return  # a file was opened or closed meanwhile: look again on the next pass
             group.sealed = True  # from here on, an open in this directory starts the next round
             self._dirty.add(group.dir_key)
+        paths = await self._db(self.journal.paths_of, [r.ino for r in rows])
         files = [
-            {"path": self.journal.path_of(r.ino), "size": r.size, "digest": r.digest, "generation": r.generation}
-            for r in rows
+            {"path": path, "size": r.size, "digest": r.digest, "generation": r.generation}
+            for r, path in zip(rows, paths, strict=True)
         ]
         key = record_key(group.dir_key, self.node_id, group.round, DONE_RECORD)
         doc = {"node": self.node_id, "round": group.round, "dir": group.dir_key, "time": time.time(), "files": files}
@@ -505,7 +521,7 @@ class CommitGroups:
             await self._create(remote, key, {"by": self.node_id, "time": time.time()})
         now = time.time()
         self.abandoned[dir_key] = now
-        self.journal.set_meta(f"{_META_ABANDONED}{dir_key}", repr(now))
+        await self._db(self.journal.set_meta, f"{_META_ABANDONED}{dir_key}", repr(now))
         self.verdicts.pop(dir_key, None)
         log.warning("event=checkpoint_abandoned dir=%s intents=%d", dir_key, len(verdict.waiting))
         return verdict.waiting

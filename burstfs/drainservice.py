@@ -134,10 +134,7 @@ class DrainService:
     async def retry_failed(self) -> int:
         """Requeue failed files and lift a halt, on the mover's loop; how many were requeued."""
 
-        async def retry() -> int:
-            return self.mover.retry_failed()
-
-        return await self.on_mover_loop(retry())
+        return await self.on_mover_loop(self.mover.retry_failed())
 
     def writing_in(self, ino: int, dir_key: str, name: bytes) -> None:
         self.call_soon(self.mover.groups.writing_in, ino, dir_key, name)

@@ -26,7 +26,9 @@ Contract (see docs/SEMANTICS.md):
   that file, never the loop.
 
 Serialization: claims, deletes and relocations are decided one at a time on
-the main loop; only uploads run concurrently, each holding its key.
+the main loop; only uploads run concurrently, each holding its key.  Every
+journal call runs on the mover's journal thread (``JournalThread``), never on
+the loop; a loop that would ask many small questions asks one batched call.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -42,17 +45,22 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 from .commitgroups import CommitGroups
 from .config import DrainOptions, RemoteURL, S3Options, default_node_id, is_commit_marker
 from .errors import HALT, OBJECT, CorruptDataError, RemoteError, UploadCancelled, error_scope
 from .journal import InodeRow, Journal
+from .journal.thread import JournalThread
 from .localtier import LocalTier
 from .objects import FileDigests, ObjectStore
 from .remote import INTERNAL_DIR, Remote, open_remote
 from .restore import LAYOUT_KEY, RestoreService
 
 log = logging.getLogger("burstfs.mover")
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 # The journal's event log keeps this many recent events (checked every 10 minutes).
 EVENTS_KEPT = 200_000
@@ -157,6 +165,7 @@ class Mover:
         self.options = options
         self.journal = Journal(self.cache_dir)
         self._journal_open = True
+        self._journal_thread: JournalThread | None = None
         self.tier_paths = LocalTier(self.cache_dir)
         self.stats = MoverStats()
         self.remote: Remote | None = remote
@@ -185,7 +194,7 @@ class Mover:
         self._delete_retry: dict[str, float] = {}  # key -> earliest retry of its delete
         self._durable_listeners: list[Callable[[int, float], None]] = []  # (bytes, seconds) of each durable file
         self.node_id = options.node_id or default_node_id()
-        self.groups = CommitGroups(self.node_id, self.journal, self._is_marker_name, self.wake)
+        self.groups = CommitGroups(self.node_id, self.journal, self._is_marker_name, self.wake, self._db)
 
     def on_durable(self, listener: Callable[[int, float], None]) -> None:
         """Call ``listener(bytes, seconds)`` on the mover thread for each file made durable
@@ -215,9 +224,9 @@ class Mover:
         self._relocate_retry = dict.fromkeys(self._relocate_retry, 0.0)
         self.wake()
 
-    def retry_failed(self) -> int:
-        """Requeue failed files and lift a halt; returns how many files were requeued."""
-        count = self.journal.drain.retry_failed()
+    async def retry_failed(self) -> int:
+        """Requeue failed files and lift a halt (on the mover's loop); returns how many files were requeued."""
+        count = await self._db(self.journal.drain.retry_failed)
         self.stats.halted = None
         self.drain_now()
         return count
@@ -237,6 +246,11 @@ class Mover:
         self._stopping = True
         self.wake()
 
+    async def _db(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """A journal call, on the journal thread (the loop goes on meanwhile)."""
+        assert self._journal_thread is not None
+        return await self._journal_thread.call(fn, *args, **kwargs)
+
     # -- main loop ---------------------------------------------------------------
 
     async def run(self, *, until_idle: bool = False) -> None:
@@ -246,8 +260,9 @@ class Mover:
         """
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
+        self._journal_thread = JournalThread()
         if not self._journal_open:
-            self.journal = Journal(self.cache_dir)
+            self.journal = await self._db(Journal, self.cache_dir)
             self._journal_open = True
         if self.remote is None:
             self.remote = open_remote(
@@ -255,14 +270,12 @@ class Mover:
             )
         self._hook_uploads(self.remote)
         self.store = ObjectStore(
-            self.remote,
-            on_upload_started=self.journal.drain.upload_started,
-            on_upload_ended=self.journal.drain.upload_ended,
+            self.remote, on_upload_started=self._upload_started, on_upload_ended=self._upload_ended
         )
         self.restore = RestoreService(self.store, self.journal, self.tier_paths)
         self.restore.warm()
         self.groups.journal = self.journal
-        self.groups.load()
+        await self.groups.load()
         self._in_flight.clear()
         self._relocate_needed = self._relocate_full = True
         tasks: set[asyncio.Task[None]] = set()
@@ -270,7 +283,7 @@ class Mover:
         failures = 0
         self._ready.set()
         try:
-            self._recover()
+            await self._recover()
             await self._abort_stale_uploads()
             await self._record_layout()
             gate = asyncio.create_task(self.groups.poll(self.remote))  # cancelled with the uploads below
@@ -285,16 +298,16 @@ class Mover:
                     if not tasks:  # no upload in flight: every recorded one is left over
                         await self._retry_stale_uploads()
                     await self._process_deletes()
-                    self._prune_events()
+                    await self._prune_events()
                     await self._relocate_renamed()
-                    for row in self._eligible(self.options.max_files - len(tasks)):
-                        claimed = self._claim(row)
+                    for row in await self._eligible(self.options.max_files - len(tasks)):
+                        claimed = await self._claim(row)
                         if claimed is None:
                             continue
                         task = asyncio.create_task(self._drain_file(row, *claimed))
                         tasks.add(task)
                         task.add_done_callback(tasks.discard)
-                    if until_idle and not tasks and not self._has_pending_work():
+                    if until_idle and not tasks and not await self._has_pending_work():
                         break
                     failures = 0
                 except Exception as exc:  # never the end of the drain: log, back off, go on
@@ -321,24 +334,33 @@ class Mover:
                 await self.remote.close()
             if self._own_remote:
                 self.remote = None
-            self.journal.close()
+            with contextlib.suppress(Exception):
+                await self._db(self.journal.close)
             self._journal_open = False
+            thread, self._journal_thread = self._journal_thread, None
+            await asyncio.to_thread(thread.close)  # the call in progress, if any, ends first
             self._loop = None
 
     def _hook_uploads(self, remote: Remote) -> None:
         """Remotes that start multipart uploads of their own (S3 copies) record them too."""
         if hasattr(remote, "on_upload_started") and hasattr(remote, "on_upload_ended"):
-            setattr(remote, "on_upload_started", self.journal.drain.upload_started)  # noqa: B010 (not in Remote)
-            setattr(remote, "on_upload_ended", self.journal.drain.upload_ended)  # noqa: B010
+            setattr(remote, "on_upload_started", self._upload_started)  # noqa: B010 (not in Remote)
+            setattr(remote, "on_upload_ended", self._upload_ended)  # noqa: B010
+
+    async def _upload_started(self, key: str, upload_id: str) -> None:
+        await self._db(self.journal.drain.upload_started, key, upload_id)
+
+    async def _upload_ended(self, upload_id: str) -> None:
+        await self._db(self.journal.drain.upload_ended, upload_id)
 
     async def _sleep(self, seconds: float) -> None:
         assert self._wakeup is not None
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._wakeup.wait(), seconds)
 
-    def _recover(self) -> None:
+    async def _recover(self) -> None:
         """Uploads cut short by a crash start again from their staged bytes."""
-        requeued = self.journal.drain.recover()
+        requeued = await self._db(self.journal.drain.recover)
         if requeued:
             log.info("event=drain_recover requeued=%d", requeued)
 
@@ -346,7 +368,7 @@ class Mover:
         """Abort the multipart uploads this cache started and never finished (never another node's)."""
         assert self.store is not None
         try:
-            aborted = await self.store.abort_stale_uploads(self.journal.drain.own_uploads())
+            aborted = await self.store.abort_stale_uploads(await self._db(self.journal.drain.own_uploads))
         except RemoteError as exc:
             if error_scope(exc) == HALT:
                 self._halt(exc)
@@ -358,17 +380,17 @@ class Mover:
 
     async def _retry_stale_uploads(self) -> None:
         """Abort again the uploads whose abort failed (call only while none is in flight)."""
-        if time.monotonic() < self._next_stale_abort or not self.journal.drain.own_uploads():
+        if time.monotonic() < self._next_stale_abort or not await self._db(self.journal.drain.own_uploads):
             return
         self._next_stale_abort = time.monotonic() + STALE_UPLOAD_RETRY_S
         await self._abort_stale_uploads()
 
-    def _prune_events(self) -> None:
+    async def _prune_events(self) -> None:
         """Keep the event log bounded on long runs (status and `journal` read the recent end)."""
         if time.monotonic() < self._next_prune:
             return
         self._next_prune = time.monotonic() + EVENT_PRUNE_EVERY_S
-        self.journal.prune_events(EVENTS_KEPT)
+        await self._db(self.journal.prune_events, EVENTS_KEPT)
 
     async def _record_layout(self) -> None:
         """Tell readers of this prefix that object sizes may be compressed sizes."""
@@ -401,19 +423,19 @@ class Mover:
 
     # -- choosing what to drain -------------------------------------------------------
 
-    def _has_pending_work(self) -> bool:
-        return self.journal.drain.has_work() or self.groups.has_work()
+    async def _has_pending_work(self) -> bool:
+        return await self._db(self.journal.drain.has_work) or await self.groups.has_work()
 
     def _is_marker_name(self, name: str) -> bool:
         return is_commit_marker(name, self.options.commit_markers)
 
-    def _held_by_other_nodes(self, row: InodeRow) -> bool:
-        """A marker waits for every node with an intent under its directory (docs/SEMANTICS.md "Many nodes")."""
-        key = self.journal.path_of(row.ino)
-        return key is not None and self.groups.holds(row, key)
+    async def _eligible(self, slots: int) -> list[InodeRow]:
+        """Staged files in close order, respecting commit markers (invariant 5), delay and backoff.
 
-    def _eligible(self, slots: int) -> list[InodeRow]:
-        """Staged files in close order, respecting commit markers, delay and backoff."""
+        One journal call reads the candidates and what holds each marker back; the
+        choice among them (in flight, backing off, other nodes' intents) is made here,
+        on the loop that owns that state.
+        """
         if slots <= 0 or self.stats.halted is not None:
             return []
         now = time.time()
@@ -426,22 +448,27 @@ class Mover:
         def is_marker(row: InodeRow) -> bool:
             return self._is_marker_name(os.fsdecode(row.name))
 
-        chosen = self.journal.drain.eligible(
-            slots,
-            limit,
-            closed_before=now - delay,
-            is_marker=is_marker,
-            skip=lambda row: (
-                row.ino in self._in_flight
-                or self._not_before.get(row.ino, 0) > now
-                or (is_marker(row) and self._held_by_other_nodes(row))
-            ),
-        )
+        chosen: list[InodeRow] = []
+        for candidate in await self._db(
+            self.journal.drain.candidates, limit, closed_before=now - delay, is_marker=is_marker
+        ):
+            row = candidate.row
+            if row.ino in self._in_flight or self._not_before.get(row.ino, 0) > now:
+                continue
+            if is_marker(row):
+                # A marker waits for every node with an intent under its directory (docs/SEMANTICS.md "Many nodes").
+                if candidate.marker_key is not None and self.groups.holds(row, candidate.marker_key):
+                    continue
+                if candidate.marker_blocked:
+                    continue
+            chosen.append(row)
+            if len(chosen) >= slots:
+                break
         if not chosen:
             self._skip_delay = False
         return chosen
 
-    def _claim(self, row: InodeRow) -> tuple[str, int, float] | None:
+    async def _claim(self, row: InodeRow) -> tuple[str, int, float] | None:
         """Take ``row``'s key for its upload, or leave it staged while another inode holds the key.
 
         Runs on the main loop, between deletes and relocations, so no delete or
@@ -449,7 +476,7 @@ class Mover:
         (``upload_key`` and ``_in_flight``) until it is recorded or given up.
         """
         started = time.time()
-        claimed = self.journal.drain.claim(row.ino, row.generation)
+        claimed = await self._db(self.journal.drain.claim, row.ino, row.generation)
         if claimed is None:
             return None
         if isinstance(claimed, int):
@@ -481,49 +508,56 @@ class Mover:
                 mode=row.mode,
                 concurrency=self.options.concurrency,
                 compress=self.options.compress,
-                cancel_check=lambda: self.journal.drain.superseded(ino, generation),
+                cancel_check=functools.partial(self._db, self.journal.drain.superseded, ino, generation),
             )
             if digests is None:  # taken during the upload: journal them for verify and the xattr
-                self.journal.drain.record_digests(
-                    ino, generation, manifest.digest, [c.xxh3 for c in manifest.chunks], manifest.chunk_size
+                await self._db(
+                    self.journal.drain.record_digests,
+                    ino,
+                    generation,
+                    manifest.digest,
+                    [c.xxh3 for c in manifest.chunks],
+                    manifest.chunk_size,
                 )
-            if self._finish(row, key, manifest.size, started, intent) and self._is_marker_name(os.fsdecode(row.name)):
+            if await self._finish(row, key, manifest.size, started, intent) and self._is_marker_name(
+                os.fsdecode(row.name)
+            ):
                 self.groups.marker_durable(row, key, manifest.size, manifest.digest)
         except (asyncio.CancelledError, UploadCancelled) as exc:
-            self._requeue(ino, generation, None)  # stopping, or the file changed: drains again
+            await self._requeue(ino, generation, None)  # stopping, or the file changed: drains again
             if isinstance(exc, asyncio.CancelledError):
                 raise
         except CorruptDataError as exc:
-            if self._changed_under_upload(row):
+            if await self._changed_under_upload(row):
                 log.info("event=drain_superseded ino=%d generation=%d reason=%r", ino, generation, str(exc))
-                self._requeue(ino, generation, None)  # rewritten under us: drains again, not corrupt
+                await self._requeue(ino, generation, None)  # rewritten under us: drains again, not corrupt
             else:
-                self._fail(ino, generation, exc)
+                await self._fail(ino, generation, exc)
         except RemoteError as exc:
             scope = error_scope(exc)
-            if scope == OBJECT and self.journal.drain.superseded(ino, generation):
-                self._requeue(ino, generation, None)  # renamed or changed meanwhile: try the new key/bytes
+            if scope == OBJECT and await self._db(self.journal.drain.superseded, ino, generation):
+                await self._requeue(ino, generation, None)  # renamed or changed meanwhile: try the new key/bytes
             elif exc.kind == "key_conflict" and row.attempts < KEY_CONFLICT_RETRIES:
                 # A file remote's file/directory clash may be this node's own object on its way
                 # out (a delete or a move still queued): try again before failing the file.
-                self._requeue(ino, generation, exc)
+                await self._requeue(ino, generation, exc)
             elif scope == OBJECT:  # this object only: the file fails, the drain goes on
-                self._fail(ino, generation, exc)
+                await self._fail(ino, generation, exc)
             else:
-                self._requeue(ino, generation, exc)
+                await self._requeue(ino, generation, exc)
                 if scope == HALT:
                     self._halt(exc)
         except FileNotFoundError as exc:
-            if self.journal.drain.superseded(ino, generation):
-                self._requeue(ino, generation, None)  # unlinked under us: nothing to drain
+            if await self._db(self.journal.drain.superseded, ino, generation):
+                await self._requeue(ino, generation, None)  # unlinked under us: nothing to drain
             else:
-                self._fail(ino, generation, exc)
+                await self._fail(ino, generation, exc)
         except Exception as exc:
             log.exception("event=drain_bug ino=%d", ino)
-            if self._changed_under_upload(row):
-                self._requeue(ino, generation, None)
+            if await self._changed_under_upload(row):
+                await self._requeue(ino, generation, None)
             else:
-                self._fail(ino, generation, exc)
+                await self._fail(ino, generation, exc)
         finally:
             self._in_flight.pop(ino, None)
             self.wake()
@@ -534,7 +568,7 @@ class Mover:
             return FileDigests(row.size, row.chunk_size, row.chunk_digests(), row.digest)
         return None
 
-    def _changed_under_upload(self, row: InodeRow) -> bool:
+    async def _changed_under_upload(self, row: InodeRow) -> bool:
         """True if the file was (or may be being) rewritten since ``row`` was closed: superseded, not corrupt.
 
         A newer close, an unlink or a writer (``writing``) is in the journal; a
@@ -542,7 +576,7 @@ class Mover:
         seen yet (a handle still open).  Bit rot moves neither; a mismatch that
         keeps coming back without any change is corruption after a few tries.
         """
-        if self.journal.drain.superseded(row.ino, row.generation):
+        if await self._db(self.journal.drain.superseded, row.ino, row.generation):
             return True
         try:
             st = os.stat(self.tier_paths.path(row.data_ino))
@@ -557,14 +591,14 @@ class Mover:
         self._not_before[row.ino] = time.time() + REQUEUE_BACKOFF_S * seen
         return True
 
-    def _finish(self, row: InodeRow, key: str, size: int, started: float, intent: int) -> bool:
+    async def _finish(self, row: InodeRow, key: str, size: int, started: float, intent: int) -> bool:
         """Record the upload (True if it was); the ``intent`` row stays as a delete request if the file went away."""
         detail = f"key={key} generation={row.generation} size={size}"
-        if not self.journal.drain.finish_upload(row.ino, row.generation, key, intent, detail):
+        if not await self._db(self.journal.drain.finish_upload, row.ino, row.generation, key, intent, detail):
             log.info("event=upload_superseded ino=%d key=%s generation=%d", row.ino, key, row.generation)
             return False
         self._mismatches.pop((row.ino, row.generation), None)
-        if self.journal.path_of(row.ino) != key:  # renamed during the upload: move the object
+        if await self._db(self.journal.path_of, row.ino) != key:  # renamed during the upload: move the object
             self._relocate_roots.add(row.ino)
             self._relocate_needed = True
         latency = time.time() - started
@@ -578,17 +612,17 @@ class Mover:
         log.info("event=durable key=%s generation=%d bytes=%d seconds=%.3f", key, row.generation, size, latency)
         return True
 
-    def _requeue(self, ino: int, generation: int, exc: BaseException | None) -> None:
+    async def _requeue(self, ino: int, generation: int, exc: BaseException | None) -> None:
         attempts = 0
         if exc is not None:
             self.stats.error(getattr(exc, "kind", "remote"), str(exc))
-            attempts = self.journal.drain.attempts(ino) + 1
+            attempts = await self._db(self.journal.drain.attempts, ino) + 1
             delay = min(REQUEUE_BACKOFF_MAX_S, REQUEUE_BACKOFF_S * 2 ** (attempts - 1))
             self._not_before[ino] = time.time() + delay
             log.warning("event=drain_retry ino=%d attempts=%d delay=%.1f error=%s", ino, attempts, delay, exc)
-        self.journal.drain.requeue(ino, generation, str(exc) if exc else None, attempts)
+        await self._db(self.journal.drain.requeue, ino, generation, str(exc) if exc else None, attempts)
 
-    def _fail(self, ino: int, generation: int, exc: BaseException) -> None:
+    async def _fail(self, ino: int, generation: int, exc: BaseException) -> None:
         if isinstance(exc, CorruptDataError):
             kind = "corrupt"
         elif isinstance(exc, RemoteError):
@@ -598,10 +632,10 @@ class Mover:
         message = str(exc) or repr(exc)
         self.stats.error(kind, message)
         self._mismatches.pop((ino, generation), None)
-        if self.journal.drain.fail(ino, generation, message):
+        if await self._db(self.journal.drain.fail, ino, generation, message):
             log.error("event=drain_failed ino=%d generation=%d kind=%s error=%s", ino, generation, kind, message)
         else:
-            self.journal.drain.requeue(ino, generation, None, 0)
+            await self._db(self.journal.drain.requeue, ino, generation, None, 0)
 
     # -- namespace changes -------------------------------------------------------------
 
@@ -609,13 +643,22 @@ class Mover:
         """Delete objects of unlinked or replaced files (never a key another inode owns or uploads to)."""
         assert self.store is not None
         now = time.time()
-        for row_id, key, reason in self.journal.keys.pending_deletes(500):
-            if key in self._in_flight.values() or self._delete_retry.get(key, 0.0) > now:
-                continue
-            holder = self.journal.keys.holder(key)
-            if holder is not None:
-                if holder not in self._in_flight:  # a live file owns the key now: nothing to delete
-                    self.journal.keys.drop_delete(row_id)
+        # One read of the queue with each key's holder: no claim or move runs during this
+        # pass, and an upload in flight holds its key from its claim on, so a key free
+        # now stays free until its delete.
+        pending = await self._db(self.journal.keys.pending_deletes_held, 500)
+        owned = [
+            row_id
+            for row_id, key, _, holder in pending
+            if holder is not None
+            and holder not in self._in_flight
+            and key not in self._in_flight.values()
+            and self._delete_retry.get(key, 0.0) <= now
+        ]
+        if owned:  # live files own these keys now: nothing to delete
+            await self._db(self.journal.keys.drop_deletes, owned)
+        for row_id, key, reason, holder in pending:
+            if holder is not None or key in self._in_flight.values() or self._delete_retry.get(key, 0.0) > now:
                 continue
             try:
                 await self.store.delete(key)
@@ -629,7 +672,7 @@ class Mover:
                 if scope == OBJECT:  # no object can exist (or be removed) under such a key: the request is void
                     log.warning("event=remote_delete_skipped key=%s reason=%s error=%s", key, reason, exc)
                     self.stats.error(exc.kind, f"delete {key}: {exc}")
-                    self.journal.keys.drop_delete(row_id)
+                    await self._db(self.journal.keys.drop_delete, row_id)
                     continue
                 if scope == HALT:
                     self._halt(exc)
@@ -637,7 +680,7 @@ class Mover:
                     self.stats.error(exc.kind, str(exc))
                 return
             self._delete_retry.pop(key, None)
-            self.journal.keys.drop_delete(row_id)
+            await self._db(self.journal.keys.drop_delete, row_id)
             log.info("event=remote_delete key=%s reason=%s", key, reason)
 
     async def _relocate_renamed(self) -> None:
@@ -656,20 +699,20 @@ class Mover:
         self._relocate_needed = False  # before reading the events: a rename committed meanwhile sets it again
         roots: set[int] | None
         if self._relocate_full:
-            self._rename_seq = self.journal.latest_event_seq()
+            self._rename_seq = await self._db(self.journal.latest_event_seq)
             roots = None
             self._relocate_full = False
             self._next_full_scan = now + RELOCATE_FULL_SCAN_S
         else:
-            renamed, self._rename_seq = self.journal.renamed_since(self._rename_seq)
+            renamed, self._rename_seq = await self._db(self.journal.renamed_since, self._rename_seq)
             roots = {*renamed, *due, *self._relocate_roots}
         self._relocate_roots.clear()
         for ino in due:
             self._relocate_retry.pop(ino, None)
-        for ino, key in self.journal.keys.stale_keys(roots):
-            if ino not in self._in_flight and self.journal.keys.drop_stale(ino, key):
-                log.info("event=stale_key ino=%d key=%s action=delete", ino, key)
-        pending = list(dict.fromkeys(ino for ino, _, _ in self.journal.keys.relocation_candidates(roots)))
+        for ino, key in await self._db(self.journal.keys.drop_stale_keys, roots, frozenset(self._in_flight)):
+            log.info("event=stale_key ino=%d key=%s action=delete", ino, key)
+        candidates = await self._db(self.journal.keys.relocation_candidates, roots)
+        pending = list(dict.fromkeys(ino for ino, _, _ in candidates))
         for _ in range(len(pending) + 2):  # each round moves or parks at least one file, or ends the pass
             pending = [ino for ino in pending if ino not in self._relocate_retry]
             blocked: dict[int, int] = {}
@@ -685,7 +728,7 @@ class Mover:
             if not blocked:
                 return
             if not progressed:
-                cycle = self._rename_cycle(blocked)
+                cycle = await self._db(self.journal.keys.rename_cycle, blocked)
                 if cycle is None:
                     for ino in blocked:  # waiting for an upload or another file's move
                         self._relocate_retry[ino] = time.time() + KEY_BUSY_RETRY_S
@@ -701,23 +744,24 @@ class Mover:
         this file only), the inode holding the target key if it must wait, _STOP if the
         remote failed (end the pass)."""
         assert self.store is not None
-        target = self.journal.keys.relocation_target(ino)
-        if target is None or ino in self._in_flight:
+        if ino in self._in_flight:
             return None
-        path, old_key = target
-        holder = self.journal.keys.holder(path, other_than=ino)
+        move = await self._db(self.journal.keys.relocation, ino)
+        if move is None:
+            return None
+        path, old_key, holder = move
         if holder is not None:
             return holder
         try:
             await self.store.rename(old_key, path, delete_source=False)
         except Exception as exc:
-            return self._relocation_failed(ino, old_key, path, exc)
-        moved = self.journal.keys.finish_relocation(ino, old_key, path)
+            return await self._relocation_failed(ino, old_key, path, exc)
+        moved = await self._db(self.journal.keys.finish_relocation, ino, old_key, path)
         self._relocate_failures.pop(ino, None)
         log.info("event=remote_rename from=%s to=%s recorded=%s", old_key, path, moved)
         return None
 
-    def _relocation_failed(self, ino: int, old_key: str, path: str, exc: BaseException) -> int | None:
+    async def _relocation_failed(self, ino: int, old_key: str, path: str, exc: BaseException) -> int | None:
         """A failed move is that file's problem (retried later, or re-uploaded), unless the remote is down."""
         scope = error_scope(exc)
         if isinstance(exc, RemoteError) and scope != OBJECT:
@@ -731,8 +775,8 @@ class Mover:
             log.exception("event=relocate_bug ino=%d from=%s to=%s", ino, old_key, path)
         message = f"cannot move {old_key} to {path}: {exc!r}"
         self.stats.error("relocate", message)
-        self.journal.set_error(ino, message)
-        if self.journal.keys.restage_durable(ino, old_key):  # still local: upload it again at its path
+        await self._db(self.journal.set_error, ino, message)
+        if await self._db(self.journal.keys.restage_durable, ino, old_key):  # still local: upload it again at its path
             log.error("event=relocate_failed ino=%d from=%s to=%s action=reupload error=%r", ino, old_key, path, exc)
             self.wake()
             return None
@@ -743,30 +787,10 @@ class Mover:
         log.error("event=relocate_failed ino=%d from=%s to=%s retry_in=%.0f error=%r", ino, old_key, path, delay, exc)
         return None
 
-    def _rename_cycle(self, blocked: dict[int, int]) -> int | None:
-        """A file in a cycle of moves (a→b while b→a), if any: it is parked to break the cycle.
-
-        Follows "waits for the holder of its target" from each blocked file; a
-        cycle also closes through a staged file whose upload waits for the key
-        this file still holds.
-        """
-        for start in blocked:
-            chain, ino = [start], blocked[start]
-            while ino in blocked and ino not in chain:
-                chain.append(ino)
-                ino = blocked[ino]
-            if ino in chain:
-                return ino
-            target = self.journal.path_of(ino)
-            held = {self.journal.keys.relocation_target(member) for member in chain}
-            if target is not None and any(t is not None and t[1] == target for t in held):
-                return next(m for m in chain if (t := self.journal.keys.relocation_target(m)) and t[1] == target)
-        return None
-
     async def _park(self, ino: int) -> int | None:
         """Move ``ino``'s object to a private key so that the key it holds frees up."""
         assert self.store is not None
-        target = self.journal.keys.relocation_target(ino)
+        target = await self._db(self.journal.keys.relocation_target, ino)
         if target is None:
             return None
         _, old_key = target
@@ -774,7 +798,7 @@ class Mover:
         try:
             await self.store.rename(old_key, parked, delete_source=False)
         except Exception as exc:
-            return self._relocation_failed(ino, old_key, parked, exc)
-        self.journal.keys.finish_relocation(ino, old_key, parked)
+            return await self._relocation_failed(ino, old_key, parked, exc)
+        await self._db(self.journal.keys.finish_relocation, ino, old_key, parked)
         log.info("event=remote_rename_parked from=%s to=%s", old_key, parked)
         return None

@@ -21,7 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,8 +61,8 @@ class ObjectStore:
         remote: Remote,
         retry: RetryPolicy | None = None,
         *,
-        on_upload_started: Callable[[str, str], None] | None = None,
-        on_upload_ended: Callable[[str], None] | None = None,
+        on_upload_started: Callable[[str, str], Awaitable[None]] | None = None,
+        on_upload_ended: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         """``on_upload_started(key, upload_id)`` runs before the first part of a multipart upload
         goes up and ``on_upload_ended(upload_id)`` once it is completed or aborted, so that a
@@ -89,7 +89,7 @@ class ObjectStore:
         mode: int,
         concurrency: int,
         compress: str | None = None,
-        cancel_check: Callable[[], bool] | None = None,
+        cancel_check: Callable[[], Awaitable[bool]] | None = None,
     ) -> Manifest:
         """Upload the staged file at ``path`` to ``key`` and write its manifest.
 
@@ -99,7 +99,7 @@ class ObjectStore:
         less go up in a single PUT, larger ones as a multipart upload holding at
         most ``concurrency`` chunks in memory (or one part plus one chunk, if
         more) and at most ``concurrency`` parts in flight.
-        If ``cancel_check()`` returns true between chunks, the upload is aborted
+        If ``await cancel_check()`` returns true between chunks, the upload is aborted
         and :class:`~burstfs.errors.UploadCancelled` raised.  Any failure aborts
         the multipart upload.  Returns the manifest written.
 
@@ -153,9 +153,9 @@ class ObjectStore:
         return manifest
 
     async def _put_whole(
-        self, key: str, reader: _ChunkReader, cancel_check: Callable[[], bool] | None
+        self, key: str, reader: _ChunkReader, cancel_check: Callable[[], Awaitable[bool]] | None
     ) -> list[ChunkInfo]:
-        _check_cancel(cancel_check, key)
+        await _check_cancel(cancel_check, key)
         if not reader.count:
             await self._call(self.remote.put_object, key, b"", what=f"put {key}")
             return []
@@ -164,7 +164,7 @@ class ObjectStore:
         return [info]
 
     async def _put_multipart(
-        self, key: str, reader: _ChunkReader, concurrency: int, cancel_check: Callable[[], bool] | None
+        self, key: str, reader: _ChunkReader, concurrency: int, cancel_check: Callable[[], Awaitable[bool]] | None
     ) -> list[ChunkInfo]:
         """Read, check and encode chunks in threads and upload them as parts, memory bounded.
 
@@ -185,19 +185,19 @@ class ObjectStore:
         # leaves a placeholder, and the next start aborts the uploads to this key.
         placeholder = f"{PENDING_UPLOAD}{os.urandom(8).hex()}"
         if self.on_upload_started is not None:
-            self.on_upload_started(key, placeholder)
+            await self.on_upload_started(key, placeholder)
         upload_id: str = await self._call(self.remote.create_multipart, key, what=f"create upload {key}")
         try:
             if self.on_upload_started is not None:
-                self.on_upload_started(key, upload_id)
+                await self.on_upload_started(key, upload_id)
         except BaseException:
             await self._abort(key, upload_id)
             raise
-        self._upload_ended(placeholder)
+        await self._upload_ended(placeholder)
 
         async def read_ahead(group: asyncio.TaskGroup) -> None:
             for index in range(count):
-                _check_cancel(cancel_check, key)
+                await _check_cancel(cancel_check, key)
                 await budget.acquire(reader.length(index))
                 reads.put_nowait(group.create_task(asyncio.to_thread(reader.read, index)))
 
@@ -229,18 +229,18 @@ class ObjectStore:
             async with fail_fast_group() as group:
                 group.create_task(read_ahead(group))
                 group.create_task(assemble(group))
-            _check_cancel(cancel_check, key)
+            await _check_cancel(cancel_check, key)
             await self._call(self.remote.complete_multipart, key, upload_id, parts, what=f"complete upload {key}")
         except BaseException:
             await self._abort(key, upload_id)
             raise
-        self._upload_ended(upload_id)
+        await self._upload_ended(upload_id)
         return chunks
 
-    def _upload_ended(self, upload_id: str) -> None:
+    async def _upload_ended(self, upload_id: str) -> None:
         if self.on_upload_ended is not None:
             try:
-                self.on_upload_ended(upload_id)
+                await self.on_upload_ended(upload_id)
             except Exception as exc:  # the record stays: the next start aborts an upload already gone
                 log.warning("event=upload_record_failed upload_id=%s error=%r", upload_id, str(exc))
 
@@ -250,7 +250,7 @@ class ObjectStore:
         except Exception as exc:  # abort_stale_uploads() removes it later
             log.warning("event=abort_failed key=%s upload_id=%s error=%r", key, upload_id, str(exc))
         else:
-            self._upload_ended(upload_id)
+            await self._upload_ended(upload_id)
 
     # -- read -------------------------------------------------------------------------
 
@@ -356,11 +356,11 @@ class ObjectStore:
         known += [(k, u) for k, u in listed if k in unknown and (k, u) not in known]
         for key, upload_id in known:
             await self._call(self.remote.abort_multipart, key, upload_id, what=f"abort upload {key}")
-            self._upload_ended(upload_id)
+            await self._upload_ended(upload_id)
             log.info("event=stale_upload_aborted key=%s upload_id=%s", key, upload_id)
         for _key, upload_id in uploads:
             if upload_id.startswith(PENDING_UPLOAD):
-                self._upload_ended(upload_id)
+                await self._upload_ended(upload_id)
         return len(known)
 
 
@@ -382,8 +382,8 @@ class _ByteBudget:
         self._changed.set()
 
 
-def _check_cancel(cancel_check: Callable[[], bool] | None, key: str) -> None:
-    if cancel_check is not None and cancel_check():
+async def _check_cancel(cancel_check: Callable[[], Awaitable[bool]] | None, key: str) -> None:
+    if cancel_check is not None and await cancel_check():
         raise UploadCancelled(f"upload of {key} cancelled")
 
 

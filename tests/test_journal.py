@@ -264,18 +264,25 @@ def test_a_journal_from_a_newer_burstfs_is_refused(tmp_path: Path) -> None:
 # -- invariant 5: commit markers wait; close order --------------------------------------
 
 
-def test_eligible_in_close_order(journal: Journal, tree: JournalTree) -> None:
+def _unblocked(journal: Journal) -> list[int]:
+    """The candidates the mover may claim as far as the journal decides (invariant 5)."""
+    candidates = journal.drain.candidates(10, closed_before=time.time() + 1, is_marker=_markers)
+    return [c.row.ino for c in candidates if not c.marker_blocked]
+
+
+def test_candidates_in_close_order(journal: Journal, tree: JournalTree) -> None:
     later = tree.create("later")
     first, _ = tree.write_file("first")
+    marker, _ = tree.write_file("COMMIT")
     tree.close(later)
-    rows = journal.drain.eligible(10, 10, closed_before=time.time() + 1, is_marker=_markers)
-    assert [r.ino for r in rows] == [first, later]
-    assert [r.ino for r in journal.drain.eligible(1, 10, closed_before=time.time() + 1, is_marker=_markers)] == [first]
-    skipped = journal.drain.eligible(
-        10, 10, closed_before=time.time() + 1, is_marker=_markers, skip=lambda row: row.ino == first
-    )
-    assert [r.ino for r in skipped] == [later]
-    assert journal.drain.eligible(10, 10, closed_before=0.0, is_marker=_markers) == []  # the delay
+    candidates = journal.drain.candidates(10, closed_before=time.time() + 1, is_marker=_markers)
+    assert [c.row.ino for c in candidates] == [first, marker, later]
+    # "first" closed before the marker in its directory and is not durable: the marker waits
+    assert [(c.marker_key, c.marker_blocked) for c in candidates] == [(None, False), ("COMMIT", True), (None, False)]
+    assert [c.row.ino for c in journal.drain.candidates(1, closed_before=time.time() + 1, is_marker=_markers)] == [
+        first
+    ]
+    assert journal.drain.candidates(10, closed_before=0.0, is_marker=_markers) == []  # the delay
 
 
 @pytest.mark.parametrize("blocker", [STAGED, DRAINING, FAILED, INCOMPLETE, WRITING])
@@ -288,12 +295,11 @@ def test_commit_marker_waits_for_earlier_closes_under_its_directory(
     marker, _ = tree.write_file("COMMIT", d)
     elsewhere, _ = tree.write_file("other")  # not under the marker's directory
     journal.apply([update_inode_op(data, state=blocker)])
-    eligible = [r.ino for r in journal.drain.eligible(10, 10, closed_before=time.time() + 1, is_marker=_markers)]
+    eligible = _unblocked(journal)
     assert marker not in eligible and elsewhere in eligible
     journal.apply([update_inode_op(data, state=STAGED)])
     tree.durable(data, generation)
-    eligible = [r.ino for r in journal.drain.eligible(10, 10, closed_before=time.time() + 1, is_marker=_markers)]
-    assert marker in eligible
+    assert marker in _unblocked(journal)
 
 
 def test_commit_marker_ignores_files_closed_after_it(journal: Journal, tree: JournalTree) -> None:

@@ -447,7 +447,7 @@ class BurstfsModel(RuleBasedStateMachine):
         self.node.faults.permanent_failures = count
         if self.drain_step() == "crashed":
             self.restart()
-        self.node.mover.retry_failed()  # the operator's `burstfs-admin retry` once it is fixed
+        self.node.call(self.node.drain.retry_failed)  # the operator's `burstfs-admin retry` once it is fixed
 
     @rule(after=st.integers(1, 12))
     def crash_during_drain(self, after: int) -> None:
@@ -653,7 +653,7 @@ class BurstfsModel(RuleBasedStateMachine):
             if ino in self.files.values() and (model.dirty or model.unclosed):
                 model.close(self.next_close())
         self.held.clear()
-        self.node.mover.retry_failed()
+        self.node.call(self.node.drain.retry_failed)
         assert self.drain_step() == "idle", self.node.pending(self.blocked_markers())
         self.check_remote()
         cold = Node(self.base / "cache-cold", self.side, NodeOptions())

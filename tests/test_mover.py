@@ -25,6 +25,7 @@ from burstfs import mover as mover_module
 from burstfs.config import DrainOptions, S3Options, parse_remote_url
 from burstfs.errors import FsError, RemoteError
 from burstfs.journal import DURABLE, FAILED, REMOTE, ROOT_INO, STAGED, Journal
+from burstfs.journal.thread import JournalThread
 from burstfs.mover import Mover
 from burstfs.remote import FileRemote
 from burstfs.remote.base import UploadedPart
@@ -152,12 +153,14 @@ def test_event_log_is_pruned_to_the_most_recent(tmp_path: Path, monkeypatch: pyt
     journal.apply([journal.log_event(None, "closed", f"n={i}") for i in range(50)])
     monkeypatch.setattr(mover_module, "EVENTS_KEPT", 10)
     mover = Mover(tmp_path, parse_remote_url(f"file://{tmp_path}"), S3Options(), DrainOptions())
-    mover._prune_events()
+    mover._journal_thread = JournalThread()
+    asyncio.run(mover._prune_events())
     details = [detail for _, _, _, detail in journal.events()]
     assert details == [f"n={i}" for i in range(40, 50)]
     journal.apply([journal.log_event(None, "closed", "n=50")])
-    mover._prune_events()  # not due again yet: nothing more is dropped
+    asyncio.run(mover._prune_events())  # not due again yet: nothing more is dropped
     assert len(journal.events()) == 11
+    mover._journal_thread.close()
 
 
 # -- issue 10 #1: a key another inode owns or is uploading to is never overwritten ----------
@@ -325,11 +328,11 @@ def test_a_dead_mover_is_restarted(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     crashes: list[int] = []
     original = Mover._recover
 
-    def crash_once(self: Mover) -> None:
+    async def crash_once(self: Mover) -> None:
         if not crashes:
             crashes.append(1)
             raise RuntimeError("injected mover crash")
-        original(self)
+        await original(self)
 
     monkeypatch.setattr(Mover, "_recover", crash_once)
     service = drainservice_module.DrainService(mover, front.journal)
@@ -692,7 +695,7 @@ def test_an_object_error_fails_only_that_file_and_retry_requeues_it(tmp_path: Pa
             "one file failed, the other durable",
         )
         assert mover.stats.halted is None  # an object's error does not stop the drain
-        assert mover.retry_failed() == 1
+        assert await mover.retry_failed() == 1
         await settle(mover, front)
 
     run_mover(mover, scenario)

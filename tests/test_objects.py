@@ -639,7 +639,7 @@ def test_cancelled_upload_leaves_nothing(store: ObjectStore, tmp_path: Path) -> 
     path, digests = staged(tmp_path, os.urandom(CHUNK * 6))
     checks = 0
 
-    def superseded() -> bool:
+    async def superseded() -> bool:
         nonlocal checks
         checks += 1
         return checks > 2

@@ -8,6 +8,7 @@ Each method is one transaction, so a racing close, rename or unlink is seen whol
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -16,6 +17,15 @@ from .connection import Database
 from .ops import event_op
 from .rows import INODE_SELECT, ROOT_INO, InodeRow, row_from_values
 from .states import DRAINING, DURABLE, FAILED, NOT_YET_DURABLE, QUEUED, STAGED, state_marks
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A staged file that may drain next; for a commit marker, what holds it back."""
+
+    row: InodeRow
+    marker_key: str | None = None  # a marker's key (its path), None for other files
+    marker_blocked: bool = False  # a marker with a file closed before it under its directory not durable
 
 
 class DrainQueue:
@@ -34,6 +44,20 @@ class DrainQueue:
         )
         return bool(rows[0][0]) or bool(self._db.query("SELECT 1 FROM remote_deletes LIMIT 1"))
 
+    def candidates(self, limit: int, *, closed_before: float, is_marker: Callable[[InodeRow], bool]) -> list[Candidate]:
+        """The first ``limit`` staged files last changed at or before ``closed_before``, in close
+        order, read at once; for each commit marker (``is_marker``, a pure function of the row)
+        its key and whether an earlier close under its directory holds it back."""
+        found: list[Candidate] = []
+        for row in self.staged(limit, closed_before=closed_before):
+            if is_marker(row):
+                with self._db.lock:
+                    key = self._db.path_locked(row.ino)
+                found.append(Candidate(row, marker_key=key, marker_blocked=self.blocks_marker(row)))
+            else:
+                found.append(Candidate(row))
+        return found
+
     def staged(self, limit: int, *, closed_before: float) -> list[InodeRow]:
         """The first ``limit`` staged files (close order) last changed at or before ``closed_before``."""
         rows = self._db.query(
@@ -41,32 +65,6 @@ class DrainQueue:
             (STAGED, closed_before, limit),
         )
         return [row_from_values(values) for values in rows]
-
-    def eligible(
-        self,
-        slots: int,
-        limit: int,
-        *,
-        closed_before: float,
-        is_marker: Callable[[InodeRow], bool],
-        skip: Callable[[InodeRow], bool] = lambda row: False,
-    ) -> list[InodeRow]:
-        """Up to ``slots`` staged files to drain next, in close order (invariant 5).
-
-        Reads the first ``limit`` staged files last changed at or before
-        ``closed_before``; passes over those ``skip`` names (in flight, backing
-        off) and the commit markers (``is_marker``) that ``blocks_marker`` holds back.
-        """
-        chosen: list[InodeRow] = []
-        for row in self.staged(limit, closed_before=closed_before):
-            if skip(row):
-                continue
-            if is_marker(row) and self.blocks_marker(row):
-                continue
-            chosen.append(row)
-            if len(chosen) >= slots:
-                break
-        return chosen
 
     def blocks_marker(self, marker: InodeRow) -> bool:
         """True while a file under the marker's directory closed before it is NOT_YET_DURABLE."""

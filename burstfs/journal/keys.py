@@ -60,8 +60,23 @@ class KeyOwnership:
             for i, k, r in self._db.query("SELECT id, key, reason FROM remote_deletes ORDER BY id LIMIT ?", (limit,))
         ]
 
+    def pending_deletes_held(self, limit: int) -> list[tuple[int, str, str, int | None]]:
+        """``(id, key, reason, holder)`` of queued remote deletes, oldest first, with the inode
+        that holds each key (owns it or uploads to it; None: free to delete), read at once."""
+        with self._db.lock:
+            rows = self._db.connection.execute(
+                "SELECT id, key, reason FROM remote_deletes ORDER BY id LIMIT ?", (limit,)
+            ).fetchall()
+            return [(int(i), str(k), str(r), self._db.holder_locked(str(k), 0)) for i, k, r in rows]
+
     def drop_delete(self, request_id: int) -> None:
         self._db.execute("DELETE FROM remote_deletes WHERE id=?", (request_id,))
+
+    def drop_deletes(self, request_ids: Iterable[int]) -> None:
+        """Forget these delete requests (their keys are live files' again), in one transaction."""
+        with self._db.transaction() as db:
+            for request_id in request_ids:
+                db.execute("DELETE FROM remote_deletes WHERE id=?", (request_id,))
 
     # -- objects that must follow a rename ------------------------------------------------------
 
@@ -103,6 +118,36 @@ class KeyOwnership:
         if row is None or row[0] is None or path is None or row[0] == path:
             return None
         return path, str(row[0])
+
+    def relocation(self, ino: int) -> tuple[str, str, int | None] | None:
+        """``(path, remote_key, holder)`` if ``ino``'s object still has to move to its path;
+        ``holder``: the inode that holds the path's key meanwhile (the move must wait), or None."""
+        target = self.relocation_target(ino)
+        if target is None:
+            return None
+        path, old_key = target
+        return path, old_key, self.holder(path, other_than=ino)
+
+    def rename_cycle(self, blocked: dict[int, int]) -> int | None:
+        """A file in a cycle of moves (a→b while b→a), if any: it is parked to break the cycle.
+
+        ``blocked``: file -> the inode that holds the key it must move to.  Follows
+        "waits for the holder of its target" from each blocked file; a cycle also
+        closes through a staged file whose upload waits for the key this file still holds.
+        """
+        for start in blocked:
+            chain, ino = [start], blocked[start]
+            while ino in blocked and ino not in chain:
+                chain.append(ino)
+                ino = blocked[ino]
+            if ino in chain:
+                return ino
+            with self._db.lock:
+                target = self._db.path_locked(ino)
+            held = {self.relocation_target(member) for member in chain}
+            if target is not None and any(t is not None and t[1] == target for t in held):
+                return next(m for m in chain if (t := self.relocation_target(m)) and t[1] == target)
+        return None
 
     def finish_relocation(self, ino: int, old_key: str, new_key: str) -> bool:
         """After copying ``old_key`` to ``new_key``: the file owns ``new_key``; the old object goes.
@@ -163,3 +208,8 @@ class KeyOwnership:
                 db.execute("INSERT INTO remote_deletes (key, reason) VALUES (?, 'stale')", (key,))
                 db.execute(*event_op(ino, "stale_key", key))
             return bool(dropped)
+
+    def drop_stale_keys(self, roots: Iterable[int] | None, in_flight: frozenset[int]) -> list[tuple[int, str]]:
+        """:meth:`drop_stale` for every stale key at or below ``roots`` of a file not ``in_flight``
+        (an upload in flight decides its key itself); returns ``(ino, key)`` of those dropped."""
+        return [(ino, key) for ino, key in self.stale_keys(roots) if ino not in in_flight and self.drop_stale(ino, key)]

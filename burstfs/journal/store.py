@@ -24,7 +24,7 @@ from typing import Any
 from .connection import Database
 from .drain import DrainQueue
 from .keys import KeyOwnership
-from .ops import event_op
+from .ops import event_op, set_meta_op
 from .rows import INODE_SELECT, ROOT_INO, InodeRow, Op, row_from_values
 from .states import CLOSED_UNDRAINED, DONE, DURABLE, EVICTED, NOT_LOCAL, UNDRAINED, FileState, state_marks
 
@@ -71,7 +71,11 @@ class Journal:
         return rows[0][0] if rows else None
 
     def set_meta(self, key: str, value: str) -> None:
-        self.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+        self.apply([set_meta_op(key, value)])
+
+    def set_metas(self, items: Iterable[tuple[str, str]]) -> None:
+        """Several meta rows in one transaction."""
+        self.apply(set_meta_op(key, value) for key, value in items)
 
     def meta_items(self, prefix: str) -> list[tuple[str, str]]:
         """Every ``(key, value)`` of the meta table whose key starts with ``prefix``."""
@@ -125,6 +129,11 @@ class Journal:
         """The file's path relative to the mount root, or None if it is unlinked."""
         with self._db.lock:
             return self._db.path_locked(ino)
+
+    def paths_of(self, inos: Iterable[int]) -> list[str | None]:
+        """:meth:`path_of` of each of ``inos``, read at once."""
+        with self._db.lock:
+            return [self._db.path_locked(ino) for ino in inos]
 
     def child(self, parent: int, name: bytes) -> InodeRow | None:
         """The linked inode called ``name`` in the directory ``parent``."""

@@ -17,7 +17,7 @@ import hashlib
 import logging
 import os
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -175,8 +175,8 @@ class S3Remote(Remote):
         self._warned_unverified = False
         # Set by the mover: multipart uploads this remote starts on its own (large
         # copies) are recorded, so a restart aborts them and nobody else's.
-        self.on_upload_started: Callable[[str, str], None] | None = None
-        self.on_upload_ended: Callable[[str], None] | None = None
+        self.on_upload_started: Callable[[str, str], Awaitable[None]] | None = None
+        self.on_upload_ended: Callable[[str], Awaitable[None]] | None = None
 
     # -- helpers -----------------------------------------------------------------
 
@@ -548,7 +548,7 @@ class S3Remote(Remote):
             (await self._call("create_multipart_upload", f"create copy {dst}", Key=self._full(dst)))["UploadId"]
         )
         if self.on_upload_started is not None:
-            self.on_upload_started(dst, upload_id)
+            await self.on_upload_started(dst, upload_id)
         parts: list[UploadedPart] = []
         pending = iter(ranges)
 
@@ -576,10 +576,10 @@ class S3Remote(Remote):
             with contextlib.suppress(Exception):
                 await self.abort_multipart(dst, upload_id)
                 if self.on_upload_ended is not None:
-                    self.on_upload_ended(upload_id)
+                    await self.on_upload_ended(upload_id)
             raise
         if self.on_upload_ended is not None:
-            self.on_upload_ended(upload_id)
+            await self.on_upload_ended(upload_id)
 
     async def delete(self, key: str) -> None:
         await self._call("delete_object", f"delete {key}", Key=self._full(key))
