@@ -209,11 +209,11 @@ class ControlServer:
     async def _inodes_under(self, rel: str) -> list[tuple[str, Inode]]:
         """Files at or below ``rel`` in the live namespace, remote listings merged first
         (a restore on a fresh node prefetches directories nobody has listed yet)."""
-        inode = self.core.inode(ROOT_INO)
+        inode = self.core.namespace.inode(ROOT_INO)
         for part in filter(None, rel.split("/")):
-            await self.core.refresh_listing(inode)
+            await self.core.listings.refresh(inode)
             try:
-                inode = self.core.child(inode.ino, os.fsencode(part))
+                inode = self.core.namespace.child(inode.ino, os.fsencode(part))
             except FsError as exc:
                 raise FsError(exc.errno, f"/{rel}: {os.strerror(exc.errno)}") from None
         found: list[tuple[str, Inode]] = []
@@ -224,8 +224,8 @@ class ControlServer:
                 found.append((path, node))
                 continue
             if node.kind == "dir":
-                await self.core.refresh_listing(node)
-            for name, child in self.core.entries(node):
+                await self.core.listings.refresh(node)
+            for name, child in self.core.namespace.entries(node):
                 stack.append((f"{path}/{os.fsdecode(name)}" if path else os.fsdecode(name), child))
         return found
 
@@ -251,7 +251,7 @@ class ControlServer:
             mountpoint=str(self.config.mountpoint),
             remote=str(self.config.remote),
             data_path="passthrough" if self.core.passthrough else "daemon",
-            daemon_written_bytes=self.core.daemon_written_bytes,
+            daemon_written_bytes=self.core.data.daemon_written_bytes,
         )
         fs = await self.core.statfs()
         doc["local_tier"].update(

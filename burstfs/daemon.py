@@ -227,7 +227,7 @@ def fuse_options(config: MountConfig) -> set[str]:
 
 async def serve(config: MountConfig, core: BurstCore, on_ready: Callable[[], None]) -> None:
     """Run the mount until it is unmounted or the daemon is told to stop."""
-    drain = core.drain if isinstance(core.drain, DrainService) else None
+    drain = core.links.drain if isinstance(core.links.drain, DrainService) else None
     metrics = start_metrics(config, core, drain)  # outside the nursery: a busy port fails with a plain message
     systemd = SystemdNotifier.from_environment()  # a no-op outside a Type=notify unit
     async with trio.open_nursery() as nursery:

@@ -70,7 +70,7 @@ class RemoteListings:
         slow, requests wait for none until one answers in time again
         (``_slow_until``): a hung remote costs one wait, not one per name.
         """
-        if self.core.fetcher is None:
+        if self.core.links.fetcher is None:
             return False
         pending = self._in_flight.get(directory.ino)
         now = time.monotonic()
@@ -134,7 +134,7 @@ class RemoteListings:
         node's new one.  The merge is one commit, applied to memory with it.
         """
         now = time.monotonic()
-        if self.core.fetcher is None or now - directory.listed_at < self.ttl:
+        if self.core.links.fetcher is None or now - directory.listed_at < self.ttl:
             return False
         directory.listed_at = now
         dir_key = self.core.namespace.path_of(directory)
@@ -142,7 +142,7 @@ class RemoteListings:
             return False
         try:
             known_keys = await trio.to_thread.run_sync(self.core.journal.keys.owned_under, dir_key)
-            files, subdirs = await self.core.fetcher.list_dir(dir_key)
+            files, subdirs = await self.core.links.fetcher.list_dir(dir_key)
         except Exception as exc:
             log.warning("event=list_failed dir=%s error=%s", dir_key or "/", exc)
             self._slow_until = time.monotonic() + self.backoff

@@ -200,6 +200,10 @@ class Namespace:
             raise FsError(errno.ENOENT)
         return self.inodes[ino]
 
+    def entries(self, directory: Inode) -> list[tuple[bytes, Inode]]:
+        """The names in ``directory`` now, with their inodes (no kernel reference taken)."""
+        return [(name, self.inodes[ino]) for name, ino in (directory.children or {}).items() if ino in self.inodes]
+
     def forget(self, ino: int, count: int) -> None:
         inode = self.inodes.get(ino)
         if inode is None:

@@ -245,8 +245,8 @@ class Node:
         # A close does not wait for its directory's intent record: the gate holds every remote
         # change outside drain steps, so each close would wait the whole bound.
         self.drain = DrainService(self.mover, self.journal, intent_wait=0.0)
-        self.core.drain = self.drain
-        self.core.fetcher = self.drain
+        self.core.links.drain = self.drain
+        self.core.links.fetcher = self.drain
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
         self._started = threading.Event()

@@ -93,7 +93,7 @@ async def write_file(core: BurstCore, parent: int, name: bytes, data: bytes) -> 
 async def read_all(core: BurstCore, ino: int) -> bytes:
     fh = await core.open(ino, os.O_RDONLY)
     try:
-        return await core.read(fh, 0, core.inode(ino).size + 10)
+        return await core.read(fh, 0, core.namespace.inode(ino).size + 10)
     finally:
         await core.release(fh)
 
@@ -234,9 +234,9 @@ def test_listing_does_not_resurrect_a_renamed_directory(tmp_path: Path) -> None:
         ino = await write_file(core, deep.ino, b"0.txt", b"log line")
         core.journal.execute("UPDATE inodes SET remote_key=? WHERE ino=?", ("logs/deep/0.txt", ino))  # drained
         await core.rename(logs.ino, b"deep", logs.ino, b"moved", 0)
-        core.fetcher = ListingFetcher({"logs": ([], ["deep", "other"])})
+        core.links.fetcher = ListingFetcher({"logs": ([], ["deep", "other"])})
         logs.listed_at = -1e9  # the listing's TTL has run out
-        assert await core.refresh_listing(logs)
+        assert await core.listings.refresh(logs)
         assert sorted(logs.children) == [b"moved", b"other"]  # type: ignore[arg-type]
 
     run(tmp_path, body)
@@ -246,7 +246,7 @@ def test_open_trunc_and_truncate(tmp_path: Path) -> None:
     async def body(core: BurstCore) -> None:
         ino = await write_file(core, ROOT_INO, b"f", b"0123456789")
         fh = await core.open(ino, os.O_WRONLY | os.O_TRUNC)
-        assert core.inode(ino).size == 0
+        assert core.namespace.inode(ino).size == 0
         await core.write(fh, 4, b"xy")  # a hole before: zeros
         await core.release(fh)
         assert await read_all(core, ino) == b"\0\0\0\0xy"
@@ -267,7 +267,7 @@ def test_read_only_open_with_trunc_is_a_complete_change(tmp_path: Path) -> None:
     async def body(core: BurstCore) -> None:
         ino = await write_file(core, ROOT_INO, b"f", b"old bytes")
         fh = await core.open(ino, os.O_RDONLY | os.O_TRUNC)
-        assert core.inode(ino).size == 0
+        assert core.namespace.inode(ino).size == 0
         assert db_rows(tmp_path, "SELECT state, size, generation FROM inodes WHERE ino=?", (ino,)) == [(STAGED, 0, 2)]
         await core.release(fh)
         assert await core.getxattr(ino, b"user.burstfs.state") == STAGED.encode()
@@ -300,7 +300,7 @@ def test_a_file_that_lost_a_write_is_incomplete_not_staged(tmp_path: Path) -> No
             await core.write(fh, 0, b"b" * 5000)
         await core.release(fh)
         assert db_rows(tmp_path, "SELECT state FROM inodes WHERE ino=?", (inode.ino,)) == [(INCOMPLETE,)]
-        assert core.inode(inode.ino).size == 0
+        assert core.namespace.inode(inode.ino).size == 0
         await core.unlink(ROOT_INO, b"first")  # frees its 3000 bytes
         fh = await core.open(inode.ino, os.O_WRONLY | os.O_TRUNC)
         await core.write(fh, 0, b"c" * 2000)
@@ -331,11 +331,11 @@ def test_rename_semantics(tmp_path: Path) -> None:
         b = await write_file(core, ROOT_INO, b"b", b"BBB")
         # Replace a file: the target's inode goes away, the source takes the name.
         await core.rename(ROOT_INO, b"a", ROOT_INO, b"b", 0)
-        assert core.child(ROOT_INO, b"b").ino == a
+        assert core.namespace.child(ROOT_INO, b"b").ino == a
         assert b not in core.inodes
         assert not core.tier.path(b).exists()
         with raises_errno(errno.ENOENT):
-            core.child(ROOT_INO, b"a")
+            core.namespace.child(ROOT_INO, b"a")
         assert await read_all(core, a) == b"AAA"
         assert db_rows(tmp_path, "SELECT ino FROM inodes WHERE name=? AND parent=?", (b"b", ROOT_INO)) == [(a,)]
 
@@ -347,7 +347,7 @@ def test_rename_semantics(tmp_path: Path) -> None:
             await core.rename(ROOT_INO, b"d1", ROOT_INO, b"d2", 0)
         empty = await core.mkdir(ROOT_INO, b"empty", 0o755, UID, GID)
         await core.rename(ROOT_INO, b"d1", ROOT_INO, b"empty", 0)
-        assert core.child(ROOT_INO, b"empty") is d1
+        assert core.namespace.child(ROOT_INO, b"empty") is d1
         assert empty.ino not in core.inodes or empty.parent == 0
         # File over directory, directory over file.
         with raises_errno(errno.EISDIR):
@@ -359,7 +359,7 @@ def test_rename_semantics(tmp_path: Path) -> None:
         with raises_errno(errno.EEXIST):
             await core.rename(ROOT_INO, b"c", ROOT_INO, b"b", RENAME_NOREPLACE)
         await core.rename(ROOT_INO, b"c", ROOT_INO, b"c2", RENAME_NOREPLACE)
-        assert core.child(ROOT_INO, b"c2").ino == c
+        assert core.namespace.child(ROOT_INO, b"c2").ino == c
         with raises_errno(errno.EINVAL):
             await core.rename(ROOT_INO, b"c2", ROOT_INO, b"b", RENAME_EXCHANGE)
         # A directory into its own subtree.
@@ -369,16 +369,16 @@ def test_rename_semantics(tmp_path: Path) -> None:
         with raises_errno(errno.EINVAL):
             await core.rename(ROOT_INO, b"d2", d2.ino, b"self", 0)
         # Moving a directory keeps its contents and fixes link counts.
-        root = core.inode(ROOT_INO)
+        root = core.namespace.inode(ROOT_INO)
         links = root.nlink
         await core.rename(ROOT_INO, b"d2", d1.ino, b"d2", 0)
-        assert core.child(d1.ino, b"d2") is d2
+        assert core.namespace.child(d1.ino, b"d2") is d2
         assert root.nlink == links - 1 and d1.nlink == 3
-        assert core.path_of(core.child(sub.ino, b"..")) == "empty/d2"
-        assert core.path_of(core.child(d2.ino, b"inside")) == "empty/d2/inside"
+        assert core.namespace.path_of(core.namespace.child(sub.ino, b"..")) == "empty/d2"
+        assert core.namespace.path_of(core.namespace.child(d2.ino, b"inside")) == "empty/d2/inside"
         # Renaming onto itself is a no-op.
         await core.rename(ROOT_INO, b"b", ROOT_INO, b"b", 0)
-        assert core.child(ROOT_INO, b"b").ino == a
+        assert core.namespace.child(ROOT_INO, b"b").ino == a
         with raises_errno(errno.ENOENT):
             await core.rename(ROOT_INO, b"missing", ROOT_INO, b"x", 0)
 
@@ -401,7 +401,7 @@ def test_unlink_rmdir(tmp_path: Path) -> None:
         await core.rmdir(ROOT_INO, b"d")
         with raises_errno(errno.ENOENT):
             await core.unlink(ROOT_INO, b"d")
-        assert core.inode(ROOT_INO).children == {}
+        assert core.namespace.inode(ROOT_INO).children == {}
 
     run(tmp_path, body)
 
@@ -414,7 +414,7 @@ def test_unlink_while_open_then_release_destroys_data(tmp_path: Path) -> None:
         data_path = core.tier.path(inode.ino)
         # Unlinked but open: the name is gone, the data is still there for the handle.
         with raises_errno(errno.ENOENT):
-            core.child(ROOT_INO, b"tmp")
+            core.namespace.child(ROOT_INO, b"tmp")
         assert await core.read(fh, 0, 100) == b"still readable"
         assert db_rows(tmp_path, "SELECT parent FROM inodes WHERE ino=?", (inode.ino,)) == [(0,)]
         await core.flush(fh)  # nothing to publish: no name
@@ -441,7 +441,7 @@ def test_group_commit_batches_concurrent_creates(tmp_path: Path) -> None:
         async with trio.open_nursery() as nursery:
             for i in range(count):
                 nursery.start_soon(one, i)
-        return core.committer.commits - before, len(core.inode(ROOT_INO).children or {})
+        return core.committer.commits - before, len(core.namespace.inode(ROOT_INO).children or {})
 
     commits, files = run(tmp_path, body)
     assert files == count
@@ -461,7 +461,7 @@ def test_recovery_rebuilds_namespace(tmp_path: Path) -> None:
         await write_file(core, d.ino, b"tmp", b"latest=10")
         await core.rename(d.ino, b"tmp", d.ino, b"latest", 0)
         await core.symlink(d.ino, b"current", b"step_10", UID, GID)
-        f = core.child(sub.ino, b"rank0.pt")
+        f = core.namespace.child(sub.ino, b"rank0.pt")
         await core.setxattr(f.ino, b"user.step", b"10")
         await core.setattr(f.ino, mode=0o600, mtime_ns=1_000_000_000_123)
         # Left open for writing at the "crash": data written, never closed.
@@ -474,21 +474,21 @@ def test_recovery_rebuilds_namespace(tmp_path: Path) -> None:
     orphan.write_bytes(b"no inode owns this")
 
     async def second(core: BurstCore) -> None:
-        d = core.child(ROOT_INO, b"ckpt")
+        d = core.namespace.child(ROOT_INO, b"ckpt")
         assert d.mode == stat.S_IFDIR | 0o750
         assert set(d.children or {}) == {b"step_10", b"latest", b"current", b"partial"}
-        sub = core.child(d.ino, b"step_10")
+        sub = core.namespace.child(d.ino, b"step_10")
         assert set(sub.children or {}) == {b"rank0.pt"}
-        f = core.child(sub.ino, b"rank0.pt")
+        f = core.namespace.child(sub.ino, b"rank0.pt")
         assert f.ino == info["rank0"]
         assert (f.mode, f.mtime_ns, f.size) == (stat.S_IFREG | 0o600, 1_000_000_000_123, 2000)
         assert await read_all(core, f.ino) == b"r0" * 1000
         assert await core.getxattr(f.ino, b"user.step") == b"10"
         assert await core.getxattr(f.ino, b"user.burstfs.state") == STAGED.encode()
-        assert await read_all(core, core.child(d.ino, b"latest").ino) == b"latest=10"
-        assert core.readlink(core.child(d.ino, b"current").ino) == b"step_10"
-        assert d.nlink == 3 and core.inode(ROOT_INO).nlink == 3
-        partial = core.child(d.ino, b"partial")
+        assert await read_all(core, core.namespace.child(d.ino, b"latest").ino) == b"latest=10"
+        assert core.readlink(core.namespace.child(d.ino, b"current").ino) == b"step_10"
+        assert d.nlink == 3 and core.namespace.inode(ROOT_INO).nlink == 3
+        partial = core.namespace.child(d.ino, b"partial")
         assert await core.getxattr(partial.ino, b"user.burstfs.state") == INCOMPLETE.encode()
         # What reached the local tier is visible, so the incomplete file can be inspected.
         assert partial.size == 4
@@ -535,7 +535,7 @@ def test_only_new_files_are_published_without_a_change(tmp_path: Path) -> None:
     run(tmp_path, reopen)
 
     async def restart(core: BurstCore) -> None:
-        assert core.inode(ino).size == 9
+        assert core.namespace.inode(ino).size == 9
         assert await read_all(core, ino) == b"halfmore!"
         fh = await core.open(ino, os.O_WRONLY | os.O_TRUNC)  # rewritten in full: complete
         await core.write(fh, 0, b"whole")
@@ -557,7 +557,7 @@ def test_recovery_drops_unlinked_open_files(tmp_path: Path) -> None:
 
     async def second(core: BurstCore) -> None:
         assert ino not in core.inodes
-        assert core.inode(ROOT_INO).children == {}
+        assert core.namespace.inode(ROOT_INO).children == {}
 
     run(tmp_path, second)
     assert not (tmp_path / "data" / f"{ino:016x}").exists()
@@ -578,7 +578,7 @@ def test_names(tmp_path: Path) -> None:
         await write_file(core, ROOT_INO, b"ok", b"")
         with raises_errno(errno.ENAMETOOLONG):
             await core.rename(ROOT_INO, b"ok", ROOT_INO, long, 0)
-        assert core.child(ROOT_INO, b"ok")  # the failed rename changed nothing
+        assert core.namespace.child(ROOT_INO, b"ok")  # the failed rename changed nothing
         max_name = b"m" * 255
         await write_file(core, ROOT_INO, max_name, b"fits")
         assert (await core.lookup(ROOT_INO, max_name)).size == 4
@@ -587,11 +587,11 @@ def test_names(tmp_path: Path) -> None:
         with raises_errno(errno.EEXIST):
             await core.mkdir(ROOT_INO, b"ok", 0o755, UID, GID)
         with raises_errno(errno.ENOTDIR):
-            await core.create(core.child(ROOT_INO, b"ok").ino, b"x", 0o644, os.O_WRONLY, UID, GID)
+            await core.create(core.namespace.child(ROOT_INO, b"ok").ino, b"x", 0o644, os.O_WRONLY, UID, GID)
         # Only regular files, directories and symlinks.
         with raises_errno(errno.EPERM):
             await core.create(ROOT_INO, b"fifo", stat.S_IFIFO | 0o644, os.O_WRONLY, UID, GID)
-        assert set(core.inode(ROOT_INO).children or {}) == {b"ok", max_name}
+        assert set(core.namespace.inode(ROOT_INO).children or {}) == {b"ok", max_name}
 
     run(tmp_path, body)
 
@@ -725,7 +725,7 @@ def test_hard_links_share_one_inode_and_journal_a_row_per_name(tmp_path: Path) -
         d = await core.mkdir(ROOT_INO, b"d", 0o755, UID, GID)
         linked = await core.link(ino, d.ino, b"b")
         assert linked.ino == ino and linked.nlink == 2
-        assert core.child(d.ino, b"b") is core.inode(ino)
+        assert core.namespace.child(d.ino, b"b") is core.namespace.inode(ino)
         with raises_errno(errno.EEXIST):
             await core.link(ino, ROOT_INO, b"a")
         with raises_errno(errno.EPERM):
@@ -754,20 +754,24 @@ def test_hard_links_share_one_inode_and_journal_a_row_per_name(tmp_path: Path) -
         ]
         # unlink the first name: the inode lives on under its link, its own row keeps no name
         await core.unlink(ROOT_INO, b"a")
-        assert core.inode(ino).nlink == 1 and await read_all(core, ino) == b"v2"
+        assert core.namespace.inode(ino).nlink == 1 and await read_all(core, ino) == b"v2"
         assert db_rows(tmp_path, "SELECT parent FROM inodes WHERE ino=?", (ino,)) == [(0,)]
         # rename the link, and link it back under a third name
         await core.rename(d.ino, b"b", ROOT_INO, b"c", 0)
         await core.link(ino, ROOT_INO, b"e")
-        assert core.inode(ino).nlink == 2
-        core.forget(ino, core.inode(ino).lookups)
+        assert core.namespace.inode(ino).nlink == 2
+        core.forget(ino, core.namespace.inode(ino).lookups)
         return ino
 
     ino = run(tmp_path, body)
 
     async def after_restart(core: BurstCore) -> None:
-        inode = core.inode(ino)
-        assert inode.nlink == 2 and core.child(ROOT_INO, b"c") is inode and core.child(ROOT_INO, b"e") is inode
+        inode = core.namespace.inode(ino)
+        assert (
+            inode.nlink == 2
+            and core.namespace.child(ROOT_INO, b"c") is inode
+            and core.namespace.child(ROOT_INO, b"e") is inode
+        )
         assert await read_all(core, ino) == b"v2"
         await core.unlink(ROOT_INO, b"c")
         await core.unlink(ROOT_INO, b"e")
@@ -788,9 +792,13 @@ def test_rename_over_a_hard_link_and_between_names_of_one_file(tmp_path: Path) -
         await core.link(ino, ROOT_INO, b"b")
         other = await write_file(core, ROOT_INO, b"x", b"other")
         await core.rename(ROOT_INO, b"a", ROOT_INO, b"b", 0)  # two names of one file: nothing happens
-        assert core.inode(ino).nlink == 2 and set(core.inode(ROOT_INO).children) == {b"a", b"b", b"x"}
+        assert core.namespace.inode(ino).nlink == 2 and set(core.namespace.inode(ROOT_INO).children) == {
+            b"a",
+            b"b",
+            b"x",
+        }
         await core.rename(ROOT_INO, b"x", ROOT_INO, b"b", 0)  # replaces the link name only
-        assert core.inode(ino).nlink == 1 and core.child(ROOT_INO, b"b").ino == other
+        assert core.namespace.inode(ino).nlink == 1 and core.namespace.child(ROOT_INO, b"b").ino == other
         assert await read_all(core, ino) == b"shared"
         # the replaced name's row is gone; the file's own row still names it
         assert db_rows(tmp_path, "SELECT name FROM inodes WHERE link_of=?", (ino,)) == []
@@ -804,10 +812,10 @@ def test_fallocate_default_mode_grows_after_journaling_writing_and_keep_size_onl
         ino = await write_file(core, ROOT_INO, b"f", b"head")
         fh = await core.open(ino, os.O_RDWR)
         await core.fallocate(fh, 0, 1 << 20, 1)  # FALLOC_FL_KEEP_SIZE: nothing visible changes
-        assert core.inode(ino).size == 4
+        assert core.namespace.inode(ino).size == 4
         assert db_rows(tmp_path, "SELECT state FROM inodes WHERE ino=?", (ino,)) == [(STAGED,)]
         await core.fallocate(fh, 0, 8192, 0)
-        assert core.inode(ino).size == 8192 and await core.read(fh, 0, 8) == b"head\0\0\0\0"
+        assert core.namespace.inode(ino).size == 8192 and await core.read(fh, 0, 8) == b"head\0\0\0\0"
         assert db_rows(tmp_path, "SELECT state FROM inodes WHERE ino=?", (ino,)) == [(WRITING,)]
         with raises_errno(errno.EOPNOTSUPP):
             await core.fallocate(fh, 0, 4096, 3)  # punch hole

@@ -224,7 +224,7 @@ def test_failed_commits_leave_memory_equal_to_the_journal(tmp_path: Path) -> Non
         assert after == before
         for name in (b"ghost", b"ghostdir", b"ghostlink"):
             try:
-                core.child(ckpt.ino, name)
+                core.namespace.child(ckpt.ino, name)
                 raise AssertionError(f"{name!r} is a ghost")
             except BurstfsError as exc:
                 assert exc.errno == errno.ENOENT
@@ -277,7 +277,7 @@ def test_a_failed_commit_also_undoes_what_was_built_on_it(tmp_path: Path) -> Non
         async with trio.open_nursery() as nursery:
             nursery.start_soon(attempt, "mkdir", lambda: core.mkdir(ROOT_INO, b"d", 0o755, UID, GID))
             await trio.to_thread.run_sync(journal.entered.wait, 10)  # mkdir's commit is in flight
-            d = core.child(ROOT_INO, b"d")  # seen by a lookup meanwhile
+            d = core.namespace.child(ROOT_INO, b"d")  # seen by a lookup meanwhile
             nursery.start_soon(attempt, "create", lambda: write_file(core, d.ino, b"f", b"x"))
             await trio.sleep(0.05)
             journal.gate.set()
@@ -335,7 +335,7 @@ def rows(cache: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any,
 
 
 def listed(core: BurstCore, remote: FakeRemote) -> None:
-    core.fetcher = remote
+    core.links.fetcher = remote
     core.listings.ttl = 0
 
 
@@ -359,8 +359,8 @@ def test_burstfs_is_reserved_at_the_root(tmp_path: Path) -> None:
         await core.mkdir(sub.ino, b".burstfs", 0o755, UID, GID)  # elsewhere it is an ordinary name
         # A remote .burstfs (file or directory) at the root is never shown.
         listed(core, FakeRemote({"": ([(".burstfs", 3, 1.0), ("other", 2, 1.0)], [".burstfs"])}))
-        assert await core.refresh_listing(core.inode(ROOT_INO))
-        assert sorted(core.inode(ROOT_INO).children) == [b"f", b"other", b"sub"]  # type: ignore[arg-type]
+        assert await core.listings.refresh(core.namespace.inode(ROOT_INO))
+        assert sorted(core.namespace.inode(ROOT_INO).children) == [b"f", b"other", b"sub"]  # type: ignore[arg-type]
 
     run_flaky(tmp_path, body)
 
@@ -372,18 +372,18 @@ def test_vanished_listed_files_are_forgotten_not_deleted(tmp_path: Path) -> None
         remote = FakeRemote({"run": ([("latest", 5, 1.0), ("step1", 5, 1.0)], [])})
         run_dir = await core.mkdir(ROOT_INO, b"run", 0o755, UID, GID)
         listed(core, remote)
-        assert await core.refresh_listing(run_dir)
-        latest = core.child(run_dir.ino, b"latest")
+        assert await core.listings.refresh(run_dir)
+        latest = core.namespace.child(run_dir.ino, b"latest")
         latest.lookups += 1  # the kernel holds it
         remote.listing["run"] = ([("step1", 5, 1.0)], [])  # B deleted it, its new one not yet listed
-        assert await core.refresh_listing(run_dir)
+        assert await core.listings.refresh(run_dir)
         assert sorted(run_dir.children) == [b"step1"]  # type: ignore[arg-type]
         assert rows(tmp_path, "SELECT key FROM remote_deletes") == []
         core.forget(latest.ino, 1)
         assert latest.ino not in core.inodes
         remote.listing["run"] = ([("latest", 6, 2.0), ("step1", 5, 1.0)], [])  # B's new one
-        assert await core.refresh_listing(run_dir)
-        assert core.child(run_dir.ino, b"latest").size == 6
+        assert await core.listings.refresh(run_dir)
+        assert core.namespace.child(run_dir.ino, b"latest").size == 6
         assert rows(tmp_path, "SELECT key FROM remote_deletes") == []
 
     run_flaky(tmp_path, body)
@@ -411,9 +411,9 @@ def test_odd_keys_are_skipped_and_the_rest_is_listed(tmp_path: Path, caplog: pyt
         ckpt = await core.mkdir(run_dir.ino, b"ckpt", 0o755, UID, GID)
         listed(core, remote)
         for _ in range(2):
-            assert await core.refresh_listing(ckpt)
+            assert await core.listings.refresh(ckpt)
             assert sorted(ckpt.children) == [b"clash", b"good", b"sub"]  # type: ignore[arg-type]
-        fh = await core.open(core.child(ckpt.ino, b"good").ino, os.O_RDONLY)  # linked and usable
+        fh = await core.open(core.namespace.child(ckpt.ino, b"good").ino, os.O_RDONLY)  # linked and usable
         await core.release(fh)
 
     with caplog.at_level("WARNING", logger="burstfs.listings"):
@@ -460,8 +460,8 @@ def test_a_file_unlinked_during_a_listing_does_not_come_back(tmp_path: Path) -> 
 
         remote.during_list = unlinked_meanwhile
         listed(core, remote)
-        assert await core.refresh_listing(core.inode(ROOT_INO))
-        assert b"g" not in core.inode(ROOT_INO).children  # type: ignore[operator]
+        assert await core.listings.refresh(core.namespace.inode(ROOT_INO))
+        assert b"g" not in core.namespace.inode(ROOT_INO).children  # type: ignore[operator]
 
     run_flaky(tmp_path, body)
 
@@ -481,11 +481,11 @@ def test_closed_files_keep_no_streaming_digest_state(tmp_path: Path) -> None:
         assert inode.digests is None
         ino = await write_file(core, ROOT_INO, b"b", b"x" * 100)
         await core.setattr(ino, size=0)  # truncate(2) on a path: a close
-        assert core.inode(ino).digests is None
+        assert core.namespace.inode(ino).digests is None
         fh = await core.open(ino, os.O_WRONLY | os.O_APPEND)  # an append after close: the drain hashes
         await core.write(fh, 0, b"more")
         await core.release(fh)
-        assert core.inode(ino).digests is None
+        assert core.namespace.inode(ino).digests is None
 
     run_flaky(tmp_path, body)
     assert [
@@ -543,7 +543,7 @@ def test_a_slow_listing_does_not_hold_a_lookup(tmp_path: Path) -> None:
             assert core.readdir(fh, 0) == []
             core.releasedir(fh)
             release.set()
-            while b"late" not in core.inode(ROOT_INO).children:  # type: ignore[operator]
+            while b"late" not in core.namespace.inode(ROOT_INO).children:  # type: ignore[operator]
                 await trio.sleep(0.01)
         assert (await core.lookup(ROOT_INO, b"late")).size == 4
 

@@ -1,0 +1,60 @@
+"""What the FUSE side needs from the drain side: the mover's hooks and remote bytes.
+
+The core, its data path and the remote listings share one :class:`DrainLinks`
+record, so wiring the drain side in (the daemon, tests) is one assignment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+
+class DrainHooks(Protocol):
+    """What the core needs from the mover (absent when nothing drains)."""
+
+    def file_closed(self) -> None:
+        """A file was journaled as staged: wake the drain."""
+
+    def namespace_changed(self) -> None:
+        """A rename or unlink happened: durable objects may need moving or deleting."""
+
+    async def wait_durable(self, ino: int, generation: int) -> None:
+        """Return once ``generation`` of ``ino`` is durable; raise if it cannot be."""
+
+    def writing_in(self, ino: int, dir_key: str, name: bytes) -> None:
+        """``ino`` (named ``name``) is opened for writing, or closed, in ``dir_key``: this node
+        takes part in the checkpoint there (a cross-node commit round)."""
+
+    async def intent_published(self, dir_key: str) -> None:
+        """Return once this node's part in ``dir_key``'s checkpoint is announced, or after a short bound."""
+
+
+class Fetcher(Protocol):
+    """What the core needs from the restore path: remote listings and remote bytes."""
+
+    async def ensure_local(self, ino: int, offset: int, size: int) -> int:
+        """Make bytes [offset, offset+size) of ``ino`` local; returns the length of the
+        gap-free local prefix of the file (its size once it is all local)."""
+
+    async def list_dir(self, dir_key: str) -> tuple[list[tuple[str, int, float]], list[str]]:
+        """(name, size, mtime) of the remote files directly under ``dir_key``, and subdirectory names."""
+
+    def forget(self, ino: int) -> None:
+        """The file went away: drop any fetch state."""
+
+
+@dataclasses.dataclass(slots=True)
+class DrainLinks:
+    """The drain side as the FUSE side sees it; None: nothing drains, or local only (tests, tools)."""
+
+    drain: DrainHooks | None = None  # wakes the mover
+    fetcher: Fetcher | None = None  # remote listings and bytes
+
+    def file_closed(self) -> None:
+        if self.drain is not None:
+            self.drain.file_closed()
+
+    def namespace_changed(self) -> None:
+        if self.drain is not None:
+            self.drain.namespace_changed()
