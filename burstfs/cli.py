@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +38,21 @@ def main() -> None:
     """A burst buffer for training checkpoints: local-speed writes, drained to object storage."""
 
 
-@main.command()
-@click.argument("mountpoint", required=False, type=click.Path(path_type=Path))
-@click.option(
-    "--config",
-    "config_file",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="TOML file of these options (docs/CONFIGURATION.md); the command line overrides it.",
-)
+def _mountpoint_command(config_help: str) -> Callable[[Callable[..., Any]], click.Command]:
+    """Register a command on an optional MOUNTPOINT and ``--config FILE`` (mount and unmount
+    take both: a config file names the mount point).  Its own options go below it."""
+
+    def register(fn: Callable[..., Any]) -> click.Command:
+        config = click.option(
+            "--config", "config_file", type=click.Path(path_type=Path, dir_okay=False), help=config_help
+        )
+        fn = click.argument("mountpoint", required=False, type=click.Path(path_type=Path))(config(fn))
+        return main.command()(fn)
+
+    return register
+
+
+@_mountpoint_command("TOML file of these options (docs/CONFIGURATION.md); the command line overrides it.")
 @click.option(
     "--cache",
     "cache_dir",
@@ -193,7 +201,7 @@ def _left_behind(cache_dir: Path) -> dict[str, tuple[int, int]]:
 def _wait_durable(point: Path, timeout: float | None) -> None:
     """Block until every file of the mount is durable, as ``burstfs-admin wait`` does;
     incomplete files never drain, so they are left out (unmount reports them)."""
-    from .admin import resolve, wait_durable
+    from .admin.common import resolve, wait_durable
     from .journal import INCOMPLETE
 
     outcome = wait_durable(resolve([point], None), timeout, ignore=frozenset({INCOMPLETE}))
@@ -213,14 +221,7 @@ def _wait_durable(point: Path, timeout: float | None) -> None:
         )
 
 
-@main.command()
-@click.argument("mountpoint", required=False, type=click.Path(path_type=Path))
-@click.option(
-    "--config",
-    "config_file",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="Unmount the mountpoint of this `burstfs mount --config` file (systemd, Kubernetes).",
-)
+@_mountpoint_command("Unmount the mountpoint of this `burstfs mount --config` file (systemd, Kubernetes).")
 @click.option("--wait", "wait_drain", is_flag=True, help="First wait until every closed file is durable.")
 @click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for the daemon to exit.")
 @click.option("--wait-timeout", default=None, type=float, help="With --wait: give up after this many seconds.")

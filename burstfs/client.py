@@ -7,7 +7,7 @@
     client.latest("/mnt/ckpt")                                # newest complete checkpoint dir, or None
 
 It talks to the mount's control socket and reads its journal read-only, exactly
-as ``burstfs-admin`` does (it reuses admin.py's finding of the mount and its
+as ``burstfs-admin`` does (it reuses burstfs/admin's finding of the mount and its
 socket client).  No torch import: safe in any process.  Every failure is a
 ``ClientError``: ``NotAMountError``, ``DaemonGoneError``, ``DurableTimeoutError``,
 ``DrainFailedError``, ``PrefetchError``, or ``ClientError`` itself for the rest
@@ -23,8 +23,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .admin import EXIT_USAGE, AccessDenied, AdminError, DaemonLost, Target, latest_checkpoint, resolve
-from .admin import wait_durable as _wait_durable
+from .admin.checkpoints import latest_checkpoint
+from .admin.common import EXIT_USAGE, AccessDenied, AdminError, DaemonLost, Target, resolve
+from .admin.common import wait_durable as _wait_durable
 from .journal import BROKEN, DONE, FileState
 
 STATE_XATTR = "user.burstfs.state"  # every file's drain state, readable by anyone who may read the file

@@ -1,0 +1,148 @@
+"""``burstfs-admin latest`` and ``abandon``: checkpoints of the cross-node commit
+(docs/SEMANTICS.md "Many nodes")."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..config import S3Options, parse_remote_url
+from ..errors import BurstfsError
+from ..status import SCHEMA
+from .common import (
+    EXIT_ERROR,
+    EXIT_USAGE,
+    AdminError,
+    emit_json,
+    json_option,
+    main,
+    remote_of,
+    resolve,
+)
+
+
+@main.command()
+@click.argument("path", required=False, default=None)
+@click.option(
+    "--remote",
+    "remote_url",
+    default=None,
+    help="Look at s3://BUCKET/PREFIX or file:///DIR directly (no mount); PATH is then a subdirectory.",
+)
+@click.option("--endpoint-url", default=None, help="S3 endpoint (with --remote); default $AWS_ENDPOINT_URL or AWS.")
+@click.option("--region", default=None, help="S3 region (with --remote).")
+@json_option
+def latest(
+    path: str | None, remote_url: str | None, endpoint_url: str | None, region: str | None, as_json: bool
+) -> None:
+    """The newest complete checkpoint directory under PATH (exit 1 if there is none).
+
+    Complete: its commit marker was published by the cross-node commit, and every
+    file its nodes' done records list is on the remote with the recorded size and
+    digest.  Works from any node, and with --remote without a mount (a restart script).
+    """
+    found = latest_checkpoint(path, remote_url, endpoint_url, region)
+    if as_json:
+        emit_json({"schema": SCHEMA, **dataclasses.asdict(found)})
+    else:
+        for skipped in found.skipped:
+            click.echo(f"skipped {skipped['dir'] or '/'}: {skipped['reason']}", err=True)
+        if found.dir is not None:
+            click.echo(found.path or "/")
+        else:
+            click.echo(f"no complete checkpoint under {found.subdir or '/'} in {found.remote}", err=True)
+    if found.dir is None:
+        sys.exit(EXIT_ERROR)
+
+
+@dataclasses.dataclass
+class Latest:
+    """What ``latest`` found (``dir`` None: no complete checkpoint)."""
+
+    remote: str
+    subdir: str
+    dir: str | None  # relative to the remote prefix
+    path: str | None  # in the mount (the remote-relative dir with --remote)
+    marker: str | None
+    committed_at: float | None
+    files: int
+    skipped: list[dict[str, str]]  # newer checkpoints passed over: {"dir", "reason"}
+
+
+def latest_checkpoint(
+    path: str | os.PathLike[str] | None,
+    remote_url: str | None = None,
+    endpoint_url: str | None = None,
+    region: str | None = None,
+) -> Latest:
+    """The newest complete checkpoint under ``path`` (in a mount), or under the subdirectory
+    ``path`` of ``remote_url`` (no mount); see commitgroups.find_latest."""
+    import asyncio
+
+    from ..commitgroups import find_latest
+    from ..remote import open_remote
+
+    if remote_url is not None:
+        try:
+            url, s3 = parse_remote_url(remote_url), S3Options(endpoint_url=endpoint_url, region=region)
+        except BurstfsError as exc:
+            raise AdminError(str(exc), EXIT_USAGE) from None
+        subdir, root = str(path or "").strip("/"), None
+    else:
+        if path is None:
+            raise AdminError("give a PATH inside a mount, or --remote URL", EXIT_USAGE)
+        target = resolve([Path(path)], None)
+        with target.journal() as journal:
+            url, s3 = remote_of(journal, target.cache_dir)
+        s3 = dataclasses.replace(s3, endpoint_url=endpoint_url or s3.endpoint_url, region=region or s3.region)
+        subdir, root = target.rels[0], target.mountpoint
+
+    async def look() -> Any:
+        remote = open_remote(url, s3)
+        try:
+            return await find_latest(remote, subdir)
+        finally:
+            await remote.close()
+
+    try:
+        found, skipped = asyncio.run(look())
+    except BurstfsError as exc:
+        raise AdminError(f"{url}: {exc}") from None
+    shown = None if found is None else str(root / found.dir) if root is not None else found.dir
+    return Latest(
+        remote=str(url),
+        subdir=subdir,
+        dir=found.dir if found else None,
+        path=shown,
+        marker=found.marker if found else None,
+        committed_at=found.committed_at if found else None,
+        files=found.files if found else 0,
+        skipped=[{"dir": d, "reason": r} for d, r in skipped],
+    )
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--yes", is_flag=True, help="Confirm: the checkpoint in PATH is given up for good.")
+@json_option
+def abandon(path: Path, yes: bool, as_json: bool) -> None:
+    """Give up the checkpoint in directory PATH whose marker waits for a lost node.
+
+    Its marker (held on this node) is never published; the lost nodes' intents no
+    longer hold later checkpoints written into PATH.  Run it on the node that
+    holds the marker (burstfs-admin status shows "waiting for node ...").
+    """
+    if not yes:
+        raise AdminError(f"abandon gives up the checkpoint in {path} for good: add --yes", EXIT_USAGE)
+    target = resolve([path], None)
+    doc = target.need_daemon("abandon").call("abandon", paths=target.rels)
+    if as_json:
+        emit_json(doc)
+        return
+    nodes = ", ".join(sorted({w["node"] for w in doc["gave_up"]})) or "none"
+    click.echo(f"abandoned the checkpoint in {doc['dir'] or '/'} (gave up on nodes: {nodes})")

@@ -1,0 +1,308 @@
+"""What every ``burstfs-admin`` command shares: exit codes and errors, the daemon's
+control socket, finding the mount (and its journal) a PATH names, table and JSON
+output, and the click group the commands register on."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import errno
+import json
+import os
+import socket
+import sqlite3
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..config import RemoteURL, S3Options, config_from_meta
+from ..control import SOCKET_NAME, socket_address
+from ..errors import BurstfsError
+from ..journal import FileState, Journal
+from ..mountinfo import FSNAME_PREFIX, find_burstfs_mount, mounts
+from ..status import Durability
+from ..status import wait_durable as wait_in_journal
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_TIMEOUT = 3
+EXIT_FAILED = 4
+
+REQUEST_TIMEOUT_S = 60.0  # quick ops; prefetch and verify wait as long as they take
+START_HINT = "start a mount with: burstfs mount MOUNTPOINT --cache DIR --remote URL"
+
+
+class AdminError(click.ClickException):
+    """A failure reported as ``burstfs-admin: message`` with a chosen exit code."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_ERROR) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code  # type: ignore[misc]  # click reads it per instance
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"burstfs-admin: {self.message}", err=True)
+
+
+class AccessDenied(AdminError):
+    """This user may not use the mount's control socket (only the daemon's user and root)."""
+
+
+class DaemonLost(AdminError):
+    """The daemon went away (or never answered) in the middle of a request."""
+
+
+# -- talking to the daemon -------------------------------------------------------------------
+
+
+class Daemon:
+    """The control socket of a live mount: one connection per request."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @classmethod
+    def find(cls, cache_dir: Path) -> Daemon | None:
+        """The daemon serving ``cache_dir``, or None when none answers."""
+        daemon = cls(cache_dir / SOCKET_NAME)
+        try:
+            daemon._connect(5.0).close()
+        except (FileNotFoundError, ConnectionRefusedError):
+            return None
+        return daemon
+
+    def _connect(self, timeout: float | None) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            with socket_address(self.path) as address:
+                sock.connect(address)
+        except PermissionError:
+            sock.close()
+            raise AccessDenied(
+                f"permission denied on {self.path}: only the user who started the mount (and root) may use it"
+            ) from None
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def call(
+        self,
+        op: str,
+        *,
+        timeout: float | None = REQUEST_TIMEOUT_S,
+        progress: Callable[[dict[str, Any]], None] | None = None,
+        **args: Any,
+    ) -> dict[str, Any]:
+        """Send one request; return the final response (``ok``/``more`` removed)."""
+        try:
+            with self._connect(timeout) as sock, sock.makefile("rwb") as stream:
+                stream.write(json.dumps({"op": op, **args}).encode() + b"\n")
+                stream.flush()
+                for line in stream:
+                    message = json.loads(line)
+                    if not message.pop("ok", False):
+                        code = message.get("errno")
+                        name = errno.errorcode.get(code, "") if isinstance(code, int) else ""
+                        text = str(message.get("error"))
+                        raise AdminError(
+                            f"the daemon refused {op}: {text}" + (f" ({name})" if name and name not in text else "")
+                        )
+                    if message.pop("more", False):
+                        if progress is not None:
+                            progress(message)
+                        continue
+                    return message
+        except (ConnectionError, FileNotFoundError, TimeoutError) as exc:
+            raise DaemonLost(f"lost the daemon at {self.path}: {exc}") from None
+        raise DaemonLost(f"the daemon at {self.path} closed the connection without answering {op}")
+
+
+# -- finding the mount -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Target:
+    """What the paths on the command line refer to."""
+
+    cache_dir: Path
+    mountpoint: Path | None  # live mount point, None when not mounted
+    rels: list[str]  # the paths, relative to the file-system root ("" = root)
+    daemon: Daemon | None  # None when no daemon answers
+
+    def journal(self) -> contextlib.AbstractContextManager[Journal]:
+        return read_journal(self.cache_dir)
+
+    def need_daemon(self, what: str, offline_hint: str = "") -> Daemon:
+        if self.daemon is not None:
+            return self.daemon
+        hint = offline_hint or START_HINT.replace("MOUNTPOINT --cache DIR", f"MOUNTPOINT --cache {self.cache_dir}")
+        if self.mountpoint is not None:
+            hint = f"{self.mountpoint} is mounted but its daemon is gone: fusermount3 -u {self.mountpoint}, then {hint}"
+        raise AdminError(f"{what} needs a running mount, and no daemon answers for cache {self.cache_dir}; {hint}")
+
+
+@contextlib.contextmanager
+def read_journal(cache_dir: Path) -> Iterator[Journal]:
+    """The journal, read-only; a journal only a writer can open (a crash left a WAL to
+    recover) is an error that says how to recover it, not a traceback."""
+    try:
+        journal = Journal(cache_dir, readonly=True)
+        try:
+            yield journal
+        finally:
+            journal.close()
+    except sqlite3.Error as exc:
+        raise AdminError(
+            f"cannot read the journal of {cache_dir} read-only ({exc}); mount the cache again, "
+            f"or run: burstfs drain --cache {cache_dir}"
+        ) from None
+
+
+def _live_mount_of(cache_dir: Path) -> Path | None:
+    source = f"{FSNAME_PREFIX}{cache_dir}"
+    return next((point for point, fstype, src, _ in mounts() if fstype.startswith("fuse") and src == source), None)
+
+
+def _is_cache_dir(path: Path) -> bool:
+    return (path / "journal.db").is_file()
+
+
+def resolve(paths: Sequence[Path], cache: Path | None) -> Target:
+    """Map PATHs (and ``--cache``) to a cache dir, a live mount if any, and file-system paths."""
+    if cache is not None:
+        cache_dir = Path(os.path.realpath(cache))
+        if not _is_cache_dir(cache_dir):
+            raise AdminError(f"{cache} is not a burstfs cache dir (no journal.db)", EXIT_USAGE)
+    else:
+        found = find_burstfs_mount(paths[0])
+        if found is not None:
+            cache_dir = found[1]
+        elif _is_cache_dir(Path(os.path.realpath(paths[0]))):
+            cache_dir = Path(os.path.realpath(paths[0]))
+        else:
+            raise AdminError(
+                f"{paths[0]} is not inside a burstfs mount and is not a burstfs cache dir; "
+                f"{START_HINT} (or give --cache DIR to read a stopped mount's journal)",
+                EXIT_USAGE,
+            )
+    mountpoint = _live_mount_of(cache_dir)
+    root = mountpoint
+    if root is None:
+        with read_journal(cache_dir) as journal:
+            last = journal.get_meta("mountpoint")
+        root = Path(last) if last else None
+    rels = []
+    for path in paths:
+        real = Path(os.path.realpath(path))
+        if real == cache_dir:
+            rels.append("")
+        elif root is not None and (real == root or root in real.parents):
+            rels.append(str(real.relative_to(root)).removeprefix("."))
+        else:
+            where = f"mounted at {root}" if mountpoint else f"last mounted at {root}" if root else "never mounted"
+            raise AdminError(f"{path} is not in the file system of cache {cache_dir} ({where})", EXIT_USAGE)
+    daemon = Daemon.find(cache_dir) if mountpoint is not None else None
+    return Target(cache_dir, mountpoint, rels, daemon)
+
+
+def journal_call(target: Target, fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    with target.journal() as journal:
+        try:
+            return fn(journal, *args)
+        except BurstfsError as exc:
+            raise AdminError(str(exc)) from None
+
+
+def wait_durable(
+    target: Target,
+    timeout: float | None,
+    on_poll: Callable[[Durability], None] | None = None,
+    ignore: frozenset[FileState] = frozenset(),
+) -> Durability:
+    """status.wait_durable on the target's journal (read-only), asking its daemon, if one runs,
+    whether the drain is halted; the last poll's outcome (``result`` "waiting": timed out)."""
+    daemon = target.daemon
+    with target.journal() as journal:
+        try:
+            return wait_in_journal(
+                journal,
+                target.rels,
+                timeout=timeout,
+                on_poll=on_poll,
+                ignore=ignore,
+                halted=None if daemon is None else lambda: daemon.call("status")["drain"]["halted"],
+            )
+        except BurstfsError as exc:
+            raise AdminError(str(exc)) from None
+
+
+# -- formatting ------------------------------------------------------------------------------
+
+
+def fmt_time(epoch: float) -> str:
+    return datetime.datetime.fromtimestamp(epoch).isoformat(sep=" ", timespec="milliseconds")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> str:
+    """Left-aligned columns (``right``: indexes of right-aligned ones), two spaces apart."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=False))
+        ).rstrip()
+
+    return "\n".join([line(headers), *(line(r) for r in rows)])
+
+
+def emit_json(doc: dict[str, Any]) -> None:
+    click.echo(json.dumps(doc, sort_keys=True))
+
+
+# -- commands --------------------------------------------------------------------------------
+
+
+def json_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--json", "as_json", is_flag=True, help="Print a JSON document (docs/ADMIN.md).")(fn)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="burstfs")
+def main() -> None:
+    """See and steer the drain of a burstfs mount.
+
+    Exit codes: 0 ok, 1 error, 2 bad usage or no mount found, 3 timeout,
+    4 a file failed to drain (or is incomplete, or the drain is halted) or did
+    not verify.
+    """
+
+
+def path_command(name: str | None = None, *, many: bool = False) -> Callable[[Callable[..., Any]], click.Command]:
+    """Register a command on PATH (``many``: PATHS...) with ``--cache`` and ``--json``: the
+    shape of every command that reads or steers one mount.  Its own options go below it."""
+
+    def register(fn: Callable[..., Any]) -> click.Command:
+        fn = json_option(fn)
+        fn = click.option(
+            "--cache",
+            type=click.Path(path_type=Path, file_okay=False),
+            help="Cache dir of the mount (to read a stopped mount's journal).",
+        )(fn)
+        if many:
+            fn = click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))(fn)
+        else:
+            fn = click.argument("path", type=click.Path(path_type=Path))(fn)
+        return main.command(name)(fn)
+
+    return register
+
+
+def remote_of(journal: Journal, cache_dir: Path) -> tuple[RemoteURL, S3Options]:
+    config = config_from_meta(journal.get_meta, cache_dir)
+    if config is None:
+        raise AdminError("the journal records no remote: this cache was never mounted")
+    return config.remote, config.s3
