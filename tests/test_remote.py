@@ -525,11 +525,11 @@ def test_throttling_exhausts_into_unavailable(s3_endpoint: str) -> None:
 @pytest.fixture(params=["openat2", "openat-walk"])
 def path_resolution(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Both ways the file remote resolves keys: one openat2 call, and the O_NOFOLLOW walk."""
-    from burstfs.remote import file as file_remote
+    from burstfs.remote import dirtree
 
     if request.param == "openat-walk":
-        monkeypatch.setitem(file_remote._openat2_state, "usable", False)
-    elif not file_remote._openat2_usable():
+        monkeypatch.setitem(dirtree._openat2_state, "usable", False)
+    elif not dirtree._openat2_usable():
         pytest.skip("openat2 not available here")
     return str(request.param)
 
