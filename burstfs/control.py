@@ -38,8 +38,8 @@ import trio
 
 from .config import MountConfig
 from .errors import BurstfsError, FsError
-from .journal import QUEUED, ROOT_INO, Journal
-from .status import SCHEMA, journal_events, journal_status, list_files, outage_of
+from .journal import ROOT_INO, Journal
+from .status import SCHEMA, drain_eta, journal_events, journal_status, list_files, outage_of
 from .verify import check_local_all, check_remote_all, files_to_verify, report
 
 if TYPE_CHECKING:  # burstfs-admin imports this module: keep the mover (aiobotocore) out of its start-up
@@ -263,11 +263,10 @@ class ControlServer:
             stats = self.drain.mover.stats
             outage = outage_of(stats)
             throughput = 0.0 if outage else stats.throughput()  # an outage stops the drain now, not in 30 s
-            pending = sum(doc["states"][s]["bytes"] for s in QUEUED)
             doc["drain"].update(
                 outage=outage,
                 throughput_bps=throughput,
-                eta_s=0.0 if not pending else (pending / throughput if throughput > 0 else None),
+                eta_s=drain_eta(doc["states"], throughput),
                 files_drained=stats.files_drained,
                 bytes_drained=stats.bytes_drained,
                 halted=stats.halted,

@@ -30,7 +30,7 @@ from .errors import FsError
 from .hooks import DrainHooks, DrainLinks, Fetcher
 from .iopath import BackingFiles, IOPaths
 from .journal import WRITING, Journal, set_meta_op
-from .listings import LISTING_WAIT, RemoteListings
+from .listings import LISTING_WAIT, RemoteListings, Tombstones
 from .localtier import LocalTier
 from .namespace import Namespace
 from .nodes import Inode, Undo
@@ -63,7 +63,7 @@ class BurstCore:
         self.committer = GroupCommitter(journal)
         self.links = DrainLinks(drain, fetcher)  # shared with the data path and the listings
         self.digest_chunk_size = digest_chunk_size
-        self.listings = RemoteListings(self, ttl=list_ttl, wait=listing_wait)
+        tombstones = Tombstones()
         self.io_paths = IOPaths(self.tier, backing)
         self.xattrs = ExtendedAttributes(journal, self.committer)
         self.dir_handles: dict[int, list[tuple[bytes, int]]] = {}
@@ -72,8 +72,11 @@ class BurstCore:
             journal,
             self.committer,
             self.tier,
-            remember_removed=self.listings.remember_removed,
+            remember_removed=tombstones.remember,
             on_destroy=self._file_gone,
+        )
+        self.listings = RemoteListings(
+            self.namespace, journal, self.committer, self.links, tombstones, ttl=list_ttl, wait=listing_wait
         )
         self.inodes = self.namespace.inodes  # the one inode table
         self.publisher = Publisher(self.committer, journal.max_close_seq() + 1)

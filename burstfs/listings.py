@@ -13,16 +13,15 @@ import logging
 import os
 import stat
 import time
-from typing import TYPE_CHECKING
 
 import trio
 import trio.lowlevel
 
-from .journal import META, REMOTE, ROOT_INO, Op, forget_listed_ops, insert_inode_op
+from .committer import GroupCommitter
+from .hooks import DrainLinks
+from .journal import META, REMOTE, ROOT_INO, Journal, Op, forget_listed_ops, insert_inode_op
+from .namespace import Namespace
 from .nodes import NAME_MAX, NEVER_LISTED, RESERVED_ROOT_NAME, Inode, Undo
-
-if TYPE_CHECKING:
-    from .core import BurstCore
 
 log = logging.getLogger("burstfs.listings")
 
@@ -42,12 +41,53 @@ LISTING_TIMEOUT = 30.0
 LISTING_BACKOFF = 30.0
 
 
-class RemoteListings:
-    """Merges remote directory listings into the core's namespace (``Namespace.new_inode``,
-    ``attach``, ``detach``), and remembers what this mount removed."""
+class Tombstones:
+    """The keys this mount removed lately (``Namespace.remember_removed``): a listing
+    that started before the remote delete may still show them."""
 
-    def __init__(self, core: BurstCore, *, ttl: float, wait: float = LISTING_WAIT) -> None:
-        self.core = core
+    def __init__(self) -> None:
+        self._removed: dict[str, float] = {}  # key -> monotonic time this mount removed it
+
+    def remember(self, key: str, undo: Undo) -> None:
+        before = self._removed.get(key)
+        self._removed[key] = time.monotonic()
+
+        def restore() -> None:
+            if before is None:
+                self._removed.pop(key, None)
+            else:
+                self._removed[key] = before
+
+        undo.add(restore)
+
+    def since(self, started: float) -> set[str]:
+        """The keys removed after a listing ``started`` (less a second), old ones pruned first."""
+        horizon = time.monotonic() - TOMBSTONE_SECONDS
+        if self._removed and next(iter(self._removed.values())) < horizon:
+            self._removed = {k: t for k, t in self._removed.items() if t >= horizon}
+        return {key for key, when in self._removed.items() if when >= started - 1.0}
+
+
+class RemoteListings:
+    """Merges remote directory listings into the namespace (``Namespace.new_inode``,
+    ``attach``, ``detach``), passing over what this mount removed (``Tombstones``)."""
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        journal: Journal,
+        committer: GroupCommitter,
+        links: DrainLinks,
+        tombstones: Tombstones,
+        *,
+        ttl: float,
+        wait: float = LISTING_WAIT,
+    ) -> None:
+        self.namespace = namespace
+        self.journal = journal  # the keys this mount owns, read before each listing
+        self.committer = committer
+        self.links = links  # the fetcher lists the remote
+        self.tombstones = tombstones
         self.ttl = ttl  # seconds a directory's listing stays fresh
         self.wait = wait  # the longest a request waits for a listing (--remote-wait)
         self.first_wait = FIRST_LISTING_WAIT
@@ -56,7 +96,6 @@ class RemoteListings:
         self._slow_until = 0.0  # until then, requests wait for no listing (the last one failed or was slow)
         # directory -> listing in flight: (done, [merged], trio time it started, how long requests wait)
         self._in_flight: dict[int, tuple[trio.Event, list[bool], float, float]] = {}
-        self._tombstones: dict[str, float] = {}  # key -> monotonic time this mount removed it
         self._skipped_logged: set[str] = set()  # listed keys already logged as skipped
 
     async def refresh_bounded(self, directory: Inode) -> bool:
@@ -70,7 +109,7 @@ class RemoteListings:
         slow, requests wait for none until one answers in time again
         (``_slow_until``): a hung remote costs one wait, not one per name.
         """
-        if self.core.links.fetcher is None:
+        if self.links.fetcher is None:
             return False
         pending = self._in_flight.get(directory.ino)
         now = time.monotonic()
@@ -134,15 +173,15 @@ class RemoteListings:
         node's new one.  The merge is one commit, applied to memory with it.
         """
         now = time.monotonic()
-        if self.core.links.fetcher is None or now - directory.listed_at < self.ttl:
+        if self.links.fetcher is None or now - directory.listed_at < self.ttl:
             return False
         directory.listed_at = now
-        dir_key = self.core.namespace.path_of(directory)
+        dir_key = self.namespace.path_of(directory)
         if dir_key is None:
             return False
         try:
-            known_keys = await trio.to_thread.run_sync(self.core.journal.keys.owned_under, dir_key)
-            files, subdirs = await self.core.links.fetcher.list_dir(dir_key)
+            known_keys = await trio.to_thread.run_sync(self.journal.keys.owned_under, dir_key)
+            files, subdirs = await self.links.fetcher.list_dir(dir_key)
         except Exception as exc:
             log.warning("event=list_failed dir=%s error=%s", dir_key or "/", exc)
             self._slow_until = time.monotonic() + self.backoff
@@ -193,12 +232,11 @@ class RemoteListings:
         remote_names: set[bytes],
     ) -> bool:
         """Apply a filtered listing: no await from the checks to the commit's enqueue."""
-        self._prune_tombstones()
         if directory.children is None or (directory.parent == 0 and directory.ino != ROOT_INO):
             return False  # removed while it was listed
         undo = Undo()
         ops: list[Op] = []
-        recent = {key for key, when in self._tombstones.items() if when >= started - 1.0}
+        recent = self.tombstones.since(started)
         for raw, size, mtime_ns, key in wanted_files:
             if raw in directory.children or key in recent:
                 continue  # made, renamed or deleted here meanwhile: local state wins
@@ -209,7 +247,7 @@ class RemoteListings:
             ops += self._add_listed(directory, raw, "dir", 0, time.time_ns(), None, undo)
         forgotten = []
         for raw, ino in list(directory.children.items()):
-            gone = self.core.inodes[ino]
+            gone = self.namespace.inodes[ino]
             if gone.listed and raw not in remote_names and not gone.handles and not gone.pending:
                 ops += self._forget_listed_ops(directory, gone, undo)
                 forgotten.append(gone)
@@ -217,12 +255,12 @@ class RemoteListings:
             for gone in forgotten:
                 gone.pending += 1
             try:
-                await self.core.committer.commit(ops, undo=undo)
+                await self.committer.commit(ops, undo=undo)
             finally:
                 for gone in forgotten:
                     gone.pending -= 1
             for gone in forgotten:
-                self.core.namespace.maybe_destroy(gone)
+                self.namespace.maybe_destroy(gone)
         return True
 
     def _listed_name(self, dir_key: str, name: str, at_root: bool) -> bytes | None:
@@ -248,42 +286,19 @@ class RemoteListings:
             self._skipped_logged.add(what)
         log.warning("event=listing_entry_skipped dir=%s key=%r reason=%s", dir_key or "/", entry, exc)
 
-    def _prune_tombstones(self) -> None:
-        horizon = time.monotonic() - TOMBSTONE_SECONDS
-        if self._tombstones and next(iter(self._tombstones.values())) < horizon:
-            self._tombstones = {k: t for k, t in self._tombstones.items() if t >= horizon}
-
     def _forget_listed_ops(self, directory: Inode, inode: Inode, undo: Undo) -> list[Op]:
         """A listed file that vanished from the remote: drop it here, delete nothing there."""
-        return forget_listed_ops(inode.ino, inode.name, self.core.namespace.detach(directory, inode, undo))
+        return forget_listed_ops(inode.ino, inode.name, self.namespace.detach(directory, inode, undo))
 
     def _add_listed(
         self, directory: Inode, name: bytes, kind: str, size: int, mtime_ns: int, key: str | None, undo: Undo
     ) -> list[Op]:
         mode = stat.S_IFDIR | 0o755 if kind == "dir" else stat.S_IFREG | 0o644
-        inode = self.core.namespace.new_inode(directory, name, kind, mode, directory.uid, directory.gid)
+        inode = self.namespace.new_inode(directory, name, kind, mode, directory.uid, directory.gid)
         inode.size, inode.mtime_ns, inode.ctime_ns = size, mtime_ns, mtime_ns
         if kind == "file":
             inode.local, inode.listed = False, True
-        self.core.namespace.attach(directory, inode, undo)
-        row = self.core.namespace.row(inode, REMOTE if kind == "file" else META)
+        self.namespace.attach(directory, inode, undo)
+        row = self.namespace.row(inode, REMOTE if kind == "file" else META)
         row.remote_key = key
         return [insert_inode_op(row)]
-
-    def remember_removed(self, parent: Inode, name: bytes, undo: Undo) -> None:
-        """Remember that this mount removed the object at ``parent/name`` (if any), so a
-        listing taken before the remote delete completes does not bring it back."""
-        dir_key = self.core.namespace.path_of(parent)
-        if dir_key is None:
-            return
-        key = f"{dir_key}/{os.fsdecode(name)}" if dir_key else os.fsdecode(name)
-        before = self._tombstones.get(key)
-        self._tombstones[key] = time.monotonic()
-
-        def restore() -> None:
-            if before is None:
-                self._tombstones.pop(key, None)
-            else:
-                self._tombstones[key] = before
-
-        undo.add(restore)

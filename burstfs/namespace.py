@@ -75,13 +75,13 @@ class Namespace:
         committer: GroupCommitter,
         tier: LocalTier,
         *,
-        remember_removed: Callable[[Inode, bytes, Undo], None],
+        remember_removed: Callable[[str, Undo], None],
         on_destroy: Callable[[Inode], None],
     ) -> None:
         self.journal = journal
         self.committer = committer
         self.tier = tier
-        self.remember_removed = remember_removed  # a name this mount removed: listings must not bring it back
+        self.remember_removed = remember_removed  # a key this mount removed: listings must not bring it back
         self.on_destroy = on_destroy  # a file inode is gone: drop its data and what is counted for it
         self.inodes: dict[int, Inode] = {}
         self._recover()
@@ -401,9 +401,15 @@ class Namespace:
         undo.add(relink)
         return now
 
+    def _removed(self, parent: Inode, name: bytes, undo: Undo) -> None:
+        """``parent/name`` is removed here: its remote key goes to ``remember_removed``."""
+        dir_key = self.path_of(parent)
+        if dir_key is not None:
+            self.remember_removed(f"{dir_key}/{os.fsdecode(name)}" if dir_key else os.fsdecode(name), undo)
+
     def _unlink_ops(self, parent: Inode, name: bytes, inode: Inode, undo: Undo) -> list[Op]:
         """Detach ``inode`` from its name ``name``; the journal queues that name's remote object for deletion."""
-        self.remember_removed(parent, name, undo)
+        self._removed(parent, name, undo)
         row = hardlinks.name_row(inode, parent.ino, name)
         if row != inode.ino:  # a hard link's name: the inode keeps its others
             hardlinks.drop_name(parent, inode, row, undo)
@@ -467,7 +473,7 @@ class Namespace:
         if target is not None:
             ops += self._unlink_ops(new_parent, new_name, target, undo)
             target.pending += 1
-        self.remember_removed(old_parent, old_name, undo)
+        self._removed(old_parent, old_name, undo)
         row = hardlinks.name_row(inode, old_parent.ino, old_name)
         if row == inode.ino:
             self.detach(old_parent, inode, undo)  # restores the old name and times on failure

@@ -13,7 +13,7 @@ import errno
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,6 +168,15 @@ def _held_bytes(journal: Journal, data_dir: Path) -> int:
     return total
 
 
+def drain_eta(states: Mapping[FileState, Mapping[str, int]], throughput_bps: float | None) -> float | None:
+    """Seconds until the queued bytes of ``states`` (a status document's) are drained at
+    ``throughput_bps``: 0 when nothing is queued, None when the rate is unknown or zero."""
+    queued = sum(states[s]["bytes"] for s in QUEUED)
+    if not queued:
+        return 0.0
+    return queued / throughput_bps if throughput_bps else None
+
+
 def journal_status(journal: Journal, cache_dir: Path) -> dict[str, Any]:
     """Everything status can tell from the journal and the cache dir alone (no daemon)."""
     states = {state: {"files": 0, "bytes": 0} for state in FILE_STATES}
@@ -195,7 +204,7 @@ def journal_status(journal: Journal, cache_dir: Path) -> dict[str, Any]:
         },
         "drain": {
             "throughput_bps": None,
-            "eta_s": 0.0 if not sum(states[s]["bytes"] for s in QUEUED) else None,
+            "eta_s": drain_eta(states, None),
             "files_drained": None,
             "bytes_drained": None,
             "outage": None,
