@@ -1,4 +1,4 @@
-"""The namespace of one mount: the inode table, its names, and its recovery from the journal.
+"""The namespace of one mount: the inode table and its names (rebuilt by ``recovery.py``).
 
 Every change of a name (mkdir, symlink, a FIFO or socket, unlink, rmdir, rename)
 changes memory and hands the committer an undo, so a failed commit leaves memory
@@ -22,12 +22,8 @@ from . import hardlinks
 from .committer import GroupCommitter
 from .errors import FsError
 from .journal import (
-    INCOMPLETE,
     META,
-    NOT_LOCAL,
-    REMOTE,
     ROOT_INO,
-    WRITING,
     FileState,
     InodeRow,
     Journal,
@@ -36,13 +32,13 @@ from .journal import (
     event_op,
     insert_inode_op,
     link_ops,
-    recovered_incomplete_ops,
     unlink_name_ops,
     unlink_ops,
     update_inode_op,
 )
 from .localtier import LocalTier
 from .nodes import NAME_MAX, RESERVED_ROOT_NAME, Inode, Undo
+from .recovery import recover
 
 log = logging.getLogger("burstfs.namespace")
 
@@ -83,98 +79,8 @@ class Namespace:
         self.tier = tier
         self.remember_removed = remember_removed  # a key this mount removed: listings must not bring it back
         self.on_destroy = on_destroy  # a file inode is gone: drop its data and what is counted for it
-        self.inodes: dict[int, Inode] = {}
-        self._recover()
-        self._next_ino = itertools.count(self._max_row + 1)  # hard links' rows take numbers too
-
-    def _recover(self) -> None:
-        """Rebuild the namespace from the journal after a clean stop or a crash."""
-        rows = self.journal.inodes()
-        if not rows:
-            now = now_ns()
-            root = InodeRow(
-                ino=ROOT_INO,
-                parent=ROOT_INO,
-                name=b"",
-                kind="dir",
-                mode=stat.S_IFDIR | 0o755,
-                uid=os.getuid(),
-                gid=os.getgid(),
-                atime_ns=now,
-                mtime_ns=now,
-                ctime_ns=now,
-                state=META,
-                updated=time.time(),
-            )
-            self.journal.apply([insert_inode_op(root)])
-            rows = [root]
-        ops: list[Op] = []
-        self._max_row = max(row.ino for row in rows)
-        link_rows = [row for row in rows if row.link_of is not None]
-        linked = {row.link_of for row in link_rows if row.parent}
-        for row in rows:
-            if row.link_of is not None:
-                continue
-            if row.parent == 0 and row.ino not in linked:  # unlinked while open when the daemon stopped
-                ops.extend(drop_unlinked_ops(row.ino))
-                continue
-            if row.state == WRITING:
-                # The data file is all there is of it: show its length, so that the bytes
-                # can be inspected and a later extension reads zeros, not stale bytes.
-                row.size = self.tier.data_size(row.ino)
-                row.state, row.error = INCOMPLETE, "open for writing when the daemon stopped"
-                ops.extend(recovered_incomplete_ops(row.ino, row.size, row.error))
-                log.warning("event=recover_incomplete ino=%d name=%s", row.ino, row.name)
-            self.inodes[row.ino] = self._inode_from_row(row)
-        for ino, name, value in self.journal.xattrs():
-            if ino in self.inodes:
-                self.inodes[ino].xattrs[name] = value
-        for inode in list(self.inodes.values()):
-            if inode.ino == ROOT_INO or inode.parent == 0:  # the latter: only hard links name it
-                continue
-            parent = self.inodes.get(inode.parent)
-            if parent is None or parent.children is None:  # parent lost: should never happen
-                log.error("event=recover_orphan ino=%d parent=%d", inode.ino, inode.parent)
-                continue
-            parent.children[inode.name] = inode.ino
-            if inode.kind == "dir":
-                parent.subdirs += 1
-        for row in link_rows:
-            target, parent = self.inodes.get(row.link_of or 0), self.inodes.get(row.parent)
-            if target is None or parent is None or parent.children is None:  # should never happen
-                log.error("event=recover_orphan_link row=%d ino=%s parent=%d", row.ino, row.link_of, row.parent)
-                ops.extend(unlink_name_ops(row.ino, row.name))
-                continue
-            target.links[row.ino] = (row.parent, row.name)
-            parent.children[row.name] = target.ino
-        for ino in self.tier.data_inodes() - set(self.inodes):
-            self.tier.remove(ino)
-        if ops:
-            self.journal.apply(ops)
-        log.info("event=recovered inodes=%d", len(self.inodes))
-
-    def _inode_from_row(self, row: InodeRow) -> Inode:
-        inode = Inode(
-            ino=row.ino,
-            kind=row.kind,
-            mode=row.mode,
-            uid=row.uid,
-            gid=row.gid,
-            parent=row.parent,
-            name=row.name,
-            size=row.size,
-            atime_ns=row.atime_ns,
-            mtime_ns=row.mtime_ns,
-            ctime_ns=row.ctime_ns,
-            target=row.target,
-            generation=row.generation,
-            local=row.state not in NOT_LOCAL,
-            listed=row.state == REMOTE,
-            incomplete=(row.error or INCOMPLETE) if row.state == INCOMPLETE else "",
-        )
-        if row.kind == "dir":
-            inode.children = {}
-        return inode
+        self.inodes, last_row = recover(journal, tier)
+        self._next_ino = itertools.count(last_row + 1)  # hard links' rows take numbers too
 
     def inode(self, ino: int) -> Inode:
         try:
