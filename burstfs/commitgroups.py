@@ -6,7 +6,7 @@ record; once every file it opened for writing in D in that round is durable it
 publishes a done record listing them.  A commit marker under D drains only when
 every intent under ``.burstfs/groups/D/`` (D's whole subtree) has its done; after
 the marker is durable its node writes a commit record (the marker and every file
-of the dones it saw), which is what ``burstfs-admin latest`` verifies.  The object
+of the dones it saw), which is what ``burstfs-admin latest`` verifies (``latest.py``).  The object
 store is the only coordination point; nodes never write or delete each other's keys.
 
 Remote layout (all keys are created once, with ``If-None-Match: *`` / ``O_EXCL``)::
@@ -40,7 +40,6 @@ from typing import Any
 from .errors import CorruptDataError, RemoteError
 from .journal import DONE, INCOMPLETE, WRITING, InodeRow, Journal
 from .journal.thread import JournalCall
-from .objects import Manifest, manifest_key
 from .remote import INTERNAL_DIR, Remote, RetryPolicy
 
 log = logging.getLogger("burstfs.groups")
@@ -62,9 +61,6 @@ PUBLISH_BACKOFF_S = 0.5
 PUBLISH_BACKOFF_MAX_S = 30.0
 # Records read from the (shared) remote are bounded before they are parsed.
 MAX_RECORD_BYTES = 64 << 20
-# `latest` checks this many files of a checkpoint at once, each request retried like the drain's.
-VERIFY_CONCURRENCY = 16
-LATEST_RETRY = RetryPolicy()
 
 
 def group_prefix(dir_key: str) -> str:
@@ -92,7 +88,7 @@ def new_round_id() -> str:
     return f"{time.time_ns() // 1_000_000:013d}-{secrets.token_hex(4)}"
 
 
-def _dir_of(key: str) -> str:
+def dir_of(key: str) -> str:
     return key.rpartition("/")[0]
 
 
@@ -100,7 +96,7 @@ def _under(dir_key: str, top: str) -> bool:
     return not top or dir_key == top or dir_key.startswith(top + "/")
 
 
-def _record(data: bytes) -> dict[str, Any]:
+def parse_record(data: bytes) -> dict[str, Any]:
     if len(data) > MAX_RECORD_BYTES:
         raise CorruptDataError(f"record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}")
     try:
@@ -112,7 +108,7 @@ def _record(data: bytes) -> dict[str, Any]:
     return doc
 
 
-def _files(doc: dict[str, Any]) -> list[dict[str, Any]]:
+def record_files(doc: dict[str, Any]) -> list[dict[str, Any]]:
     files = doc.get("files", [])
     if not isinstance(files, list) or not all(isinstance(f, dict) and isinstance(f.get("path"), str) for f in files):
         raise CorruptDataError("a record's 'files' is not a list of files")
@@ -352,7 +348,7 @@ class CommitGroups:
         for ino in sorted(members):
             row = self.journal.inode(ino)
             path = self.journal.path_of(ino) if row is not None and row.parent else None
-            if row is None or path is None or _dir_of(path) != dir_key or self.is_marker(os.fsdecode(row.name)):
+            if row is None or path is None or dir_of(path) != dir_key or self.is_marker(os.fsdecode(row.name)):
                 continue
             if row.state in (WRITING, INCOMPLETE):
                 continue
@@ -391,7 +387,7 @@ class CommitGroups:
     def holds(self, marker: InodeRow, marker_key: str) -> bool:
         """True while ``marker`` must wait for other nodes (or was abandoned).  Only reads
         what the poller found; asks it to look at the marker's directory."""
-        dir_key = _dir_of(marker_key)
+        dir_key = dir_of(marker_key)
         if self.abandoned.get(dir_key, -1.0) >= marker.updated:
             self._given_up[dir_key] = time.monotonic()
             return True
@@ -477,7 +473,7 @@ class CommitGroups:
     async def _read_done(self, remote: Remote, key: str) -> list[dict[str, Any]]:
         if key not in self._done_files:
             data = await self.retry.call(remote, remote.get_object, key, what=f"get {key}")
-            self._done_files[key] = _files(_record(data))
+            self._done_files[key] = record_files(parse_record(data))
         return self._done_files[key]
 
     def marker_durable(self, marker: InodeRow, key: str, size: int, digest: str) -> None:
@@ -489,7 +485,7 @@ class CommitGroups:
         for entry in verdict.files:  # a path two nodes wrote: the later done's entry (the last drain won)
             files[entry["path"]] = entry
         doc = {
-            "dir": _dir_of(key),
+            "dir": dir_of(key),
             "node": self.node_id,
             "time": time.time(),
             "marker": {"path": key, "size": size, "digest": digest, "generation": marker.generation},
@@ -500,7 +496,7 @@ class CommitGroups:
         self._wake()
 
     async def _publish_commit(self, remote: Remote, marker: InodeRow, key: str, doc: dict[str, Any]) -> None:
-        dir_key, name = _dir_of(key), key.rpartition("/")[2]
+        dir_key, name = dir_of(key), key.rpartition("/")[2]
         prefix = f"{COMMITS_PREFIX}{dir_key + '/' if dir_key else ''}{name}@{self.node_id}@"
         commit_key = f"{prefix}{new_round_id()}.commit"
         await self._create(remote, commit_key, doc)
@@ -548,80 +544,3 @@ class CommitGroups:
         for dir_key in sorted(given_up):
             out.append({"dir": dir_key, "waiting": [], "own_pending": [], "abandoned": True})
         return out
-
-
-# -- latest: the newest checkpoint that is complete on the remote ------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Checkpoint:
-    dir: str
-    marker: str
-    committed_at: float  # the commit record's time on the remote
-    files: int
-    commit_key: str
-
-
-async def _check_file(remote: Remote, entry: dict[str, Any]) -> str | None:
-    """Why ``entry`` (path, size, digest) does not match the remote, or None if it does."""
-    path = entry["path"]
-    info = await LATEST_RETRY.call(remote, remote.head, path, what=f"head {path}")
-    if info is None:
-        return f"{path}: missing"
-    try:
-        data = await LATEST_RETRY.call(remote, remote.get_object, manifest_key(path), what=f"get manifest {path}")
-        manifest = Manifest.from_json(data)
-    except RemoteError as exc:
-        return f"{path}: no manifest ({exc})"
-    except CorruptDataError as exc:
-        return f"{path}: bad manifest ({exc})"
-    stored = sum(chunk.stored_size for chunk in manifest.chunks)
-    if manifest.size != entry.get("size") or (entry.get("digest") and manifest.digest != entry["digest"]):
-        return f"{path}: not the bytes this checkpoint recorded"
-    if info.size != stored:
-        return f"{path}: object and manifest disagree (being rewritten)"
-    return None
-
-
-async def verify_commit(remote: Remote, doc: dict[str, Any]) -> str | None:
-    """None if every file a commit record names (and its marker) matches the remote, else why not."""
-    marker = doc.get("marker")
-    if not isinstance(marker, dict) or not isinstance(marker.get("path"), str):
-        return "the commit record names no marker"
-    entries = [marker, *_files(doc)]
-    semaphore = asyncio.Semaphore(VERIFY_CONCURRENCY)
-
-    async def check(entry: dict[str, Any]) -> str | None:
-        async with semaphore:
-            return await _check_file(remote, entry)
-
-    for problem in await asyncio.gather(*(check(e) for e in entries)):
-        if problem is not None:
-            return problem
-    return None
-
-
-async def find_latest(remote: Remote, subdir: str = "") -> tuple[Checkpoint | None, list[tuple[str, str]]]:
-    """The newest checkpoint under ``subdir`` whose commit record matches the remote, and the
-    newer ones skipped (dir, why).  One listing of the commit records, then newest first:
-    only the checkpoints it must look at are read."""
-    prefix = f"{COMMITS_PREFIX}{subdir}/" if subdir else COMMITS_PREFIX
-    newest: dict[str, tuple[float, str]] = {}
-    async for info in remote.list_all(prefix):
-        if not info.key.endswith(".commit"):
-            continue
-        dir_key = _dir_of(info.key)[len(COMMITS_PREFIX) :]
-        if dir_key not in newest or (info.mtime, info.key) > newest[dir_key]:
-            newest[dir_key] = (info.mtime, info.key)
-    skipped: list[tuple[str, str]] = []
-    for dir_key, (mtime, key) in sorted(newest.items(), key=lambda item: item[1], reverse=True):
-        try:
-            doc = _record(await LATEST_RETRY.call(remote, remote.get_object, key, what=f"get {key}"))
-            problem = await verify_commit(remote, doc)
-        except (RemoteError, CorruptDataError) as exc:
-            problem = str(exc)
-        if problem is None:
-            marker = doc["marker"]["path"]
-            return Checkpoint(dir_key, marker, mtime, len(doc.get("files", [])) + 1, key), skipped
-        skipped.append((dir_key, problem))
-    return None, skipped

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 from test_mover import PART, Front, HookedRemote, until
 
-from burstfs.commitgroups import COMMITS_PREFIX, GROUPS_PREFIX, find_latest, parse_record_key, record_key
+from burstfs.commitgroups import COMMITS_PREFIX, GROUPS_PREFIX, parse_record_key, record_key
 from burstfs.config import DrainOptions, S3Options, check_node_id, parse_remote_url
 from burstfs.errors import ConfigError
 from burstfs.journal import DURABLE, FAILED, WRITING
+from burstfs.latest import find_latest
 from burstfs.mover import Mover
 from burstfs.remote import FileRemote
 

@@ -81,10 +81,10 @@ def latest_checkpoint(
     region: str | None = None,
 ) -> Latest:
     """The newest complete checkpoint under ``path`` (in a mount), or under the subdirectory
-    ``path`` of ``remote_url`` (no mount); see commitgroups.find_latest."""
+    ``path`` of ``remote_url`` (no mount); see latest.find_latest."""
     import asyncio
 
-    from ..commitgroups import find_latest
+    from ..latest import find_latest
     from ..remote import open_remote
 
     if remote_url is not None:

@@ -1,0 +1,95 @@
+"""``burstfs-admin latest``: the newest checkpoint that is complete on the remote.
+
+Complete: its commit record (``commitgroups.py``) was published, and the marker
+and every file the record names are on the remote with the recorded size and
+digest.  Reads only the remote, so it works from any node and without a mount.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+from .commitgroups import COMMITS_PREFIX, dir_of, parse_record, record_files
+from .errors import CorruptDataError, RemoteError
+from .objects import Manifest, manifest_key
+from .remote import Remote, RetryPolicy
+
+# This many files of a checkpoint are checked at once, each request retried like the drain's.
+VERIFY_CONCURRENCY = 16
+LATEST_RETRY = RetryPolicy()
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    dir: str
+    marker: str
+    committed_at: float  # the commit record's time on the remote
+    files: int
+    commit_key: str
+
+
+async def _check_file(remote: Remote, entry: dict[str, Any]) -> str | None:
+    """Why ``entry`` (path, size, digest) does not match the remote, or None if it does."""
+    path = entry["path"]
+    info = await LATEST_RETRY.call(remote, remote.head, path, what=f"head {path}")
+    if info is None:
+        return f"{path}: missing"
+    try:
+        data = await LATEST_RETRY.call(remote, remote.get_object, manifest_key(path), what=f"get manifest {path}")
+        manifest = Manifest.from_json(data)
+    except RemoteError as exc:
+        return f"{path}: no manifest ({exc})"
+    except CorruptDataError as exc:
+        return f"{path}: bad manifest ({exc})"
+    stored = sum(chunk.stored_size for chunk in manifest.chunks)
+    if manifest.size != entry.get("size") or (entry.get("digest") and manifest.digest != entry["digest"]):
+        return f"{path}: not the bytes this checkpoint recorded"
+    if info.size != stored:
+        return f"{path}: object and manifest disagree (being rewritten)"
+    return None
+
+
+async def verify_commit(remote: Remote, doc: dict[str, Any]) -> str | None:
+    """None if every file a commit record names (and its marker) matches the remote, else why not."""
+    marker = doc.get("marker")
+    if not isinstance(marker, dict) or not isinstance(marker.get("path"), str):
+        return "the commit record names no marker"
+    entries = [marker, *record_files(doc)]
+    semaphore = asyncio.Semaphore(VERIFY_CONCURRENCY)
+
+    async def check(entry: dict[str, Any]) -> str | None:
+        async with semaphore:
+            return await _check_file(remote, entry)
+
+    for problem in await asyncio.gather(*(check(e) for e in entries)):
+        if problem is not None:
+            return problem
+    return None
+
+
+async def find_latest(remote: Remote, subdir: str = "") -> tuple[Checkpoint | None, list[tuple[str, str]]]:
+    """The newest checkpoint under ``subdir`` whose commit record matches the remote, and the
+    newer ones skipped (dir, why).  One listing of the commit records, then newest first:
+    only the checkpoints it must look at are read."""
+    prefix = f"{COMMITS_PREFIX}{subdir}/" if subdir else COMMITS_PREFIX
+    newest: dict[str, tuple[float, str]] = {}
+    async for info in remote.list_all(prefix):
+        if not info.key.endswith(".commit"):
+            continue
+        dir_key = dir_of(info.key)[len(COMMITS_PREFIX) :]
+        if dir_key not in newest or (info.mtime, info.key) > newest[dir_key]:
+            newest[dir_key] = (info.mtime, info.key)
+    skipped: list[tuple[str, str]] = []
+    for dir_key, (mtime, key) in sorted(newest.items(), key=lambda item: item[1], reverse=True):
+        try:
+            doc = parse_record(await LATEST_RETRY.call(remote, remote.get_object, key, what=f"get {key}"))
+            problem = await verify_commit(remote, doc)
+        except (RemoteError, CorruptDataError) as exc:
+            problem = str(exc)
+        if problem is None:
+            marker = doc["marker"]["path"]
+            return Checkpoint(dir_key, marker, mtime, len(doc.get("files", [])) + 1, key), skipped
+        skipped.append((dir_key, problem))
+    return None, skipped
