@@ -62,7 +62,6 @@ class BurstCore:
         self.tier = LocalTier(self.cache_dir)
         self.committer = GroupCommitter(journal)
         self.links = DrainLinks(drain, fetcher)  # shared with the data path and the listings
-        self.digest_chunk_size = digest_chunk_size
         tombstones = Tombstones()
         self.io_paths = IOPaths(self.tier, backing)
         self.xattrs = ExtendedAttributes(journal, self.committer)
@@ -158,7 +157,7 @@ class BurstCore:
             parent, name, "file", stat.S_IFREG | (stat.S_IMODE(mode) & ~FILE_MODE_DROPPED), uid, gid
         )
         inode.new = True
-        inode.digests = StreamingDigests(self.digest_chunk_size)
+        inode.digests = StreamingDigests(self.data.digest_chunk_size)
         self.tier.create(inode.ino)
         undo = Undo()
         undo.add(lambda: self.tier.remove(inode.ino))
