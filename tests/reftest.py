@@ -35,13 +35,14 @@ from typing import Any
 
 import trio
 
-from burstfs import mover as mover_module
 from burstfs.config import DrainOptions, RemoteURL, S3Options
 from burstfs.core import BurstCore
 from burstfs.drainservice import DrainService
 from burstfs.errors import RemoteError
 from burstfs.journal import ROOT_INO, Journal
 from burstfs.mover import Mover
+from burstfs.mover import scheduler as mover_scheduler
+from burstfs.mover import timing as mover_timing
 from burstfs.remote import FileRemote, RetryPolicy
 
 # Calls that only read the remote pass the gate: restores and listings are the
@@ -422,10 +423,11 @@ class Node:
 @contextlib.contextmanager
 def fast_mover() -> Iterator[None]:
     """Shorten the mover's waits, and give its journals the crash switch, for the duration of a test."""
-    patched = {**FAST_MOVER_TIMING, "Journal": _mover_journal}
-    saved = {name: getattr(mover_module, name) for name in patched}
-    for name, value in patched.items():
-        setattr(mover_module, name, value)
+    patched = [(mover_timing, name, value) for name, value in FAST_MOVER_TIMING.items()]
+    patched.append((mover_scheduler, "Journal", _mover_journal))
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patched]
+    for module, name, value in patched:
+        setattr(module, name, value)
     # Upload tasks a simulated crash ends hold a Crash nobody retrieves: not worth a log line each.
     asyncio_log = logging.getLogger("asyncio")
     level = asyncio_log.level
@@ -434,8 +436,8 @@ def fast_mover() -> Iterator[None]:
         yield
     finally:
         asyncio_log.setLevel(level)
-        for name, value in saved.items():
-            setattr(mover_module, name, value)
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 class RemoteSide:

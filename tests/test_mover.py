@@ -21,12 +21,12 @@ import trio
 from journaltree import JournalTree
 
 from burstfs import drainservice as drainservice_module
-from burstfs import mover as mover_module
 from burstfs.config import DrainOptions, S3Options, parse_remote_url
 from burstfs.errors import FsError, RemoteError
 from burstfs.journal import DURABLE, FAILED, REMOTE, ROOT_INO, STAGED, Journal
 from burstfs.journal.thread import JournalThread
 from burstfs.mover import Mover
+from burstfs.mover import timing as mover_timing
 from burstfs.remote import FileRemote
 from burstfs.remote.base import UploadedPart
 
@@ -128,7 +128,7 @@ def settled(front: Front) -> bool:
 
 async def settle(mover: Mover, front: Front) -> None:
     mover.drain_now()
-    await until(lambda: settled(front) and not mover._in_flight, "the drain to settle")
+    await until(lambda: settled(front) and not mover.in_flight, "the drain to settle")
 
 
 def run_mover(mover: Mover, scenario: Callable[[], Awaitable[None]]) -> None:
@@ -151,7 +151,7 @@ def run_mover(mover: Mover, scenario: Callable[[], Awaitable[None]]) -> None:
 def test_event_log_is_pruned_to_the_most_recent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     journal = Journal(tmp_path)
     journal.apply([journal.log_event(None, "closed", f"n={i}") for i in range(50)])
-    monkeypatch.setattr(mover_module, "EVENTS_KEPT", 10)
+    monkeypatch.setattr(mover_timing, "EVENTS_KEPT", 10)
     mover = Mover(tmp_path, parse_remote_url(f"file://{tmp_path}"), S3Options(), DrainOptions())
     mover._journal_thread = JournalThread()
     asyncio.run(mover._prune_events())
@@ -181,7 +181,7 @@ def test_rename_during_upload_keeps_the_new_file_at_the_old_name(tmp_path: Path)
         mover.namespace_changed()
         # The new file either raced the old upload (the bug) or waits for the key.
         await until(
-            lambda: ("put", "model.pt") in remote.calls[1:] or b in mover._not_before, "the new file's drain attempt"
+            lambda: ("put", "model.pt") in remote.calls[1:] or b in mover.not_before, "the new file's drain attempt"
         )
         release.set()
         await settle(mover, front)
@@ -208,7 +208,7 @@ def test_rename_onto_a_key_being_uploaded_waits_for_the_upload(tmp_path: Path) -
         front.rename(c, "x.bin")  # c's object must not move onto x.bin under that upload
         mover.namespace_changed()
         await until(
-            lambda: c in getattr(mover, "_relocate_retry", {}) or ("copy", "c.bin") in remote.calls,
+            lambda: c in mover.key_moves._retry or ("copy", "c.bin") in remote.calls,
             "c's move attempted",
         )
         release.set()
@@ -255,7 +255,7 @@ def test_unlink_during_final_put_deletes_the_object(tmp_path: Path, size: int) -
         front.unlink(ino)  # still open: the row stays with parent 0
         release.set()
         await until(
-            lambda: not mover._in_flight and not front.journal.query("SELECT 1 FROM remote_deletes"), "the delete pass"
+            lambda: not mover.in_flight and not front.journal.query("SELECT 1 FROM remote_deletes"), "the delete pass"
         )
         assert front.row(ino).state != DURABLE
 
@@ -661,7 +661,7 @@ def test_a_commit_marker_waits_for_the_files_closed_before_it(tmp_path: Path) ->
 def test_a_temporary_failure_requeues_with_backoff_while_other_files_drain(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(mover_module, "REQUEUE_BACKOFF_S", 600.0)  # the backoff outlasts the test unless skipped
+    monkeypatch.setattr(mover_timing, "REQUEUE_BACKOFF_S", 600.0)  # the backoff outlasts the test unless skipped
     error = RemoteError("remote unavailable after 8 attempts", kind="unavailable")
     mover, front, remote = failing_mover(tmp_path, "flaky", error)
 

@@ -1,0 +1,224 @@
+"""Remote deletes and relocations: the keys this node gives up or moves (DESIGN-NOTES invariant 6).
+
+Decided one at a time on the mover's loop, between claims: no claim or move
+runs while a pass looks at a key, and an upload in flight holds its key.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from ..errors import HALT, OBJECT, CorruptDataError, RemoteError, error_scope
+from . import timing
+
+if TYPE_CHECKING:
+    from .scheduler import Mover
+
+log = logging.getLogger("burstfs.mover")
+
+# _relocate_one's answer when the remote (not one file) failed: end the pass.
+_STOP = -1
+
+
+class KeyMoves:
+    """Deletes of objects nobody owns any more, and moves of renamed durable files' objects."""
+
+    def __init__(self, mover: Mover) -> None:
+        self.mover = mover
+        # A full scan at start (and now and then), otherwise only the subtrees of
+        # renames journaled since `_rename_seq`.
+        self._needed = True
+        self._full = True
+        self._next_full_scan = 0.0
+        self._rename_seq = 0
+        self._roots: set[int] = set()
+        self._retry: dict[int, float] = {}  # ino -> earliest retry of its relocation
+        self._failures: dict[int, int] = {}
+        self._delete_retry: dict[str, float] = {}  # key -> earliest retry of its delete
+
+    def restart(self) -> None:
+        """A new run of the mover: walk the whole namespace first."""
+        self._needed = self._full = True
+
+    def changed(self) -> None:
+        """A rename was journaled: walk the subtrees renamed since the last pass."""
+        self._needed = True
+
+    def want(self, ino: int) -> None:
+        """Look at ``ino``'s object on the next pass (renamed during its upload, or it holds a key)."""
+        self._roots.add(ino)
+        self._needed = True
+
+    def retry_now(self) -> None:
+        """``drain --now``: relocations backing off are due at once."""
+        self._retry = dict.fromkeys(self._retry, 0.0)
+
+    async def process_deletes(self) -> None:
+        """Delete objects of unlinked or replaced files (never a key another inode owns or uploads to)."""
+        assert self.mover.store is not None
+        now = time.time()
+        # One read of the queue with each key's holder: no claim or move runs during this
+        # pass, and an upload in flight holds its key from its claim on, so a key free
+        # now stays free until its delete.
+        pending = await self.mover.db(self.mover.journal.keys.pending_deletes_held, 500)
+        owned = [
+            row_id
+            for row_id, key, _, holder in pending
+            if holder is not None
+            and holder not in self.mover.in_flight
+            and key not in self.mover.in_flight.values()
+            and self._delete_retry.get(key, 0.0) <= now
+        ]
+        if owned:  # live files own these keys now: nothing to delete
+            await self.mover.db(self.mover.journal.keys.drop_deletes, owned)
+        for row_id, key, reason, holder in pending:
+            if holder is not None or key in self.mover.in_flight.values() or self._delete_retry.get(key, 0.0) > now:
+                continue
+            try:
+                await self.mover.store.delete(key)
+            except Exception as exc:
+                if not isinstance(exc, RemoteError):  # a bug hit by this key: retried later, not lost
+                    log.exception("event=remote_delete_bug key=%s", key)
+                    self.mover.stats.error("internal", f"delete {key}: {exc!r}")
+                    self._delete_retry[key] = now + timing.RELOCATE_BACKOFF_S
+                    continue
+                scope = error_scope(exc)
+                if scope == OBJECT:  # no object can exist (or be removed) under such a key: the request is void
+                    log.warning("event=remote_delete_skipped key=%s reason=%s error=%s", key, reason, exc)
+                    self.mover.stats.error(exc.kind, f"delete {key}: {exc}")
+                    await self.mover.db(self.mover.journal.keys.drop_delete, row_id)
+                    continue
+                if scope == HALT:
+                    self.mover.halt(exc)
+                else:
+                    self.mover.stats.error(exc.kind, str(exc))
+                return
+            self._delete_retry.pop(key, None)
+            await self.mover.db(self.mover.journal.keys.drop_delete, row_id)
+            log.info("event=remote_delete key=%s reason=%s", key, reason)
+
+    async def relocate_renamed(self) -> None:
+        """Durable files whose path changed move with a server-side copy; their old key is queued for deletion.
+
+        Only the subtrees renamed since the last pass are walked (plus files whose
+        move is due for a retry); the whole namespace at start and every
+        timing.RELOCATE_FULL_SCAN_S.
+        """
+        now = time.time()
+        due = [ino for ino, at in self._retry.items() if at <= now]
+        if now >= self._next_full_scan:
+            self._full = True
+        if not (self._needed or self._full or due):
+            return
+        self._needed = False  # before reading the events: a rename committed meanwhile sets it again
+        roots: set[int] | None
+        if self._full:
+            self._rename_seq = await self.mover.db(self.mover.journal.latest_event_seq)
+            roots = None
+            self._full = False
+            self._next_full_scan = now + timing.RELOCATE_FULL_SCAN_S
+        else:
+            renamed, self._rename_seq = await self.mover.db(self.mover.journal.renamed_since, self._rename_seq)
+            roots = {*renamed, *due, *self._roots}
+        self._roots.clear()
+        for ino in due:
+            self._retry.pop(ino, None)
+        for ino, key in await self.mover.db(
+            self.mover.journal.keys.drop_stale_keys, roots, frozenset(self.mover.in_flight)
+        ):
+            log.info("event=stale_key ino=%d key=%s action=delete", ino, key)
+        candidates = await self.mover.db(self.mover.journal.keys.relocation_candidates, roots)
+        pending = list(dict.fromkeys(ino for ino, _, _ in candidates))
+        for _ in range(len(pending) + 2):  # each round moves or parks at least one file, or ends the pass
+            pending = [ino for ino in pending if ino not in self._retry]
+            blocked: dict[int, int] = {}
+            progressed = False
+            for ino in pending:
+                result = await self._relocate_one(ino)
+                if result == _STOP:
+                    return  # the remote is down or halted: try again on a later pass
+                if result is None:
+                    progressed = True
+                else:
+                    blocked[ino] = result
+            if not blocked:
+                return
+            if not progressed:
+                cycle = await self.mover.db(self.mover.journal.keys.rename_cycle, blocked)
+                if cycle is None:
+                    for ino in blocked:  # waiting for an upload or another file's move
+                        self._retry[ino] = time.time() + timing.KEY_BUSY_RETRY_S
+                    return
+                if await self._park(cycle) == _STOP:
+                    return
+            pending = list(blocked)
+        for ino in pending:
+            self._retry.setdefault(ino, time.time() + timing.KEY_BUSY_RETRY_S)
+
+    async def _relocate_one(self, ino: int) -> int | None:
+        """Move one file's object to its path: None if moved (or nothing to do, or failed for
+        this file only), the inode holding the target key if it must wait, _STOP if the
+        remote failed (end the pass)."""
+        assert self.mover.store is not None
+        if ino in self.mover.in_flight:
+            return None
+        move = await self.mover.db(self.mover.journal.keys.relocation, ino)
+        if move is None:
+            return None
+        path, old_key, holder = move
+        if holder is not None:
+            return holder
+        try:
+            await self.mover.store.rename(old_key, path, delete_source=False)
+        except Exception as exc:
+            return await self._relocation_failed(ino, old_key, path, exc)
+        moved = await self.mover.db(self.mover.journal.keys.finish_relocation, ino, old_key, path)
+        self._failures.pop(ino, None)
+        log.info("event=remote_rename from=%s to=%s recorded=%s", old_key, path, moved)
+        return None
+
+    async def _relocation_failed(self, ino: int, old_key: str, path: str, exc: BaseException) -> int | None:
+        """A failed move is that file's problem (retried later, or re-uploaded), unless the remote is down."""
+        scope = error_scope(exc)
+        if isinstance(exc, RemoteError) and scope != OBJECT:
+            self.mover.stats.error(exc.kind, str(exc))
+            self._roots.add(ino)
+            self._needed = True
+            if scope == HALT:
+                self.mover.halt(exc)
+            return _STOP
+        if not isinstance(exc, (RemoteError, CorruptDataError)):
+            log.exception("event=relocate_bug ino=%d from=%s to=%s", ino, old_key, path)
+        message = f"cannot move {old_key} to {path}: {exc!r}"
+        self.mover.stats.error("relocate", message)
+        await self.mover.db(self.mover.journal.set_error, ino, message)
+        if await self.mover.db(
+            self.mover.journal.keys.restage_durable, ino, old_key
+        ):  # still local: upload it again at its path
+            log.error("event=relocate_failed ino=%d from=%s to=%s action=reupload error=%r", ino, old_key, path, exc)
+            self.mover.wake()
+            return None
+        failures = self._failures.get(ino, 0) + 1
+        self._failures[ino] = failures
+        delay = min(timing.RELOCATE_BACKOFF_MAX_S, timing.RELOCATE_BACKOFF_S * 2 ** (failures - 1))
+        self._retry[ino] = time.time() + delay
+        log.error("event=relocate_failed ino=%d from=%s to=%s retry_in=%.0f error=%r", ino, old_key, path, delay, exc)
+        return None
+
+    async def _park(self, ino: int) -> int | None:
+        """Move ``ino``'s object to a private key so that the key it holds frees up."""
+        assert self.mover.store is not None
+        target = await self.mover.db(self.mover.journal.keys.relocation_target, ino)
+        if target is None:
+            return None
+        _, old_key = target
+        parked = f"{timing.PARK_PREFIX}{ino}"
+        try:
+            await self.mover.store.rename(old_key, parked, delete_source=False)
+        except Exception as exc:
+            return await self._relocation_failed(ino, old_key, parked, exc)
+        await self.mover.db(self.mover.journal.keys.finish_relocation, ino, old_key, parked)
+        log.info("event=remote_rename_parked from=%s to=%s", old_key, parked)
+        return None

@@ -1,0 +1,378 @@
+"""The mover's loop: what drains next (close order, commit markers, backoff), claims, and the pass.
+
+See the package docstring for the contract; ``upload.py`` drains one claimed
+file, ``keymoves.py`` deletes and moves objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import ParamSpec, TypeVar
+
+from ..commitgroups import CommitGroups
+from ..config import DrainOptions, RemoteURL, S3Options, default_node_id, is_commit_marker
+from ..errors import HALT, RemoteError, error_scope
+from ..journal import InodeRow, Journal
+from ..journal.thread import JournalThread
+from ..localtier import LocalTier
+from ..objects import ObjectStore
+from ..remote import Remote, open_remote
+from ..restore import LAYOUT_KEY, RestoreService
+from . import timing
+from .keymoves import KeyMoves
+from .stats import MoverStats
+from .upload import FileDrain
+
+log = logging.getLogger("burstfs.mover")
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class Mover:
+    """Drains one cache directory to its remote."""
+
+    def __init__(
+        self,
+        cache_dir: Path,
+        remote_url: RemoteURL,
+        s3: S3Options,
+        options: DrainOptions,
+        *,
+        remote: Remote | None = None,
+    ) -> None:
+        """``remote``: use this remote instead of opening ``remote_url`` (tests wrap one to inject faults)."""
+        self.cache_dir = Path(cache_dir)
+        self.remote_url = remote_url
+        self.s3 = s3
+        self.options = options
+        self.journal = Journal(self.cache_dir)
+        self._journal_open = True
+        self._journal_thread: JournalThread | None = None
+        self.tier_paths = LocalTier(self.cache_dir)
+        self.stats = MoverStats()
+        self.remote: Remote | None = remote
+        self._own_remote = remote is None
+        self.store: ObjectStore | None = None
+        self.restore: RestoreService | None = None
+        self._ready = threading.Event()  # set once the loop, remote and restore exist
+        self._wakeup: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self.in_flight: dict[int, str] = {}  # ino -> key its upload holds
+        self.not_before: dict[int, float] = {}  # ino -> earliest retry time
+        self._skip_delay = False
+        self._next_prune = 0.0
+        self._next_stale_abort = 0.0
+        self.uploads = FileDrain(self)
+        self.key_moves = KeyMoves(self)
+        self.durable_listeners: list[Callable[[int, float], None]] = []  # (bytes, seconds) of each durable file
+        self.node_id = options.node_id or default_node_id()
+        self.groups = CommitGroups(self.node_id, self.journal, self.is_marker_name, self.wake, self.db)
+
+    def on_durable(self, listener: Callable[[int, float], None]) -> None:
+        """Call ``listener(bytes, seconds)`` on the mover thread for each file made durable
+        (seconds: from the start of its upload); register before the mover starts."""
+        self.durable_listeners.append(listener)
+
+    # -- thread-safe controls (called from the FUSE thread or the control socket) ----
+
+    def wake(self) -> None:
+        """Wake the loop; a no-op (never an error) if the mover stopped or died."""
+        loop, wakeup = self._loop, self._wakeup
+        if loop is None or wakeup is None:
+            return
+        try:
+            loop.call_soon_threadsafe(wakeup.set)
+        except RuntimeError:  # the loop is closed: a close or rename must not fail for it
+            pass
+
+    def namespace_changed(self) -> None:
+        self.key_moves.changed()
+        self.wake()
+
+    def drain_now(self) -> None:
+        """Skip any configured delay and retry backoff."""
+        self._skip_delay = True
+        self.not_before.clear()
+        self.key_moves.retry_now()
+        self.wake()
+
+    async def retry_failed(self) -> int:
+        """Requeue failed files and lift a halt (on the mover's loop); returns how many files were requeued."""
+        count = await self.db(self.journal.drain.retry_failed)
+        self.stats.halted = None
+        self.drain_now()
+        return count
+
+    def wait_ready(self, timeout: float) -> bool:
+        return self._ready.wait(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._ready.is_set()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._loop
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.wake()
+
+    async def db(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """A journal call, on the journal thread (the loop goes on meanwhile): the one way the
+        mover's parts reach the journal while it runs."""
+        assert self._journal_thread is not None
+        return await self._journal_thread.call(fn, *args, **kwargs)
+
+    # -- main loop ---------------------------------------------------------------
+
+    async def run(self, *, until_idle: bool = False) -> None:
+        """Drain until stopped (or, with ``until_idle``, until nothing is left to drain).
+
+        May be called again after it returned or raised (the daemon restarts a dead mover).
+        """
+        self._loop = asyncio.get_running_loop()
+        self._wakeup = asyncio.Event()
+        self._journal_thread = JournalThread()
+        if not self._journal_open:
+            self.journal = await self.db(Journal, self.cache_dir)
+            self._journal_open = True
+        if self.remote is None:
+            self.remote = open_remote(
+                self.remote_url, self.s3, max_connections=self.options.max_files * self.options.concurrency + 4
+            )
+        self._hook_uploads(self.remote)
+        self.store = ObjectStore(
+            self.remote, on_upload_started=self._upload_started, on_upload_ended=self._upload_ended
+        )
+        self.restore = RestoreService(self.store, self.journal, self.tier_paths)
+        self.restore.warm()
+        self.groups.journal = self.journal
+        await self.groups.load()
+        self.in_flight.clear()
+        self.key_moves.restart()
+        tasks: set[asyncio.Task[None]] = set()
+        gate: asyncio.Task[None] | None = None
+        failures = 0
+        self._ready.set()
+        try:
+            await self._recover()
+            await self._abort_stale_uploads()
+            await self._record_layout()
+            gate = asyncio.create_task(self.groups.poll(self.remote))  # cancelled with the uploads below
+            while not self._stopping:
+                self._wakeup.clear()
+                await asyncio.sleep(timing.COALESCE_S)  # a burst of closes becomes one pass
+                if self.stats.halted is not None and not await self._probe_remote():
+                    await self._sleep(timing.HALT_PROBE_S)
+                    continue
+                try:
+                    await self.groups.step(self.remote)
+                    if not tasks:  # no upload in flight: every recorded one is left over
+                        await self._retry_stale_uploads()
+                    await self.key_moves.process_deletes()
+                    await self._prune_events()
+                    await self.key_moves.relocate_renamed()
+                    for row in await self._eligible(self.options.max_files - len(tasks)):
+                        claimed = await self._claim(row)
+                        if claimed is None:
+                            continue
+                        task = asyncio.create_task(self.uploads.run(row, *claimed))
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
+                    if until_idle and not tasks and not await self._has_pending_work():
+                        break
+                    failures = 0
+                except Exception as exc:  # never the end of the drain: log, back off, go on
+                    failures += 1
+                    log.exception("event=mover_pass_failed failures=%d", failures)
+                    self.stats.error("internal", f"mover pass failed: {exc!r}")
+                    if until_idle and failures >= 10:
+                        raise
+                    await self._sleep(timing.PASS_ERROR_BACKOFF_S)
+                    continue
+                if until_idle and not tasks and self.stats.halted is not None:
+                    raise RemoteError(self.stats.halted, kind="halted")
+                await self._sleep(timing.IDLE_RESCAN_S)
+        finally:
+            self._ready.clear()
+            if gate is not None:
+                tasks.add(gate)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self.restore is not None:
+                await self.restore.aclose()  # its fetches end with this loop, its descriptors close
+            with contextlib.suppress(Exception):
+                await self.remote.close()
+            if self._own_remote:
+                self.remote = None
+            thread, self._journal_thread = self._journal_thread, None
+            try:
+                with contextlib.suppress(Exception):
+                    await thread.call(self.journal.close)
+            finally:  # also when cancelled here: the thread ends (after a call in progress)
+                self._journal_open = False
+                thread.close()
+                self._loop = None
+
+    def _hook_uploads(self, remote: Remote) -> None:
+        """Remotes that start multipart uploads of their own (S3 copies) record them too."""
+        if hasattr(remote, "on_upload_started") and hasattr(remote, "on_upload_ended"):
+            setattr(remote, "on_upload_started", self._upload_started)  # noqa: B010 (not in Remote)
+            setattr(remote, "on_upload_ended", self._upload_ended)  # noqa: B010
+
+    async def _upload_started(self, key: str, upload_id: str) -> None:
+        await self.db(self.journal.drain.upload_started, key, upload_id)
+
+    async def _upload_ended(self, upload_id: str) -> None:
+        await self.db(self.journal.drain.upload_ended, upload_id)
+
+    async def _sleep(self, seconds: float) -> None:
+        assert self._wakeup is not None
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wakeup.wait(), seconds)
+
+    async def _recover(self) -> None:
+        """Uploads cut short by a crash start again from their staged bytes."""
+        requeued = await self.db(self.journal.drain.recover)
+        if requeued:
+            log.info("event=drain_recover requeued=%d", requeued)
+
+    async def _abort_stale_uploads(self) -> None:
+        """Abort the multipart uploads this cache started and never finished (never another node's)."""
+        assert self.store is not None
+        try:
+            aborted = await self.store.abort_stale_uploads(await self.db(self.journal.drain.own_uploads))
+        except RemoteError as exc:
+            if error_scope(exc) == HALT:
+                self.halt(exc)
+            else:
+                self.stats.error(exc.kind, str(exc))
+            return
+        if aborted:
+            log.info("event=stale_uploads_aborted count=%d", aborted)
+
+    async def _retry_stale_uploads(self) -> None:
+        """Abort again the uploads whose abort failed (call only while none is in flight)."""
+        if time.monotonic() < self._next_stale_abort or not await self.db(self.journal.drain.own_uploads):
+            return
+        self._next_stale_abort = time.monotonic() + timing.STALE_UPLOAD_RETRY_S
+        await self._abort_stale_uploads()
+
+    async def _prune_events(self) -> None:
+        """Keep the event log bounded on long runs (status and `journal` read the recent end)."""
+        if time.monotonic() < self._next_prune:
+            return
+        self._next_prune = time.monotonic() + timing.EVENT_PRUNE_EVERY_S
+        await self.db(self.journal.prune_events, timing.EVENTS_KEPT)
+
+    async def _record_layout(self) -> None:
+        """Tell readers of this prefix that object sizes may be compressed sizes."""
+        if self.options.compress is None:
+            return
+        assert self.store is not None
+        remote = self.store.remote
+        layout = json.dumps({"compress": self.options.compress}).encode()
+        try:
+            await self.store.retry.call(remote, remote.put_object, LAYOUT_KEY, layout, what="put layout")
+        except RemoteError as exc:
+            self.halt(exc)
+
+    async def _probe_remote(self) -> bool:
+        assert self.remote is not None
+        try:
+            await self.remote.check()
+        except Exception as exc:  # still down: stay halted, say why in the status
+            self.stats.halted = str(exc)
+            return False
+        log.info("event=drain_resumed remote=%s", self.remote_url)
+        self.stats.halted = None
+        return True
+
+    def halt(self, exc: BaseException) -> None:
+        if self.stats.halted is None:
+            log.error("event=drain_halted remote=%s error=%s", self.remote_url, exc)
+        self.stats.halted = str(exc)
+        self.stats.error(getattr(exc, "kind", "remote"), str(exc))
+
+    # -- choosing what to drain: close order, commit markers, backoff ---------------------
+
+    async def _has_pending_work(self) -> bool:
+        return await self.db(self.journal.drain.has_work) or await self.groups.has_work()
+
+    def is_marker_name(self, name: str) -> bool:
+        return is_commit_marker(name, self.options.commit_markers)
+
+    async def _eligible(self, slots: int) -> list[InodeRow]:
+        """Staged files in close order, respecting commit markers (invariant 5), delay and backoff.
+
+        One journal call reads the candidates and what holds each marker back; the
+        choice among them (in flight, backing off, other nodes' intents) is made here,
+        on the loop that owns that state.
+        """
+        if slots <= 0 or self.stats.halted is not None:
+            return []
+        now = time.time()
+        delay = 0.0 if self._skip_delay else self.options.delay
+        # This runs after every close: read enough rows to fill the free slots past the
+        # files in flight or backing off (and a few blocked markers), not the whole queue.
+        limit = slots + len(self.in_flight) + len(self.not_before) + 32
+
+        # An incomplete file never becomes durable, so it holds a later marker back for good.
+        def is_marker(row: InodeRow) -> bool:
+            return self.is_marker_name(os.fsdecode(row.name))
+
+        chosen: list[InodeRow] = []
+        for candidate in await self.db(
+            self.journal.drain.candidates, limit, closed_before=now - delay, is_marker=is_marker
+        ):
+            row = candidate.row
+            if row.ino in self.in_flight or self.not_before.get(row.ino, 0) > now:
+                continue
+            if is_marker(row):
+                # A marker waits for every node with an intent under its directory (docs/SEMANTICS.md "Many nodes").
+                if candidate.marker_key is not None and self.groups.holds(row, candidate.marker_key):
+                    continue
+                if candidate.marker_blocked:
+                    continue
+            chosen.append(row)
+            if len(chosen) >= slots:
+                break
+        if not chosen:
+            self._skip_delay = False
+        return chosen
+
+    async def _claim(self, row: InodeRow) -> tuple[str, int, float] | None:
+        """Take ``row``'s key for its upload, or leave it staged while another inode holds the key.
+
+        Runs on the main loop, between deletes and relocations, so no delete or
+        move of the key can be under way; the upload then holds the key
+        (``upload_key`` and ``_in_flight``) until it is recorded or given up.
+        """
+        started = time.time()
+        claimed = await self.db(self.journal.drain.claim, row.ino, row.generation)
+        if claimed is None:
+            return None
+        if isinstance(claimed, int):
+            # Another file's object still sits at this key (a rename not yet moved on the
+            # remote), or another file is uploading to it: that goes first.
+            log.info("event=drain_wait_key ino=%d holder=%d", row.ino, claimed)
+            self.key_moves.want(claimed)
+            self.not_before[row.ino] = started + timing.KEY_BUSY_RETRY_S
+            return None
+        key, intent = claimed
+        self.in_flight[row.ino] = key
+        return key, intent, started
+
+    # -- draining one file ------------------------------------------------------------

@@ -1,0 +1,52 @@
+"""The mover's counters, for status and metrics."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+
+@dataclasses.dataclass
+class MoverStats:
+    """Counters for status and metrics (read from other threads; plain ints are safe)."""
+
+    files_drained: int = 0
+    bytes_drained: int = 0
+    bytes_drained_recent: collections.deque[tuple[float, int]] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=256)
+    )
+    errors_by_kind: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    # (time recorded, kind, message): the kind says what failed (``unavailable``: the
+    # remote did not answer after retries) without matching message text.
+    recent_errors: collections.deque[tuple[float, str, str]] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=20)
+    )
+    #: When the current run of failures began: the first failed attempt of the first
+    #: error recorded since the drain last made progress (None: no failure since).
+    trouble_since: float | None = None
+    drain_latencies: collections.deque[float] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=1024)
+    )
+    halted: str | None = None  # the permanent error that stopped the drain
+
+    def throughput(self, window: float = 30.0) -> float:
+        """Bytes per second drained over the last ``window`` seconds."""
+        now = time.time()
+        recent = [(t, n) for t, n in list(self.bytes_drained_recent) if now - t <= window]
+        if not recent:
+            return 0.0
+        return sum(n for _, n in recent) / max(window if len(recent) > 1 else 1.0, now - recent[0][0], 1.0)
+
+    def error(self, kind: str, message: str, *, first_attempt: float | None = None) -> None:
+        """Record a failure of ``kind``.  ``first_attempt``: when the failing request
+        first failed (before its retries), if the caller knows; else now."""
+        now = time.time()
+        self.errors_by_kind[kind] += 1
+        self.recent_errors.append((now, kind, message))
+        started = now if first_attempt is None else min(first_attempt, now)
+        last_progress = self.bytes_drained_recent[-1][0] if self.bytes_drained_recent else 0.0
+        if self.trouble_since is None or self.trouble_since <= last_progress:  # a new run of failures
+            self.trouble_since = started
+        else:
+            self.trouble_since = min(self.trouble_since, started)

@@ -1,0 +1,41 @@
+"""The mover's delays and bounds, in one place (tests shorten them here)."""
+
+from __future__ import annotations
+
+from ..remote import INTERNAL_DIR
+
+# The journal's event log keeps this many recent events (checked every 10 minutes).
+EVENTS_KEPT = 200_000
+EVENT_PRUNE_EVERY_S = 600.0
+# After a wake-up, let more closes arrive before scanning the journal: a burst of
+# small files costs a few passes instead of one per close.
+COALESCE_S = 0.005
+# How long the loop sleeps when nothing wakes it: bounds the delay of retries
+# and of re-probing a halted remote without busy-looping.
+IDLE_RESCAN_S = 1.0
+# A halted drain (permanent error such as a missing bucket) re-probes the remote this often.
+HALT_PROBE_S = 15.0
+# A multipart upload whose abort failed is aborted again this often while nothing uploads
+# (not only at the next start: an unfinished upload holds storage on the remote).
+STALE_UPLOAD_RETRY_S = 30.0
+# Requeued files wait this long per failed attempt (capped), so a flapping remote is not hammered.
+REQUEUE_BACKOFF_S = 2.0
+REQUEUE_BACKOFF_MAX_S = 60.0
+# A file waiting for a key another inode holds (uploading, or not yet moved away) looks again after this.
+KEY_BUSY_RETRY_S = 0.5
+# A file/directory clash on a file remote is retried this many times (with the
+# requeue backoff) before the file fails: the clashing object may be one of ours
+# that a queued delete or move is about to take away.
+KEY_CONFLICT_RETRIES = 5
+# A relocation that failed for one file is retried after this (doubling, capped).
+RELOCATE_BACKOFF_S = 5.0
+RELOCATE_BACKOFF_MAX_S = 600.0
+# Besides the subtrees renames touched, every durable file's key is checked this often.
+RELOCATE_FULL_SCAN_S = 600.0
+# A checksum mismatch with no journaled change is retried this many times (a writer
+# still holding the file open) before the file is declared corrupt.
+MISMATCH_RETRIES = 3
+# An unexpected error in a pass of the loop: wait this long, then go on.
+PASS_ERROR_BACKOFF_S = 2.0
+# Parked objects of a rename cycle (a→b, b→a) wait here until their target frees up.
+PARK_PREFIX = f"{INTERNAL_DIR}/moving/"

@@ -1,0 +1,186 @@
+"""Draining one claimed file: its upload, and the record of it (durable, requeued or failed).
+
+Every journal transition is conditional on the generation the upload read
+(DESIGN-NOTES invariant 3); a file rewritten under its upload is superseded,
+not corrupt (invariant 4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+from ..errors import HALT, OBJECT, CorruptDataError, RemoteError, UploadCancelled, error_scope
+from ..journal import InodeRow
+from ..objects import FileDigests
+from . import timing
+
+if TYPE_CHECKING:
+    from .scheduler import Mover
+
+log = logging.getLogger("burstfs.mover")
+
+
+class FileDrain:
+    """The upload of one file at a time per call; part of a :class:`Mover`, on its loop."""
+
+    def __init__(self, mover: Mover) -> None:
+        self.mover = mover
+        self._mismatches: dict[tuple[int, int], int] = {}  # (ino, generation) -> checksum mismatches seen
+
+    async def run(self, row: InodeRow, key: str, intent: int, started: float) -> None:
+        """Upload ``generation`` of ``row`` to ``key`` (claimed, ``intent`` journaled); record it, or
+        requeue or fail the file.  Never raises but for cancellation."""
+        ino, generation = row.ino, row.generation
+        try:
+            digests = self._journaled_digests(row)
+            assert self.mover.store is not None
+            manifest = await self.mover.store.upload_file(
+                key,
+                self.mover.tier_paths.path(row.data_ino),
+                digests,
+                chunk_size=self.mover.options.part_size,
+                generation=generation,
+                mtime_ns=row.mtime_ns,
+                mode=row.mode,
+                concurrency=self.mover.options.concurrency,
+                compress=self.mover.options.compress,
+                cancel_check=functools.partial(self._superseded, ino, generation),
+            )
+            if digests is None:  # taken during the upload: journal them for verify and the xattr
+                await self.mover.db(
+                    self.mover.journal.drain.record_digests,
+                    ino,
+                    generation,
+                    manifest.digest,
+                    [c.xxh3 for c in manifest.chunks],
+                    manifest.chunk_size,
+                )
+            if await self._finish(row, key, manifest.size, started, intent) and self.mover.is_marker_name(
+                os.fsdecode(row.name)
+            ):
+                self.mover.groups.marker_durable(row, key, manifest.size, manifest.digest)
+        except (asyncio.CancelledError, UploadCancelled) as exc:
+            await self._requeue(ino, generation, None)  # stopping, or the file changed: drains again
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        except CorruptDataError as exc:
+            if await self._changed_under_upload(row):
+                log.info("event=drain_superseded ino=%d generation=%d reason=%r", ino, generation, str(exc))
+                await self._requeue(ino, generation, None)  # rewritten under us: drains again, not corrupt
+            else:
+                await self._fail(ino, generation, exc)
+        except RemoteError as exc:
+            scope = error_scope(exc)
+            if scope == OBJECT and await self._superseded(ino, generation):
+                await self._requeue(ino, generation, None)  # renamed or changed meanwhile: try the new key/bytes
+            elif exc.kind == "key_conflict" and row.attempts < timing.KEY_CONFLICT_RETRIES:
+                # A file remote's file/directory clash may be this node's own object on its way
+                # out (a delete or a move still queued): try again before failing the file.
+                await self._requeue(ino, generation, exc)
+            elif scope == OBJECT:  # this object only: the file fails, the drain goes on
+                await self._fail(ino, generation, exc)
+            else:
+                await self._requeue(ino, generation, exc)
+                if scope == HALT:
+                    self.mover.halt(exc)
+        except FileNotFoundError as exc:
+            if await self._superseded(ino, generation):
+                await self._requeue(ino, generation, None)  # unlinked under us: nothing to drain
+            else:
+                await self._fail(ino, generation, exc)
+        except Exception as exc:
+            log.exception("event=drain_bug ino=%d", ino)
+            if await self._changed_under_upload(row):
+                await self._requeue(ino, generation, None)
+            else:
+                await self._fail(ino, generation, exc)
+        finally:
+            self.mover.in_flight.pop(ino, None)
+            self.mover.wake()
+
+    async def _superseded(self, ino: int, generation: int) -> bool:
+        """A newer close, a writer or an unlink since ``generation`` (the upload's cancel check too)."""
+        return await self.mover.db(self.mover.journal.drain.superseded, ino, generation)
+
+    def _journaled_digests(self, row: InodeRow) -> FileDigests | None:
+        """The digests journaled at close for this generation, if taken in the drain's chunk size."""
+        if row.digest and row.chunk_size == self.mover.options.part_size:
+            return FileDigests(row.size, row.chunk_size, row.chunk_digests(), row.digest)
+        return None
+
+    async def _changed_under_upload(self, row: InodeRow) -> bool:
+        """True if the file was (or may be being) rewritten since ``row`` was closed: superseded, not corrupt.
+
+        A newer close, an unlink or a writer (``writing``) is in the journal; a
+        staged file whose size or mtime moved has a writer the journal has not
+        seen yet (a handle still open).  Bit rot moves neither; a mismatch that
+        keeps coming back without any change is corruption after a few tries.
+        """
+        if await self._superseded(row.ino, row.generation):
+            return True
+        try:
+            st = os.stat(self.mover.tier_paths.path(row.data_ino))
+        except FileNotFoundError:
+            return False
+        if st.st_size == row.size and st.st_mtime_ns <= row.mtime_ns:
+            return False
+        seen = self._mismatches.get((row.ino, row.generation), 0) + 1
+        self._mismatches[(row.ino, row.generation)] = seen
+        if seen > timing.MISMATCH_RETRIES:
+            return False
+        self.mover.not_before[row.ino] = time.time() + timing.REQUEUE_BACKOFF_S * seen
+        return True
+
+    async def _finish(self, row: InodeRow, key: str, size: int, started: float, intent: int) -> bool:
+        """Record the upload (True if it was); the ``intent`` row stays as a delete request if the file went away."""
+        detail = f"key={key} generation={row.generation} size={size}"
+        if not await self.mover.db(
+            self.mover.journal.drain.finish_upload, row.ino, row.generation, key, intent, detail
+        ):
+            log.info("event=upload_superseded ino=%d key=%s generation=%d", row.ino, key, row.generation)
+            return False
+        self._mismatches.pop((row.ino, row.generation), None)
+        if (
+            await self.mover.db(self.mover.journal.path_of, row.ino) != key
+        ):  # renamed during the upload: move the object
+            self.mover.key_moves.want(row.ino)
+        latency = time.time() - started
+        self.mover.stats.files_drained += 1
+        self.mover.stats.bytes_drained += size
+        self.mover.stats.bytes_drained_recent.append((time.time(), size))
+        self.mover.stats.drain_latencies.append(latency)
+        for listener in self.mover.durable_listeners:
+            listener(size, latency)
+        self.mover.not_before.pop(row.ino, None)
+        log.info("event=durable key=%s generation=%d bytes=%d seconds=%.3f", key, row.generation, size, latency)
+        return True
+
+    async def _requeue(self, ino: int, generation: int, exc: BaseException | None) -> None:
+        attempts = 0
+        if exc is not None:
+            self.mover.stats.error(getattr(exc, "kind", "remote"), str(exc))
+            attempts = await self.mover.db(self.mover.journal.drain.attempts, ino) + 1
+            delay = min(timing.REQUEUE_BACKOFF_MAX_S, timing.REQUEUE_BACKOFF_S * 2 ** (attempts - 1))
+            self.mover.not_before[ino] = time.time() + delay
+            log.warning("event=drain_retry ino=%d attempts=%d delay=%.1f error=%s", ino, attempts, delay, exc)
+        await self.mover.db(self.mover.journal.drain.requeue, ino, generation, str(exc) if exc else None, attempts)
+
+    async def _fail(self, ino: int, generation: int, exc: BaseException) -> None:
+        if isinstance(exc, CorruptDataError):
+            kind = "corrupt"
+        elif isinstance(exc, RemoteError):
+            kind = exc.kind
+        else:
+            kind = "internal"
+        message = str(exc) or repr(exc)
+        self.mover.stats.error(kind, message)
+        self._mismatches.pop((ino, generation), None)
+        if await self.mover.db(self.mover.journal.drain.fail, ino, generation, message):
+            log.error("event=drain_failed ino=%d generation=%d kind=%s error=%s", ino, generation, kind, message)
+        else:
+            await self.mover.db(self.mover.journal.drain.requeue, ino, generation, None, 0)
