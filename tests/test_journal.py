@@ -1,8 +1,10 @@
-"""The journal's state machine against SQLite alone (no mount): DESIGN-NOTES invariants 3, 5, 6, 7."""
+"""The journal's state machine against SQLite alone (no mount): DESIGN-NOTES invariants 1, 2, 3, 5, 6, 7."""
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,14 +34,17 @@ from burstfs.journal import (
     FileState,
     InodeRow,
     Journal,
+    close_ops,
     link_ops,
     mark_writing_op,
+    recovered_incomplete_ops,
     schema,
     unchanged_close_op,
     unlink_name_ops,
     unlink_ops,
     update_inode_op,
 )
+from burstfs.journal.thread import JournalThread
 
 
 @pytest.fixture
@@ -423,3 +428,179 @@ def test_status_queries(journal: Journal, tree: JournalTree) -> None:
     assert journal.last_closed_at(a) is not None and journal.last_closed_at(d) is None
     assert journal.drain.has_work()
     assert journal.undrained() == {"staged": (2, 20), "writing": (1, 0)}
+
+
+# -- invariants 1 and 2: closes and the first change after a close --------------------------
+
+
+def test_a_close_journals_a_new_generation_staged_in_close_order(journal: Journal, tree: JournalTree) -> None:
+    a = tree.create("a")
+    b = tree.create("b")
+    assert tree.close(b) == 1 and tree.close(a) == 1
+    rows = {ino: tree.row(ino) for ino in (a, b)}
+    assert rows[b].close_seq < rows[a].close_seq  # b closed first, drains first
+    assert all(row.state == STAGED and row.local_bytes == row.size == 10 for row in rows.values())
+    assert [event for _, ino, event, _ in journal.events() if ino == a] == ["closed"]
+    assert journal.last_closed_at(a) is not None
+
+
+def test_a_close_that_may_lack_bytes_is_incomplete_and_never_claimed(journal: Journal, tree: JournalTree) -> None:
+    ino = tree.create("f")
+    journal.apply(
+        close_ops(
+            ino,
+            generation=1,
+            close_seq=1,
+            size=4,
+            mtime_ns=0,
+            ctime_ns=0,
+            digest=None,
+            chunks=None,
+            chunk_size=None,
+            incomplete="a write was lost",
+        )
+    )
+    row = tree.row(ino)
+    assert (row.state, row.error) == (INCOMPLETE, "a write was lost")
+    assert journal.drain.claim(ino, 1) is None
+    assert not journal.drain.has_work()
+    ino2, _ = tree.write_file("g")
+    journal.apply(recovered_incomplete_ops(ino2, 3, "open for writing at crash"))
+    assert (tree.state(ino2), tree.row(ino2).size) == (INCOMPLETE, 3)
+
+
+def test_a_write_during_an_upload_supersedes_it(journal: Journal, tree: JournalTree) -> None:
+    ino, generation = tree.write_file("f")
+    claimed = journal.drain.claim(ino, generation)
+    assert isinstance(claimed, tuple)
+    key, intent = claimed
+    assert not journal.drain.superseded(ino, generation)
+    journal.apply([mark_writing_op(ino)])  # invariant 2: the first change is journaled first
+    assert journal.drain.superseded(ino, generation)
+    assert not journal.drain.finish_upload(ino, generation, key, intent, "late")
+    row = tree.row(ino)
+    # Still linked: the object at the key is the file's until its next generation replaces it.
+    assert (row.state, row.remote_key, row.durable_generation) == (WRITING, key, None)
+    assert journal.keys.holder(key) == ino and journal.keys.pending_deletes(10) == []
+
+
+def test_a_replaced_generation_queues_the_old_object(journal: Journal, tree: JournalTree) -> None:
+    ino, generation = tree.write_file("f")
+    tree.durable(ino, generation)
+    journal.apply([update_inode_op(ino, name=b"g")])  # renamed while staged again: the next upload goes to "g"
+    newer = tree.close(ino)
+    assert tree.durable(ino, newer) == "g"
+    assert [(k, r) for _, k, r in journal.keys.pending_deletes(10)] == [("f", "replaced")]
+
+
+# -- invariant 6: relocations, stale keys, the delete queue ----------------------------------
+
+
+def test_a_relocation_takes_the_new_key_and_gives_up_the_old(journal: Journal, tree: JournalTree) -> None:
+    ino, generation = tree.write_file("a")
+    tree.durable(ino, generation)
+    assert journal.keys.relocation(ino) is None  # at its path
+    tree.rename(ino, "b")
+    assert journal.keys.relocation_candidates() == [(ino, "b", "a")]
+    assert journal.keys.relocation_candidates([ino]) == [(ino, "b", "a")]
+    assert journal.keys.relocation(ino) == ("b", "a", None)
+    assert journal.keys.finish_relocation(ino, "a", "b")
+    assert tree.row(ino).remote_key == "b" and journal.keys.relocation_candidates() == []
+    assert [(k, r) for _, k, r in journal.keys.pending_deletes(10)] == [("a", "moved")]
+
+
+def test_a_relocation_onto_a_held_key_waits_and_a_copy_nobody_owns_is_deleted(
+    journal: Journal, tree: JournalTree
+) -> None:
+    ino, generation = tree.write_file("a")
+    tree.durable(ino, generation)
+    other, other_generation = tree.write_file("x")
+    assert isinstance(journal.drain.claim(other, other_generation), tuple)  # uploading to "x"
+    tree.rename(other, "y")
+    tree.rename(ino, "x")
+    assert journal.keys.relocation(ino) == ("x", "a", other)  # the upload holds "x": wait
+    tree.unlink(ino)  # unlinked during the copy: the copy at "x" is nobody's
+    assert not journal.keys.finish_relocation(ino, "a", "x")
+    assert ("x", "moved") in [(k, r) for _, k, r in journal.keys.pending_deletes(10)]
+
+
+def test_a_rename_cycle_is_found(journal: Journal, tree: JournalTree) -> None:
+    a, ga = tree.write_file("a")
+    b, gb = tree.write_file("b")
+    tree.durable(a, ga)
+    tree.durable(b, gb)
+    tree.rename(a, "tmp")
+    tree.rename(b, "a")
+    tree.rename(a, "b")
+    moves = {ino: journal.keys.relocation(ino) for ino in (a, b)}
+    assert moves == {a: ("b", "a", b), b: ("a", "b", a)}
+    blocked = {ino: move[2] for ino, move in moves.items() if move is not None and move[2] is not None}
+    assert journal.keys.rename_cycle(blocked) in (a, b)
+    assert journal.keys.rename_cycle({a: 999}) is None  # waits for a file that waits for nobody
+
+
+def test_stale_keys_of_files_renamed_while_not_durable(journal: Journal, tree: JournalTree) -> None:
+    d = tree.mkdir("d")
+    ino, generation = tree.write_file("f", d)
+    tree.durable(ino, generation)
+    tree.close(ino)  # staged again
+    tree.rename(ino, "g", d)
+    flying, flying_generation = tree.write_file("h", d)
+    tree.durable(flying, flying_generation)
+    tree.close(flying)
+    tree.rename(flying, "i", d)
+    assert sorted(journal.keys.stale_keys([d])) == [(ino, "d/f"), (flying, "d/h")]
+    dropped = journal.keys.drop_stale_keys([d], frozenset({flying}))  # an upload in flight decides its own key
+    assert dropped == [(ino, "d/f")]
+    assert tree.row(ino).remote_key is None and tree.row(flying).remote_key == "d/h"
+    assert [(k, r) for _, k, r in journal.keys.pending_deletes(10)] == [("d/f", "stale")]
+
+
+def test_pending_deletes_come_with_the_holder_of_each_key(journal: Journal, tree: JournalTree) -> None:
+    old, generation = tree.write_file("a")
+    tree.durable(old, generation)
+    tree.unlink(old)
+    new, new_generation = tree.write_file("a")
+    assert [(k, h) for _, k, _, h in journal.keys.pending_deletes_held(10)] == [("a", None)]
+    tree.durable(new, new_generation)  # a live file owns "a" again: the delete must not run
+    pending = journal.keys.pending_deletes_held(10)
+    assert [(k, h) for _, k, _, h in pending] == [("a", new)]
+    journal.keys.drop_deletes([request_id for request_id, *_ in pending])
+    assert journal.keys.pending_deletes(10) == [] and journal.keys.owned_under("") == {"a"}
+
+
+# -- the journal thread ----------------------------------------------------------------------
+
+
+def test_the_journal_thread_runs_calls_in_order_off_the_loop(journal: Journal, tree: JournalTree) -> None:
+    ino, generation = tree.write_file("f")
+    thread = JournalThread()
+    loop_thread = threading.get_ident()
+    ran_on: list[int] = []
+
+    def claim() -> tuple[str, int] | int | None:
+        ran_on.append(threading.get_ident())
+        return journal.drain.claim(ino, generation)
+
+    async def main() -> None:
+        claimed, superseded = await asyncio.gather(
+            thread.call(claim), thread.call(journal.drain.superseded, ino, generation)
+        )
+        assert isinstance(claimed, tuple) and superseded is False  # the claim ran first
+        blocker = threading.Event()
+        first = asyncio.ensure_future(thread.call(blocker.wait))
+        second = asyncio.ensure_future(thread.call(journal.drain.requeue, ino, generation, None, 0))
+        await asyncio.sleep(0.01)
+        second.cancel()  # cancelled while it waits for the thread: it never runs
+        await asyncio.sleep(0.01)  # (the cancellation reaches the thread's queue on the loop's next turns)
+        blocker.set()
+        await first
+        with pytest.raises(asyncio.CancelledError):
+            await second
+
+    try:
+        asyncio.run(main())
+    finally:
+        thread.close()
+    assert ran_on and ran_on[0] != loop_thread
+    assert tree.state(ino) == DRAINING
