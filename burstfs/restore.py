@@ -439,29 +439,23 @@ class RestoreService:
     def _stream_to(self, fetch: _FileFetch, first: int, limit: int) -> bool:
         """Have a stream land the chunks from ``first`` on, up to the chunk starting below ``limit``.
 
-        Extends the file's stream if it has not passed ``first``; otherwise starts one
-        from the first missing chunk (to the end of the file).  False when every stream
-        slot is taken: the caller fetches ranged chunks instead.
+        Extends the file's stream (chunks it already passed that are missing are
+        fetched ranged by :meth:`_chunk`); otherwise starts one from the first
+        missing chunk to the end of the file.  False when every stream slot is
+        taken: the caller fetches ranged chunks instead.
         """
         limit = min(limit, fetch.size)
-        stream = fetch.stream
-        if stream is not None and stream.next_chunk <= first:
-            stream.extend(limit)
+        if fetch.stream is not None:
+            fetch.stream.extend(limit)
             return True
         start = first
         while start < fetch.chunks and (start in fetch.present or start in fetch.in_flight):
             start += 1
         if start >= fetch.chunks or fetch.chunk_start(start) >= limit:
             return True  # everything up to the limit is here or on its way
-        if stream is not None:  # behind us: the stream already passed ``first``
-            stream.extend(limit)
-            if stream.next_chunk <= start:
-                return True
         if self._streams >= self.max_streams:
             return False
-        stream = _Stream(next_chunk=start, end_chunk=fetch.chunks, limit=limit)
-        if fetch.stream is None:
-            fetch.stream = stream
+        stream = fetch.stream = _Stream(next_chunk=start, end_chunk=fetch.chunks, limit=limit)
         self._streams += 1
         try:
             stream.task = self._tasks.start(self._run_stream(fetch, stream))

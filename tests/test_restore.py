@@ -690,3 +690,32 @@ def test_a_stream_cut_mid_body_resumes_from_the_bytes_already_landed(
         assert svc.tier.path(4).read_bytes() == content
 
     run_async(body)
+
+
+def test_a_stream_left_by_its_reader_ends_and_a_later_read_starts_another(
+    tmp_path: Path, s3_env: str, proxy: FaultProxy
+) -> None:
+    journal = FakeJournal()
+    content = os.urandom(16 * S3_CHUNK)
+
+    async def body() -> None:
+        async with s3_service(s3_env, proxy, journal, tmp_path) as svc:
+            svc.stream_idle_s, svc.max_streams = 0.2, 1
+            await put_with_manifest(svc.store, "idle.pt", content, S3_CHUNK)
+            await put_with_manifest(svc.store, "other.pt", content, S3_CHUNK)
+            journal.add(5, "idle.pt", len(content))
+            journal.add(6, "other.pt", len(content))
+            assert await svc.ensure_local(5, 0, 100) == S3_CHUNK  # a header read: the stream lands one chunk, waits
+            assert svc._streams == 1
+            assert await svc.ensure_local(6, 0, 2 * S3_CHUNK) == 2 * S3_CHUNK  # no stream slot left: ranged
+            assert gets_of(proxy, "other.pt") == 2
+            for _ in range(100):
+                if svc._streams == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert svc._streams == 0 and svc._files[5].stream is None  # idle: ended, its slot given back
+            assert await svc.ensure_local(5, S3_CHUNK, len(content)) == len(content)  # the reader is back
+            assert gets_of(proxy, "idle.pt") == 2
+        assert svc.tier.path(5).read_bytes() == content
+
+    run_async(body)
