@@ -719,3 +719,30 @@ def test_a_stream_left_by_its_reader_ends_and_a_later_read_starts_another(
         assert svc.tier.path(5).read_bytes() == content
 
     run_async(body)
+
+
+@pytest.mark.parametrize("journal_has", ["chunk digests", "whole digest only"])
+def test_a_streamed_object_without_manifest_is_verified_against_journal_digests(
+    tmp_path: Path, s3_env: str, proxy: FaultProxy, journal_has: str
+) -> None:
+    journal = FakeJournal()
+    content = os.urandom(10 * S3_CHUNK + 17)
+    chunks = chunk_digests(content, S3_CHUNK) if journal_has == "chunk digests" else None
+    swapped = bytearray(content)
+    swapped[6 * S3_CHUNK + 9] ^= 0x01
+
+    async def body() -> None:
+        async with s3_service(s3_env, proxy, journal, tmp_path) as svc:
+            journal.add(8, "bare.pt", len(content), xxhash.xxh3_128_hexdigest(content), S3_CHUNK, chunks)  # no manifest
+            await svc.store.remote.put_object("bare.pt", bytes(swapped))
+            bad = f"{6 * S3_CHUNK}-{7 * S3_CHUNK}" if chunks is not None else f"0-{len(content)}"
+            with pytest.raises(CorruptDataError, match=f"bare.pt: bytes {bad} do not match"):
+                await svc.ensure_local(8, 0, len(content))
+            assert gets_of(proxy, "bare.pt") == 1 and journal.updates == []
+            if chunks is not None:
+                assert 6 not in svc._files[8].present and set(range(6)) <= svc._files[8].present
+            await svc.store.remote.put_object("bare.pt", content)  # repaired
+            assert await svc.ensure_local(8, 0, len(content)) == len(content)
+        assert svc.tier.path(8).read_bytes() == content
+
+    run_async(body)
