@@ -3,6 +3,8 @@
 Contenders (each in its own prefix of one bucket):
   - ``reference``: boto3 ``upload_file`` / ``download_file`` with 8 threads and 8 MiB parts
     (``torch.save`` / ``torch.load`` through a plain tmpfs directory);
+  - ``one GET per object``: the same uploads, read back with one plain GET per object streamed
+    into tmpfs (moto reads the whole object for every ranged GET, so this is its real speed);
   - ``burstfs``: the default mount (FUSE passthrough where the kernel has it) and ``--no-passthrough``;
   - ``rclone writes`` / ``rclone full``: ``rclone mount --vfs-cache-mode writes|full`` (Debian's
     ``rclone``), 8 MiB chunks x 8 uploads in flight like the reference, ``--vfs-write-back 0s``
@@ -15,12 +17,18 @@ Cases, per contender, in this order (the durable cases write what the cold cases
   2. ``--ranks`` processes each writing a ``--shard-mib`` file at once -> all durable;
   3. cold ``torch.load`` of the checkpoint (fresh mount with an empty cache, page cache dropped;
      reference: download_file into tmpfs, then torch.load);
-  4. cold read of the ``--ranks`` files by as many processes at once (reference: 8 downloads at once).
+  4. cold read of the ``--ranks`` files by as many processes at once (reference: 8 downloads at once);
+  5. ``burstfs-admin prefetch`` of the checkpoint into a fresh mount (reference: ``download_file``);
+  6. cold ``torch.load(mmap=True)`` of the checkpoint, then one tensor summed, and
+  7. cold safetensors ``safe_open`` of ``model.safetensors`` (written with the checkpoint, not
+     timed there), one tensor read: burstfs only; reported with the bytes the daemon fetched
+     (allocated bytes of the reader's tier) over the bytes the reader touched (target <= 2x).
+Also per burstfs mount: daemon CPU seconds per GiB restored in each read case, and peak RSS.
 Ratios are to the reference.  ``--size`` preset ``issue`` = the issue's 1 GiB / 8 x 128 MiB.
 ``--py-spy DIR`` records the default burstfs mount's daemon (py-spy, raw collapsed stacks,
 thread ids) during its cold cases into DIR and prints where its samples went (PROFILE_GROUPS).
 
-    .venv/bin/python bench/peers.py [--size small|issue] [--repeat 1] [--py-spy DIR] [--json]
+    .venv/bin/python bench/peers.py [--size small|issue] [--repeat 1] [--py-spy DIR] [--no-rclone] [--json]
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from common import (
     make_bucket,
     median,
     moto_endpoint,
+    rss_peak_mib,
     run_ranks,
     state_dict,
     timed,
@@ -100,6 +109,15 @@ class Contender:
 
     def cold_ranks(self, ranks: int) -> float:
         raise NotImplementedError
+
+    def prefetch(self) -> float:
+        return float("nan")
+
+    def cold_mmap_tensor(self) -> float:
+        return float("nan")
+
+    def cold_safetensors(self) -> float:
+        return float("nan")
 
     def close(self) -> None:
         pass
@@ -163,8 +181,34 @@ class Reference(Contender):
             (self.dir / name).unlink()
         return seconds
 
+    def prefetch(self) -> float:
+        seconds = timed(functools.partial(self._download, ["ckpt.pt"]))
+        (self.dir / "ckpt.pt").unlink()
+        return seconds
+
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class OneGet(Reference):
+    """The object store's own speed on this server: one plain GET per object, its body
+    streamed into a tmpfs file (moto reads the whole object for every ranged GET, so the
+    reference's 8 MiB ranges cost it per range; real S3 does not)."""
+
+    name = "one GET per object"
+
+    def __init__(self, endpoint: str, bucket: str) -> None:
+        super().__init__(endpoint, bucket)
+        self.prefix = "onegetref"
+
+    def _download(self, names: list[str]) -> None:
+        def one(name: str) -> None:
+            body = self.client.get_object(Bucket=self.bucket, Key=f"{self.prefix}/{name}")["Body"]
+            with open(self.dir / name, "wb") as out:
+                shutil.copyfileobj(body, out, PART)
+
+        with ThreadPoolExecutor(len(names)) as pool:
+            list(pool.map(one, names))
 
 
 class MountContender(Contender):
@@ -234,6 +278,9 @@ class Burstfs(MountContender):
         self.profile_dir = profile_dir
         self.current: BenchMount | None = None
         self.profiler: subprocess.Popen[bytes] | None = None
+        #: per read case: daemon CPU seconds, bytes the reader asked for, bytes the tier holds after it
+        self.costs: dict[str, list[tuple[float, int, int]]] = {}
+        self.peak_rss_mib = 0.0
 
     def mount(self) -> Path:
         self.generation += 1
@@ -283,17 +330,90 @@ class Burstfs(MountContender):
             self.profiler.send_signal(signal.SIGINT)
             self.profiler.wait(timeout=60)
 
+    def save_durable(self, sd: dict[str, Any]) -> float:
+        from safetensors.torch import save_file
+
+        seconds = super().save_durable(sd)
+        with self.mounted() as mnt:  # what the safetensors case reads; not timed
+            save_file(sd, mnt / "model.safetensors")
+            self.wait_durable(["model.safetensors"])
+        return seconds
+
+    @contextlib.contextmanager
+    def measured(self, case: str) -> Iterator[list[int]]:
+        """Daemon CPU, peak RSS and the bytes on the tier after ``case`` (the mount is fresh);
+        the case appends the bytes its reader touched to the list it is given."""
+        assert self.current is not None
+        pid = self.current.daemon_pid()
+        before = daemon_cpu_s(pid)
+        touched: list[int] = []
+        yield touched
+        cpu = daemon_cpu_s(pid) - before
+        self.peak_rss_mib = max(self.peak_rss_mib, rss_peak_mib(pid))
+        held = sum(f.stat().st_blocks * 512 for f in (self.current.cache / "data").iterdir())
+        self.costs.setdefault(case, []).append((cpu, sum(touched), held))
+
     def cold_load(self) -> float:
         with self.mounted() as mnt:
             drop_page_cache()
-            with self.profiled("cold_load"):
+            with self.profiled("cold_load"), self.measured("cold torch.load") as touched:
+                touched.append((mnt / "ckpt.pt").stat().st_size)
                 return timed(functools.partial(torch_load, mnt / "ckpt.pt"))
 
     def cold_ranks(self, ranks: int) -> float:
         with self.mounted() as mnt:
+            paths = [mnt / n for n in rank_names(ranks)]
             drop_page_cache()
-            with self.profiled("cold_ranks"):
-                return read_shards_parallel([mnt / n for n in rank_names(ranks)])
+            with self.profiled("cold_ranks"), self.measured("cold read of rank files") as touched:
+                touched.extend(p.stat().st_size for p in paths)
+                return read_shards_parallel(paths)
+
+    def prefetch(self) -> float:
+        with self.mounted() as mnt:
+            path = mnt / "ckpt.pt"
+            drop_page_cache()
+            with self.measured("prefetch") as touched:
+                touched.append(path.stat().st_size)
+                command = [str(Path(sys.executable).parent / "burstfs-admin"), "prefetch", str(path)]
+                return timed(functools.partial(subprocess.run, command, check=True, capture_output=True))
+
+    def cold_mmap_tensor(self) -> float:
+        with self.mounted() as mnt:
+            drop_page_cache()
+            with self.measured("cold mmap: one tensor") as touched:
+                return timed(functools.partial(touch_one_tensor_mmap, mnt / "ckpt.pt", touched))
+
+    def cold_safetensors(self) -> float:
+        with self.mounted() as mnt:
+            drop_page_cache()
+            with self.measured("cold safetensors: one tensor") as touched:
+                return timed(functools.partial(touch_one_tensor_safetensors, mnt / "model.safetensors", touched))
+
+
+ONE_TENSOR = "layer7.weight"  # in the middle of the file: neither the header nor the zip directory's chunk
+
+
+def touch_one_tensor_mmap(path: Path, touched: list[int]) -> None:
+    import torch
+
+    tensor = torch.load(path, mmap=True, weights_only=True)[ONE_TENSOR]
+    float(tensor.sum())
+    touched.append(tensor.numel() * tensor.element_size())
+
+
+def touch_one_tensor_safetensors(path: Path, touched: list[int]) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        tensor = f.get_tensor(ONE_TENSOR)
+    float(tensor.sum())
+    touched.append(tensor.numel() * tensor.element_size())
+
+
+def daemon_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Rclone(MountContender):
@@ -388,6 +508,9 @@ CASES: list[tuple[str, Callable[[Contender, dict[str, Any], argparse.Namespace],
     ("ranks -> durable", lambda c, sd, a: c.ranks_durable(a.ranks, a.shard_mib * MiB)),
     ("cold torch.load", lambda c, sd, a: c.cold_load()),
     ("cold read of rank files", lambda c, sd, a: c.cold_ranks(a.ranks)),
+    ("prefetch", lambda c, sd, a: c.prefetch()),
+    ("cold mmap: one tensor", lambda c, sd, a: c.cold_mmap_tensor()),
+    ("cold safetensors: one tensor", lambda c, sd, a: c.cold_safetensors()),
 ]
 
 
@@ -396,10 +519,10 @@ CASES: list[tuple[str, Callable[[Contender, dict[str, Any], argparse.Namespace],
 PROFILE_GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("S3 client creation (first GET)", ("_PrefixTrie", "ClientCreatorContext")),
     ("SSL context of the client session", ("_build_verify_context",)),
-    ("GET body read (aiohttp)", ("S3Remote._read_body", "data_received", "StreamReader")),
+    ("GET body read (aiohttp)", ("S3Remote._read_body", "stream_range", "data_received", "StreamReader")),
     ("GET request/response (botocore)", ("S3Remote._call",)),
     ("chunk verification (decode_chunk)", ("decode_chunk",)),
-    ("tier write (pwrite_full)", ("pwrite_full",)),
+    ("tier write (+ xxh3 of streamed pieces)", ("pwrite_full", "_write_hashed")),
     ("trio <-> mover hop", ("on_mover_loop", "WakeupSocketpair", "call_soon_threadsafe")),
     ("thread-pool workers (handoff)", ("asyncio_",)),
     ("FUSE request loop (trio, pyfuse3)", ("MainThread",)),
@@ -420,6 +543,7 @@ def profile_breakdown(path: Path, rate: int = 250) -> dict[str, float]:
 def contenders(endpoint: str, bucket: str, args: argparse.Namespace) -> tuple[list[Contender], list[str]]:
     found: list[Contender] = [
         Reference(endpoint, bucket),
+        OneGet(endpoint, bucket),
         Burstfs("burstfs", "burstfs", endpoint, bucket, (), args.py_spy),
         Burstfs("burstfs --no-passthrough", "burstfs-nopt", endpoint, bucket, ("--no-passthrough",)),
     ]
@@ -427,7 +551,9 @@ def contenders(endpoint: str, bucket: str, args: argparse.Namespace) -> tuple[li
     if args.py_spy is not None and shutil.which("py-spy", path=str(Path(sys.executable).parent)) is None:
         skipped.append(f"py-spy profile: no py-spy next to {sys.executable} (pip install py-spy)")
         found[1] = Burstfs("burstfs", "burstfs", endpoint, bucket, ())
-    if shutil.which("rclone") is None:
+    if args.no_rclone:
+        skipped.append("rclone writes, rclone full: --no-rclone")
+    elif shutil.which("rclone") is None:
         skipped.append("rclone writes, rclone full: no rclone binary on PATH (Debian: apt-get install rclone)")
     else:
         found += [Rclone("writes", endpoint, bucket), Rclone("full", endpoint, bucket)]
@@ -445,6 +571,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=1, help="rounds (contender order rotates); medians")
     parser.add_argument("--py-spy", type=Path, default=None, help="record the default mount's daemon into DIR")
+    parser.add_argument("--no-rclone", action="store_true", help="burstfs and the reference only (faster)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.size_mib, args.shard_mib = SIZES[args.size]
@@ -485,6 +612,9 @@ def main() -> None:
         "ranks -> durable": f"{args.ranks} x {args.shard_mib} MiB ranks -> durable",
         "cold torch.load": f"cold torch.load {args.size_mib} MiB",
         "cold read of rank files": f"cold read of {args.ranks} x {args.shard_mib} MiB",
+        "prefetch": f"`burstfs-admin prefetch` {args.size_mib} MiB (reference: download_file)",
+        "cold mmap: one tensor": f"cold `torch.load(mmap=True)` {args.size_mib} MiB, one tensor",
+        "cold safetensors: one tensor": f"cold safetensors `safe_open` {args.size_mib} MiB, one tensor",
     }
     med = {n: {case: median(v) for case, v in t.items()} for n, t in times.items()}
     if args.json:
@@ -506,12 +636,26 @@ def main() -> None:
     print(f"|---|{'---|' * len(names)}")
     for case, _ in CASES:
         cells = [
-            f"{med[n][case]:.2f}" + ("" if n == ref else f" ({med[n][case] / med[ref][case]:.2f}x)") for n in names
+            "-"
+            if med[n][case] != med[n][case]  # NaN: the contender has no such case
+            else f"{med[n][case]:.2f}"
+            + ("" if n == ref or med[ref][case] != med[ref][case] else f" ({med[n][case] / med[ref][case]:.2f}x)")
+            for n in names
         ]
         print(f"| {labels[case]} | {' | '.join(cells)} |")
     print(f"load average at start {load_start:.2f}, at end {os.getloadavg()[0]:.2f} (2 cores; others' jobs add noise)")
     for line in skipped:
         print(f"skipped: {line}")
+    print("\nburstfs read cases: bytes the reader touched, bytes fetched onto the tier, daemon CPU per GiB")
+    for c in found:
+        if isinstance(c, Burstfs):
+            for case, runs in c.costs.items():
+                cpu, touched, held = (median([r[i] for r in runs]) for i in range(3))
+                print(
+                    f"  {c.name:<26} {case:<30} touched {touched / MiB:7.1f} MiB  fetched {held / MiB:7.1f} MiB "
+                    f"({held / max(touched, 1):.2f}x)  CPU {cpu:5.2f} s ({cpu / max(held / 2**30, 1e-9):.2f} s/GiB)"
+                )
+            print(f"  {c.name:<26} daemon peak RSS {c.peak_rss_mib:.0f} MiB (target <= 300)")
     for path in sorted(args.py_spy.glob("*.txt")) if args.py_spy is not None else ():
         shares = profile_breakdown(path)
         total = sum(shares.values())
