@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 BIN = Path(sys.executable).parent
 
@@ -226,3 +227,37 @@ def run_ranks(target: Callable[..., None], args_per_rank: list[tuple[object, ...
             raise RuntimeError("a rank failed")
 
     return timed(run)
+
+
+# -- restoring: what bench/restore.py and bench/peers.py both run ------------------------------
+
+READ_BUF = 8 << 20  # what each shard reader asks read() for
+
+
+def retain_freed_memory() -> None:
+    """No mmap'd malloc chunks and no heap trimming: freed tensors' pages get reused, not re-faulted."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_max = -1, -4
+    libc.mallopt(m_mmap_max, 0)
+    libc.mallopt(m_trim_threshold, 2**31 - 1)
+
+
+def read_shard(path: str, start: Any) -> None:
+    buf = bytearray(READ_BUF)
+    start.wait()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+
+
+def read_shards_parallel(paths: list[Path]) -> float:
+    """Seconds until ``len(paths)`` processes have each read one file (start on a barrier)."""
+    return run_ranks(read_shard, [(str(p),) for p in paths])
+
+
+def torch_load(path: Path) -> None:
+    import torch
+
+    torch.load(path, weights_only=True)

@@ -57,14 +57,16 @@ from common import (
     make_bucket,
     median,
     moto_endpoint,
+    read_shards_parallel,
+    retain_freed_memory,
     rss_peak_mib,
     run_ranks,
     state_dict,
     timed,
+    torch_load,
     wait_durable,
 )
 from drain import write_rank
-from restore import read_shards_parallel, retain_freed_memory, torch_load
 
 MiB = 1 << 20
 PART = 8 * MiB

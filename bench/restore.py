@@ -57,27 +57,18 @@ from common import (
     make_bucket,
     median,
     moto_endpoint,
+    read_shards_parallel,
     report,
-    run_ranks,
+    retain_freed_memory,
     state_dict,
     timed,
+    torch_load,
     wait_durable,
 )
 
 MiB = 1 << 20
 RANGE = 8 * MiB  # burstfs' default part size = its fetch chunk
 FETCH_CONCURRENCY = 16  # burstfs.restore.FETCH_CONCURRENCY
-READ_BUF = 8 * MiB  # what each shard reader asks read() for
-
-
-def retain_freed_memory() -> None:
-    """No mmap'd malloc chunks and no heap trimming: freed tensors' pages get reused, not re-faulted."""
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6")
-    m_trim_threshold, m_mmap_max = -1, -4
-    libc.mallopt(m_mmap_max, 0)
-    libc.mallopt(m_trim_threshold, 2**31 - 1)
 
 
 def set_read_ahead(mnt: Path, kib: int | None) -> None:
@@ -90,28 +81,6 @@ def set_read_ahead(mnt: Path, kib: int | None) -> None:
 
 def fresh_base() -> Path:
     return Path(tempfile.mkdtemp(prefix="burstfs-bench-restore-", dir="/dev/shm"))
-
-
-# -- readers ------------------------------------------------------------------------------
-
-
-def read_shard(path: str, start: Any) -> None:
-    buf = bytearray(READ_BUF)
-    start.wait()
-    with open(path, "rb", buffering=0) as f:
-        while f.readinto(buf):
-            pass
-
-
-def read_shards_parallel(paths: list[Path]) -> float:
-    """Seconds until ``len(paths)`` processes have each read one file (start on a barrier)."""
-    return run_ranks(read_shard, [(str(p),) for p in paths])
-
-
-def torch_load(path: Path) -> None:
-    import torch
-
-    torch.load(path, weights_only=True)
 
 
 class Sink:
