@@ -5,7 +5,10 @@ are on the same tmpfs: one with FUSE passthrough (the default where available)
 and one with the data path through the daemon (--no-passthrough); interleaved,
 several repeats, medians compared:
   - torch.save of a 1 GiB state dict (close included: that is when close returns);
-  - 8 processes each writing a 128 MiB shard at once (DCP-style ranks).
+  - 8 processes each writing a 128 MiB shard at once (DCP-style ranks);
+  - the same 8 ranks again right after a first checkpoint of 8 shards, while that one
+    drains (the baseline writes both into tmpfs);
+  - 1000 files of 4 KiB, each created, written and closed, while the shards drain.
 Also reports the daemon's peak RSS.  Targets: ratio <= 1.15x, RSS <= 300 MiB.
 
     python bench/blocking.py [--size-mib 1024] [--repeat 3] [--json]
@@ -43,6 +46,19 @@ def shards_once(directory: Path, ranks: int, size: int) -> float:
     return run_ranks(write_shard, [(str(directory / f"shard{r}.bin"), size) for r in range(ranks)])
 
 
+def second_while_first_drains(directory: Path, args: argparse.Namespace) -> float:
+    """Seconds of checkpoint B's ranks, written right after checkpoint A's (A drains meanwhile)."""
+    first, second = directory / "a", directory / "b"
+    first.mkdir(parents=True)
+    second.mkdir()
+    shards_once(first, args.ranks, args.shard_mib << 20)
+    seconds = shards_once(second, args.ranks, args.shard_mib << 20)
+    for d in (first, second):
+        for f in d.iterdir():
+            f.unlink()
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=1024)
@@ -58,7 +74,7 @@ def main() -> None:
 
     sd = state_dict(args.size_mib)
     extra = tuple(args.mount_arg)
-    cases = ("save", "shards", "small")
+    cases = ("save", "shards", "draining", "small")
     results: dict[str, dict[str, list[float]]] = {case: {} for case in cases}
     with bench_mount(args=extra) as direct, bench_mount(args=("--no-passthrough", *extra)) as daemon:
         targets = {"passthrough": direct.mnt, "daemon": daemon.mnt, "plain": direct.plain}
@@ -88,6 +104,9 @@ def main() -> None:
                 for f in d.iterdir():
                     f.unlink()
             for where, directory in order:
+                settle()
+                results["draining"][where].append(second_while_first_drains(directory / f"busy{i}", args))
+            for where, directory in order:
                 d = directory / f"small{i}"
                 d.mkdir()
                 results["small"][where].append(timed(lambda: write_small_files(d, args.small_files)))
@@ -95,6 +114,7 @@ def main() -> None:
     names = {
         "save": (f"torch.save {args.size_mib} MiB", 1.15),
         "shards": (f"{args.ranks} ranks x {args.shard_mib} MiB shards", 1.15),
+        "draining": ("8 ranks while 8 ranks drain", 1.15),
         "small": (f"{args.small_files} x 4 KiB files (draining)", None),
     }
     rows = [

@@ -357,6 +357,179 @@ def ranks_rss(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(base, ignore_errors=True)
 
 
+# -- (d) issue 13's write targets on moto, against boto3's upload_file ----------------------
+
+
+def boto3_reference(endpoint: str, part: int, threads: int) -> Any:
+    """``upload_file`` with ``threads`` threads and ``part``-byte parts (what a user would script)."""
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    config = TransferConfig(multipart_threshold=part, multipart_chunksize=part, max_concurrency=threads)
+    return lambda bucket, key, path: client.upload_file(str(path), bucket, key, Config=config)
+
+
+def daemon_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def moto_ckpt_case(args: argparse.Namespace, endpoint: str, bucket: str, upload: Any) -> dict[str, Any]:
+    """1 GiB torch.save and 8 ranks x 128 MiB: written, then durable; burstfs vs tmpfs + upload_file."""
+    import torch
+
+    sd = state_dict(args.moto_ckpt_mib)
+    out: dict[str, Any] = {"save": {"fs": [], "ref": []}, "ranks": {"fs": [], "ref": []}, "cpu_per_gib": [], "rss": []}
+    rank_bytes = args.moto_rank_mib * MiB
+
+    def fs_run(i: int, case: str) -> float:
+        base = fresh_base()
+        m = BenchMount(base, f"s3://{bucket}/fs{case}{i}", mount_args(args, ("--endpoint-url", endpoint)))
+        m.mount()
+        try:
+            pid, cpu0 = m.daemon_pid(), daemon_cpu_s(m.daemon_pid())
+            start = time.perf_counter()
+            if case == "save":
+                torch.save(sd, m.mnt / "ckpt.pt")
+                names, size = ["ckpt.pt"], args.moto_ckpt_mib * MiB
+            else:
+                run_ranks_into(m.mnt, args.moto_ranks, rank_bytes)
+                names, size = [f"rank{r}.bin" for r in range(args.moto_ranks)], args.moto_ranks * rank_bytes
+            done = wait_durable(m.cache, names, interval=0.02) - start
+            out["cpu_per_gib"].append((daemon_cpu_s(pid) - cpu0) / (size / 1024**3))
+            out["rss"].append(m.daemon_peak_rss_mib())
+            return done
+        finally:
+            m.unmount()
+            shutil.rmtree(base, ignore_errors=True)
+
+    def ref_run(i: int, case: str) -> float:
+        plain = fresh_base()
+        try:
+            start = time.perf_counter()
+            if case == "save":
+                torch.save(sd, plain / "ckpt.pt")
+                paths = [plain / "ckpt.pt"]
+            else:
+                run_ranks_into(plain, args.moto_ranks, rank_bytes)
+                paths = [plain / f"rank{r}.bin" for r in range(args.moto_ranks)]
+            with ThreadPoolExecutor(len(paths)) as pool:  # ranks upload their own shard at once
+                list(pool.map(lambda p: upload(bucket, f"ref{case}{i}/{p.name}", p), paths))
+            return time.perf_counter() - start
+        finally:
+            shutil.rmtree(plain, ignore_errors=True)
+
+    for i in range(args.repeat):
+        for case in ("save", "ranks"):
+            order = ("fs", "ref") if i % 2 == 0 else ("ref", "fs")
+            for who in order:
+                out[case][who].append((fs_run if who == "fs" else ref_run)(i, case))
+                empty_bucket(endpoint, bucket)
+            print(
+                f"  [moto {case}] repeat {i + 1}: burstfs {out[case]['fs'][-1]:.2f}s ref {out[case]['ref'][-1]:.2f}s",
+                file=sys.stderr,
+            )
+    return out
+
+
+def run_ranks_into(directory: Path, ranks: int, size: int) -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(ranks + 1)
+    procs = [
+        ctx.Process(target=write_rank, args=(str(directory / f"rank{r}.bin"), size, barrier)) for r in range(ranks)
+    ]
+    for p in procs:
+        p.start()
+    barrier.wait()
+    for p in procs:
+        p.join()
+
+
+def small_files_case(args: argparse.Namespace, endpoint: str, bucket: str) -> dict[str, float]:
+    """A directory of ``--small-files`` 4 KiB files written while nothing drains
+    (``--drain-delay``), then drained at once: files per second to durable, and the
+    same PUTs from a 32-thread boto3 client (the store's own ceiling here)."""
+    import subprocess
+
+    import boto3
+
+    count = args.small_files
+    base = fresh_base()
+    m = BenchMount(
+        base, f"s3://{bucket}/small", mount_args(args, ("--endpoint-url", endpoint, "--drain-delay", "3600"))
+    )
+    m.mount()
+    try:
+        d = m.mnt / "many"
+        d.mkdir()
+        block = os.urandom(4096)
+        for i in range(count):
+            (d / f"f{i}").write_bytes(block)
+        pid, cpu0 = m.daemon_pid(), daemon_cpu_s(m.daemon_pid())
+        start = time.perf_counter()
+        subprocess.run(
+            [str(Path(sys.executable).parent / "burstfs-admin"), "drain", "--now", str(m.mnt)],
+            check=True,
+            capture_output=True,
+        )
+        m.wait_drained()
+        fs_s = time.perf_counter() - start
+        cpu = daemon_cpu_s(pid) - cpu0
+    finally:
+        m.unmount()
+        shutil.rmtree(base, ignore_errors=True)
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    start = time.perf_counter()
+    with ThreadPoolExecutor(32) as pool:
+        list(pool.map(lambda i: client.put_object(Bucket=bucket, Key=f"ref/f{i}", Body=block), range(count)))
+    ref_s = time.perf_counter() - start
+    empty_bucket(endpoint, bucket)
+    return {"fs_files_per_s": count / fs_s, "ref_files_per_s": count / ref_s, "cpu_ms_per_file": cpu / count * 1e3}
+
+
+def issue13_moto(args: argparse.Namespace) -> None:
+    with moto_endpoint() as endpoint:
+        bucket = f"bench-{uuid.uuid4().hex[:8]}"
+        make_bucket(endpoint, bucket)
+        upload = boto3_reference(endpoint, args.part_mib * MiB, args.concurrency)
+        small = small_files_case(args, endpoint, bucket) if args.small_files else None
+        ckpt = moto_ckpt_case(args, endpoint, bucket, upload)
+    rows: list[tuple[str, float, float, float | None]] = [
+        (
+            f"moto: torch.save {args.moto_ckpt_mib} MiB -> durable",
+            median(ckpt["save"]["fs"]),
+            median(ckpt["save"]["ref"]),
+            1.1,
+        ),
+        (
+            f"moto: {args.moto_ranks} ranks x {args.moto_rank_mib} MiB -> durable",
+            median(ckpt["ranks"]["fs"]),
+            median(ckpt["ranks"]["ref"]),
+            1.1,
+        ),
+    ]
+    report(
+        f"issue 13 on moto: burstfs vs tmpfs + boto3 upload_file ({args.concurrency} threads, "
+        f"{args.part_mib} MiB parts), medians of {args.repeat}",
+        rows,
+        args.json,
+    )
+    print(
+        f"daemon CPU per GiB drained: {median(ckpt['cpu_per_gib']):.2f} s (median), "
+        f"peak RSS {max(ckpt['rss']):.0f} MiB (target <= 300 MiB)"
+    )
+    if small is not None:
+        print(
+            f"{args.small_files} x 4 KiB files -> durable: {small['fs_files_per_s']:.0f} files/s "
+            f"(target >= 500), daemon CPU {small['cpu_ms_per_file']:.2f} ms/file; "
+            f"boto3 put_object x 32 threads: {small['ref_files_per_s']:.0f} files/s"
+        )
+
+
 # -- main --------------------------------------------------------------------------------
 
 
@@ -372,7 +545,15 @@ def main() -> None:
     parser.add_argument("--skip-s3", action="store_true", help="only the file remote")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--mount-arg", action="append", default=[], help="extra burstfs mount argument")
+    parser.add_argument("--issue13", action="store_true", help="only issue 13's write targets on moto (vs boto3)")
+    parser.add_argument("--moto-ckpt-mib", type=int, default=1024, help="--issue13: torch.save size")
+    parser.add_argument("--moto-ranks", type=int, default=8, help="--issue13: ranks")
+    parser.add_argument("--moto-rank-mib", type=int, default=128, help="--issue13: size of each rank's file")
+    parser.add_argument("--small-files", type=int, default=10000, help="--issue13: 4 KiB files to durable (0: skip)")
     args = parser.parse_args()
+    if args.issue13:
+        issue13_moto(args)
+        return
     import torch
 
     load_start = os.getloadavg()

@@ -369,10 +369,7 @@ class DataPath:
         await self.committer.commit(ops, undo=undo)
         self.links.file_closed()
         if self.links.drain is not None and (dir_key := self._dir_key(inode)) is not None:
-            self.links.drain.writing_in(
-                inode.ino, dir_key, inode.name
-            )  # a close after the round's done starts the next
-            await self.links.drain.intent_published(dir_key)  # bounded (--remote-wait); never fails the close
+            await self.links.drain.closed_in(inode.ino, dir_key, inode.name)  # bounded (--remote-wait); never fails
 
     async def release(self, fh: int) -> None:
         handle = self.handles.pop(fh, None)

@@ -139,11 +139,21 @@ class DrainService:
     def writing_in(self, ino: int, dir_key: str, name: bytes) -> None:
         self.call_soon(self.mover.groups.writing_in, ino, dir_key, name)
 
-    async def intent_published(self, dir_key: str) -> None:
-        """close(2) of a file in ``dir_key``: give its intent record up to ``intent_wait`` to land, so
-        that a marker written after the framework's barrier already sees this node.  Never fails:
-        local speed is the promise; a late intent still holds this node's own marker.  Runs after
-        the ``writing_in`` this close queued (the mover's loop runs them in order)."""
+    async def closed_in(self, ino: int, dir_key: str, name: bytes) -> None:
+        """close(2) of ``ino`` in ``dir_key``: it joins this node's round there, and the close
+        gives the round's intent record up to ``intent_wait`` to land, so that a marker written
+        after the framework's barrier already sees this node.  Never fails: local speed is the
+        promise; a late intent still holds this node's own marker.  A round whose intent is
+        already out is joined right here: no hop to the mover's loop (~2 ms per small file while
+        it drains)."""
+        if self.mover.groups.joined_announced(ino, dir_key, name):
+            return
+        self.writing_in(ino, dir_key, name)  # a close after the round's done starts the next
+        await self._intent_published(dir_key)
+
+    async def _intent_published(self, dir_key: str) -> None:
+        """Wait for ``dir_key``'s intent (bounded); runs after the ``writing_in`` the close
+        queued (the mover's loop runs them in order)."""
         if self._intent_wait <= 0 or time.monotonic() < self._intents_late_until:
             return  # a late intent means a sick remote: closes do not each pay the bound again
         published = False

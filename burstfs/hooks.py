@@ -26,8 +26,9 @@ class DrainHooks(Protocol):
         """``ino`` (named ``name``) is opened for writing, or closed, in ``dir_key``: this node
         takes part in the checkpoint there (a cross-node commit round)."""
 
-    async def intent_published(self, dir_key: str) -> None:
-        """Return once this node's part in ``dir_key``'s checkpoint is announced, or after a short bound."""
+    async def closed_in(self, ino: int, dir_key: str, name: bytes) -> None:
+        """``ino`` was closed in ``dir_key``: it joins this node's round there; return once
+        this node's part in the checkpoint is announced, or after a short bound."""
 
 
 class Fetcher(Protocol):

@@ -90,6 +90,7 @@ class ObjectStore:
         concurrency: int,
         compress: str | None = None,
         cancel_check: Callable[[], Awaitable[bool]] | None = None,
+        pace: Callable[[], Awaitable[None]] | None = None,
     ) -> Manifest:
         """Upload the staged file at ``path`` to ``key`` and write its manifest.
 
@@ -108,6 +109,8 @@ class ObjectStore:
         against: chunks of ``chunk_size`` are hashed as they are read for upload
         and the whole-file digest is taken by a concurrent pass, so the file is
         not read once more before the upload; the manifest carries both.
+        A multipart upload awaits ``pace()`` before it reads each chunk (the drain
+        yields to writers with it).
         """
         if compress not in (None, "lz4"):
             raise ValueError(f"unknown compression {compress!r}")
@@ -130,7 +133,7 @@ class ObjectStore:
             if reader.count <= 1:
                 chunks = await self._put_whole(key, reader, cancel_check)
             else:
-                chunks = await self._put_multipart(key, reader, concurrency, cancel_check)
+                chunks = await self._put_multipart(key, reader, concurrency, cancel_check, pace)
             if whole is not None:
                 digest = await whole
             else:
@@ -164,7 +167,12 @@ class ObjectStore:
         return [info]
 
     async def _put_multipart(
-        self, key: str, reader: _ChunkReader, concurrency: int, cancel_check: Callable[[], Awaitable[bool]] | None
+        self,
+        key: str,
+        reader: _ChunkReader,
+        concurrency: int,
+        cancel_check: Callable[[], Awaitable[bool]] | None,
+        pace: Callable[[], Awaitable[None]] | None = None,
     ) -> list[ChunkInfo]:
         """Read, check and encode chunks in threads and upload them as parts, memory bounded.
 
@@ -197,6 +205,8 @@ class ObjectStore:
 
         async def read_ahead(group: asyncio.TaskGroup) -> None:
             for index in range(count):
+                if pace is not None:
+                    await pace()
                 await _check_cancel(cancel_check, key)
                 await budget.acquire(reader.length(index))
                 reads.put_nowait(group.create_task(asyncio.to_thread(reader.read, index)))

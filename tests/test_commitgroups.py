@@ -233,3 +233,34 @@ def test_open_files_and_later_rounds_do_not_hold_a_marker(tmp_path: Path) -> Non
         assert a.mover.groups.groups["run/logs"].round != first
 
     run_nodes([a], scenario)
+
+
+def test_a_close_joins_an_announced_round_at_once_and_nothing_else(tmp_path: Path) -> None:
+    """``joined_announced`` (a close that need not wait on the mover's loop) answers True only
+    for a round whose intent is out and whose done is not decided; the file it joins holds
+    the round's done until it is durable, and a marker never joins."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    a = Node(tmp_path, "a", remote_dir)
+    groups = a.mover.groups
+
+    async def scenario() -> None:
+        assert not groups.joined_announced(99, "ckpt", b"shard_0")  # no round yet: the long way
+        first = a.write("ckpt/shard_0", b"0")
+        await until(lambda: groups.intent_out("ckpt") and "ckpt" in groups.groups, "the round's intent")
+        assert not groups.joined_announced(first, "ckpt", b".metadata")  # a marker: never a member
+        parent = a.mkdirs("ckpt")
+        entered, release = a.remote.hold("put", "ckpt/shard_1")
+        second = a.front.write("shard_1", b"1", parent)
+        assert groups.joined_announced(second, "ckpt", b"shard_1")
+        assert second in groups.groups["ckpt"].members
+        a.mover.wake()
+        await until(entered.is_set, "shard_1 uploading")
+        await asyncio.sleep(0.3)
+        assert not groups.groups["ckpt"].done  # the joined file holds the done
+        release.set()
+        await until(lambda: groups.groups["ckpt"].done, "the round's done")
+        assert a.durable(first) and a.durable(second)
+        assert not groups.joined_announced(second, "ckpt", b"shard_1")  # done decided: a new round
+
+    run_nodes([a], scenario)

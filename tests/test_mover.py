@@ -166,6 +166,48 @@ def test_event_log_is_pruned_to_the_most_recent(tmp_path: Path, monkeypatch: pyt
 # -- issue 10 #1: a key another inode owns or is uploading to is never overwritten ----------
 
 
+def test_small_files_drain_beside_large_uploads_in_flight(tmp_path: Path) -> None:
+    """Every --max-files slot holds a large upload: small files still drain (a pool of their own)."""
+    mover, front, remote = make_mover(tmp_path)
+    large = mover_timing.SMALL_FILE_BYTES + 1
+    held = [remote.hold("put", f"large{i}") for i in range(mover.options.max_files)]
+
+    async def scenario() -> None:
+        big = [front.write(f"large{i}", b"L" * large) for i in range(mover.options.max_files)]
+        mover.wake()
+        await until(lambda: all(entered.is_set() for entered, _ in held), "every large slot busy")
+        small = [front.write(f"small{i}", b"s" * 4096) for i in range(40)]
+        mover.wake()
+        await until(lambda: all(front.row(ino).state == DURABLE for ino in small), "the small files durable")
+        assert all(front.row(ino).state != DURABLE for ino in big)
+        for _, release in held:
+            release.set()
+        await settle(mover, front)
+
+    run_mover(mover, scenario)
+    assert len(user_keys(tmp_path)) == 40 + mover.options.max_files
+
+
+def test_large_uploads_yield_to_a_new_writer_and_small_files_do_not(tmp_path: Path) -> None:
+    """While a file opened for writing moments ago is open, a multipart upload sends no part
+    (small files still drain); its close lets the upload go on, and everything drains."""
+    mover, front, remote = make_mover(tmp_path)
+
+    async def scenario() -> None:
+        writer = front.create("next_rank.bin")  # opened, not yet closed
+        front.write("big.bin", os.urandom(2 * PART + 1))
+        small = front.write("small.bin", b"s" * 100)
+        mover.wake()
+        await until(lambda: front.row(small).state == DURABLE, "the small file durable")
+        await asyncio.sleep(0.5)
+        assert not [call for call in remote.calls if call == ("part", "big.bin")]
+        front.rewrite(writer, b"w" * 100)  # the writer closes
+        await settle(mover, front)
+
+    run_mover(mover, scenario)
+    assert user_keys(tmp_path) == {"big.bin", "small.bin", "next_rank.bin"}
+
+
 def test_rename_during_upload_keeps_the_new_file_at_the_old_name(tmp_path: Path) -> None:
     """model.pt uploads; renamed to model_100.pt; a new model.pt is saved: both survive."""
     mover, front, remote = make_mover(tmp_path)

@@ -10,7 +10,8 @@ the file simply drains again.
 
 Contract (see docs/SEMANTICS.md):
 - oldest close first; at most ``max_files`` files in flight, each with at most
-  ``concurrency`` parts in memory;
+  ``concurrency`` parts in memory, plus up to SMALL_FILES_IN_FLIGHT small files
+  (one PUT each) in a pool of their own;
 - a commit marker (DCP ``.metadata``, ``latest``...) starts only when every file
   closed before it under its directory is durable;
 - temporary remote failures retry with backoff (in the object layer) and then

@@ -117,6 +117,10 @@ class Mover:
         return self._ready.wait(timeout)
 
     @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    @property
     def running(self) -> bool:
         return self._ready.is_set()
 
@@ -149,7 +153,9 @@ class Mover:
             self._journal_open = True
         if self.remote is None:
             self.remote = open_remote(
-                self.remote_url, self.s3, max_connections=self.options.max_files * self.options.concurrency + 4
+                self.remote_url,
+                self.s3,
+                max_connections=self.options.max_files * self.options.concurrency + timing.SMALL_FILES_IN_FLIGHT + 4,
             )
         self._hook_uploads(self.remote)
         self.store = ObjectStore(
@@ -162,6 +168,7 @@ class Mover:
         self.in_flight.clear()
         self.key_moves.restart()
         tasks: set[asyncio.Task[None]] = set()
+        small: set[asyncio.Task[None]] = set()  # the tasks of small files (their own pool)
         gate: asyncio.Task[None] | None = None
         failures = 0
         self._ready.set()
@@ -183,13 +190,17 @@ class Mover:
                     await self.key_moves.process_deletes()
                     await self._prune_events()
                     await self.key_moves.relocate_renamed()
-                    for row in await self._eligible(self.options.max_files - len(tasks)):
+                    large_slots = self.options.max_files - (len(tasks) - len(small))
+                    for row in await self._eligible(large_slots, timing.SMALL_FILES_IN_FLIGHT - len(small)):
                         claimed = await self._claim(row)
                         if claimed is None:
                             continue
                         task = asyncio.create_task(self.uploads.run(row, *claimed))
                         tasks.add(task)
                         task.add_done_callback(tasks.discard)
+                        if row.size <= timing.SMALL_FILE_BYTES:
+                            small.add(task)
+                            task.add_done_callback(small.discard)
                     if until_idle and not tasks and not await self._has_pending_work():
                         break
                     failures = 0
@@ -314,15 +325,19 @@ class Mover:
     def is_marker_name(self, name: str) -> bool:
         return is_commit_marker(name, self.options.commit_markers)
 
-    async def _eligible(self, slots: int) -> list[InodeRow]:
-        """Staged files in close order, respecting commit markers (invariant 5), delay and backoff.
+    async def _eligible(self, large_slots: int, small_slots: int) -> list[InodeRow]:
+        """Staged files in close order, respecting commit markers (invariant 5), delay and backoff:
+        at most ``large_slots`` larger than SMALL_FILE_BYTES and ``small_slots`` smaller ones.
 
         One journal call reads the candidates and what holds each marker back; the
         choice among them (in flight, backing off, other nodes' intents) is made here,
         on the loop that owns that state.
         """
+        slots = max(0, large_slots) + max(0, small_slots)
         if slots <= 0 or self.stats.halted is not None:
             return []
+        free = {True: small_slots, False: large_slots}  # is small -> slots left
+        refused = False  # a row waits for room in its pool (the drain is not idle then)
         now = time.time()
         delay = 0.0 if self._skip_delay else self.options.delay
         # This runs after every close: read enough rows to fill the free slots past the
@@ -346,10 +361,15 @@ class Mover:
                     continue
                 if candidate.marker_blocked:
                     continue
+            small = row.size <= timing.SMALL_FILE_BYTES
+            if free[small] <= 0:
+                refused = True
+                continue
+            free[small] -= 1
             chosen.append(row)
             if len(chosen) >= slots:
                 break
-        if not chosen:
+        if not chosen and not refused:  # nothing left to hurry (a full pool is not that)
             self._skip_delay = False
         return chosen
 

@@ -35,6 +35,17 @@ RELOCATE_FULL_SCAN_S = 600.0
 # A checksum mismatch with no journaled change is retried this many times (a writer
 # still holding the file open) before the file is declared corrupt.
 MISMATCH_RETRIES = 3
+# Files this small (one PUT) drain in a pool of their own, this many at once, beside the
+# --max-files large ones: small files never wait behind multipart uploads, and a directory
+# of small files is bound by request latency, not by two at a time (memory: 32 x 1 MiB).
+SMALL_FILE_BYTES = 1024 * 1024
+SMALL_FILES_IN_FLIGHT = 32
+# A burst buffer absorbs the next burst first: while a file opened for writing in the last
+# WRITER_YIELD_S seconds is still open, large uploads read no further part (polling every
+# WRITER_POLL_S); the cores go to the writers.  A file kept open longer (a log) stops
+# holding the drain back after that.
+WRITER_YIELD_S = 10.0
+WRITER_POLL_S = 0.05
 # An unexpected error in a pass of the loop: wait this long, then go on.
 PASS_ERROR_BACKOFF_S = 2.0
 # Parked objects of a rename cycle (a→b, b→a) wait here until their target frees up.

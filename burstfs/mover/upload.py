@@ -50,6 +50,7 @@ class FileDrain:
                 concurrency=self.mover.options.concurrency,
                 compress=self.mover.options.compress,
                 cancel_check=functools.partial(self._superseded, ino, generation),
+                pace=self._yield_to_writers,
             )
             if digests is None:  # taken during the upload: journal them for verify and the xattr
                 await self.mover.db(
@@ -102,6 +103,14 @@ class FileDrain:
         finally:
             self.mover.in_flight.pop(ino, None)
             self.mover.wake()
+
+    async def _yield_to_writers(self) -> None:
+        """Wait while files opened for writing in the last WRITER_YIELD_S seconds are open."""
+        drain = self.mover.journal.drain
+        while not self.mover.stopping:  # polled: the journal has no event to wait on
+            if not await self.mover.db(drain.writing_since, time.time() - timing.WRITER_YIELD_S):
+                return
+            await asyncio.sleep(timing.WRITER_POLL_S)
 
     async def _superseded(self, ino: int, generation: int) -> bool:
         """A newer close, a writer or an unlink since ``generation`` (the upload's cancel check too)."""
