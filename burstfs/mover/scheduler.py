@@ -191,11 +191,10 @@ class Mover:
                     await self._prune_events()
                     await self.key_moves.relocate_renamed()
                     large_slots = self.options.max_files - (len(tasks) - len(small))
-                    for row in await self._eligible(large_slots, timing.SMALL_FILES_IN_FLIGHT - len(small)):
-                        claimed = await self._claim(row)
-                        if claimed is None:
-                            continue
-                        task = asyncio.create_task(self.uploads.run(row, *claimed))
+                    for row, key, intent, started in await self._claim(
+                        await self._eligible(large_slots, timing.SMALL_FILES_IN_FLIGHT - len(small))
+                    ):
+                        task = asyncio.create_task(self.uploads.run(row, key, intent, started))
                         tasks.add(task)
                         task.add_done_callback(tasks.discard)
                         if row.size <= timing.SMALL_FILE_BYTES:
@@ -373,26 +372,36 @@ class Mover:
             self._skip_delay = False
         return chosen
 
-    async def _claim(self, row: InodeRow) -> tuple[str, int, float] | None:
-        """Take ``row``'s key for its upload, or leave it staged while another inode holds the key.
+    async def _claim(self, rows: list[InodeRow]) -> list[tuple[InodeRow, str, int, float]]:
+        """Take each row's key for its upload (one journal call), or leave it staged while another
+        inode holds the key; returns ``(row, key, intent, started)`` of the claimed ones.
 
         Runs on the main loop, between deletes and relocations, so no delete or
-        move of the key can be under way; the upload then holds the key
-        (``upload_key`` and ``_in_flight``) until it is recorded or given up.
+        move of a key can be under way; an upload then holds its key
+        (``upload_key`` and ``in_flight``) until it is recorded or given up.
         """
+        if not rows:
+            return []
         started = time.time()
-        claimed = await self.db(self.journal.drain.claim, row.ino, row.generation)
-        if claimed is None:
-            return None
-        if isinstance(claimed, int):
-            # Another file's object still sits at this key (a rename not yet moved on the
-            # remote), or another file is uploading to it: that goes first.
-            log.info("event=drain_wait_key ino=%d holder=%d", row.ino, claimed)
-            self.key_moves.want(claimed)
-            self.not_before[row.ino] = started + timing.KEY_BUSY_RETRY_S
-            return None
-        key, intent = claimed
-        self.in_flight[row.ino] = key
-        return key, intent, started
+        drain = self.journal.drain
+
+        def claim_all() -> list[tuple[str, int] | int | None]:
+            return [drain.claim(row.ino, row.generation) for row in rows]
+
+        claimed: list[tuple[InodeRow, str, int, float]] = []
+        for row, outcome in zip(rows, await self.db(claim_all), strict=True):
+            if outcome is None:
+                continue
+            if isinstance(outcome, int):
+                # Another file's object still sits at this key (a rename not yet moved on the
+                # remote), or another file is uploading to it: that goes first.
+                log.info("event=drain_wait_key ino=%d holder=%d", row.ino, outcome)
+                self.key_moves.want(outcome)
+                self.not_before[row.ino] = started + timing.KEY_BUSY_RETRY_S
+                continue
+            key, intent = outcome
+            self.in_flight[row.ino] = key
+            claimed.append((row, key, intent, started))
+        return claimed
 
     # -- draining one file ------------------------------------------------------------

@@ -52,16 +52,12 @@ class FileDrain:
                 cancel_check=functools.partial(self._superseded, ino, generation),
                 pace=self._yield_to_writers,
             )
-            if digests is None:  # taken during the upload: journal them for verify and the xattr
-                await self.mover.db(
-                    self.mover.journal.drain.record_digests,
-                    ino,
-                    generation,
-                    manifest.digest,
-                    [c.xxh3 for c in manifest.chunks],
-                    manifest.chunk_size,
-                )
-            if await self._finish(row, key, manifest.size, started, intent) and self.mover.is_marker_name(
+            # Digests taken during the upload are journaled with its record (for verify and the xattr).
+            taken = None
+            if digests is None:
+                chunks = tuple(c.xxh3 for c in manifest.chunks)
+                taken = FileDigests(manifest.size, manifest.chunk_size, chunks, manifest.digest)
+            if await self._finish(row, key, manifest.size, started, intent, taken) and self.mover.is_marker_name(
                 os.fsdecode(row.name)
             ):
                 self.mover.groups.marker_durable(row, key, manifest.size, manifest.digest)
@@ -145,18 +141,27 @@ class FileDrain:
         self.mover.not_before[row.ino] = time.time() + timing.REQUEUE_BACKOFF_S * seen
         return True
 
-    async def _finish(self, row: InodeRow, key: str, size: int, started: float, intent: int) -> bool:
-        """Record the upload (True if it was); the ``intent`` row stays as a delete request if the file went away."""
+    async def _finish(
+        self, row: InodeRow, key: str, size: int, started: float, intent: int, taken: FileDigests | None
+    ) -> bool:
+        """Record the upload (True if it was), with the digests ``taken`` during it, in one journal
+        call; the ``intent`` row stays as a delete request if the file went away."""
         detail = f"key={key} generation={row.generation} size={size}"
-        if not await self.mover.db(
-            self.mover.journal.drain.finish_upload, row.ino, row.generation, key, intent, detail
-        ):
+        journal = self.mover.journal
+
+        def record() -> tuple[bool, str | None]:
+            if taken is not None:
+                journal.drain.record_digests(row.ino, row.generation, taken.digest, taken.chunks, taken.chunk_size)
+            if not journal.drain.finish_upload(row.ino, row.generation, key, intent, detail):
+                return False, None
+            return True, journal.path_of(row.ino)
+
+        recorded, path = await self.mover.db(record)
+        if not recorded:
             log.info("event=upload_superseded ino=%d key=%s generation=%d", row.ino, key, row.generation)
             return False
         self._mismatches.pop((row.ino, row.generation), None)
-        if (
-            await self.mover.db(self.mover.journal.path_of, row.ino) != key
-        ):  # renamed during the upload: move the object
+        if path != key:  # renamed during the upload: move the object
             self.mover.key_moves.want(row.ino)
         latency = time.time() - started
         self.mover.stats.files_drained += 1
