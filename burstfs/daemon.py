@@ -201,14 +201,16 @@ def open_cache(config: MountConfig) -> tuple[CacheLock, Journal]:
     return lock, journal
 
 
-async def set_read_ahead(mountpoint: Path, nbytes: int) -> None:
+async def set_read_ahead(mountpoint: Path, nbytes: int, initialized: trio.Event) -> None:
     """Kernel readahead of the mount.  The default 128 KiB turns a 1 GiB sequential
     read into 8192 requests; 1 MiB requests cut the per-request cost 8x.
 
-    The kernel sets readahead when it gets the INIT reply, so this first waits
-    for a statfs of the mount to be answered (from a thread: the loop serves it).
+    The kernel sets readahead when it gets the INIT reply, so this waits for INIT
+    to be answered.  Never by touching the mount itself: a thread of this daemon
+    blocked in a request it was sent, when the daemon is killed, waits for an
+    answer that cannot come and keeps the dead daemon from exiting.
     """
-    await trio.to_thread.run_sync(os.statvfs, mountpoint)
+    await initialized.wait()
     device = device_of(mountpoint)
     knob = Path(f"/sys/class/bdi/{device}/read_ahead_kb")
     try:
@@ -225,8 +227,9 @@ def fuse_options(config: MountConfig) -> set[str]:
     return options
 
 
-async def serve(config: MountConfig, core: BurstCore, on_ready: Callable[[], None]) -> None:
+async def serve(config: MountConfig, ops: BurstOperations, on_ready: Callable[[], None]) -> None:
     """Run the mount until it is unmounted or the daemon is told to stop."""
+    core = ops.core
     drain = core.links.drain if isinstance(core.links.drain, DrainService) else None
     metrics = start_metrics(config, core, drain)  # outside the nursery: a busy port fails with a plain message
     systemd = SystemdNotifier.from_environment()  # a no-op outside a Type=notify unit
@@ -238,7 +241,7 @@ async def serve(config: MountConfig, core: BurstCore, on_ready: Callable[[], Non
         await nursery.start(core.committer.run)
         await nursery.start(serve_control, config, core, drain)
         nursery.start_soon(_stop_on_signals, nursery.cancel_scope)
-        nursery.start_soon(set_read_ahead, config.mountpoint, config.read_ahead)
+        nursery.start_soon(set_read_ahead, config.mountpoint, config.read_ahead, ops.initialized)
         on_ready()
         systemd.ready(f"mounted at {config.mountpoint}")
         nursery.start_soon(systemd.keep_alive)
@@ -298,7 +301,7 @@ def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
             raise BurstfsError(f"mounting {config.mountpoint} failed: {exc}") from exc
         unmounted = False
         try:
-            trio.run(serve, config, core, on_ready)
+            trio.run(serve, config, ops, on_ready)
             unmounted = True
         finally:
             pyfuse3.close(unmount=not unmounted or is_mounted(config.mountpoint))

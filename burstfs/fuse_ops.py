@@ -21,6 +21,7 @@ from . import passthrough  # before pyfuse3: the shim interposes fuse_session_mo
 # isort: split
 
 import pyfuse3
+import trio
 
 from . import fallocate
 from .core import BurstCore, Inode
@@ -90,6 +91,7 @@ class BurstOperations(pyfuse3.Operations):
         self.core = core
         self.writeback_cache = writeback_cache
         self.backing = backing
+        self.initialized = trio.Event()  # set once the kernel's INIT is answered
 
     @property
     def enable_writeback_cache(self) -> bool:  # type: ignore[override]
@@ -99,6 +101,9 @@ class BurstOperations(pyfuse3.Operations):
         return self.writeback_cache
 
     def init(self) -> None:
+        # libfuse sends the INIT reply right after this returns, in the same call:
+        # a task woken by this event runs once the kernel has the reply.
+        self.initialized.set()
         if self.backing is None:
             return
         if passthrough.kernel_offers():

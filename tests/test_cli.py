@@ -12,11 +12,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import FUSE_OK, MountedFS, burstfs, force_unmount, is_mounted
+from conftest import FUSE_OK, MountedFS, burstfs, force_unmount, is_mounted, wait_for
 
 from burstfs.config import MountConfig, parse_remote_url
 from burstfs.daemon import preflight
 from burstfs.errors import ConfigError
+from burstfs.mountinfo import device_of
 
 USAGE = 2
 
@@ -143,6 +144,19 @@ def test_preflight_accepts_good_input(tmp_path: Path) -> None:
         pytest.skip("needs /dev/fuse and fusermount3")
     preflight(_config(tmp_path))  # no exception, and nothing created
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.fuse
+def test_the_mount_gets_the_read_ahead_asked_for(mounted_factory: type[MountedFS]) -> None:
+    """--read-ahead reaches the kernel's knob once INIT is answered, without the daemon
+    touching its own mount (a killed daemon blocked on itself would never exit)."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    fs = mounted_factory(extra_args=["--read-ahead", "3m"])  # type: ignore[call-arg]
+    fs.mount()
+    device = device_of(Path(os.path.realpath(fs.path)))
+    knob = Path(f"/sys/class/bdi/{device}/read_ahead_kb")
+    wait_for(lambda: knob.read_text().strip() == "3072", what="readahead set to 3 MiB")
 
 
 @pytest.mark.fuse
