@@ -564,7 +564,7 @@ def test_s3_upload_the_store_did_not_keep_intact_is_refused(s3_env: str, tamper:
     bucket = fresh_bucket(s3_env)
     url = parse_remote_url(f"s3://{bucket}/p")
     remote = S3Remote(url, S3Options(endpoint_url=s3_env, path_style=True))
-    original = remote._call
+    original = remote.session.call
 
     async def lying_store(name: str, what: str, **params: object) -> object:
         response = await original(name, what, **params)
@@ -577,7 +577,7 @@ def test_s3_upload_the_store_did_not_keep_intact_is_refused(s3_env: str, tamper:
                 response["ETag"] = '"0123456789abcdef0123456789abcdef"'
         return response
 
-    remote._call = lying_store  # type: ignore[method-assign,assignment]
+    remote.session.call = lying_store  # type: ignore[method-assign,assignment]
 
     async def main() -> None:
         try:
@@ -602,14 +602,14 @@ def test_s3_upload_verified_by_md5_etag_when_no_checksum_comes_back(s3_env: str)
     bucket = fresh_bucket(s3_env)
     url = parse_remote_url(f"s3://{bucket}/p")
     remote = S3Remote(url, S3Options(endpoint_url=s3_env, path_style=True))
-    original = remote._call
+    original = remote.session.call
 
     async def no_checksums(name: str, what: str, **params: object) -> object:
         response = dict(await original(name, what, **params))
         response.pop("ChecksumCRC32C", None)
         return response
 
-    remote._call = no_checksums  # type: ignore[method-assign,assignment]
+    remote.session.call = no_checksums  # type: ignore[method-assign,assignment]
 
     async def main() -> bytes:
         try:

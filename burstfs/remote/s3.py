@@ -15,65 +15,21 @@ import base64
 import contextlib
 import hashlib
 import logging
-import os
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import botocore.exceptions
 import crc32c
-from aiobotocore.config import AioConfig
-from aiobotocore.session import get_session
 
 from ..config import RemoteURL, S3Options
 from ..errors import RemoteError, RemoteNotFound
 from .base import INTERNAL_DIR, ObjectInfo, Remote, UploadedPart
 from .pool import run_workers
 from .retry import RetryPolicy
+from .s3client import ChecksumMismatch, S3Session, error_code, is_temp_failure
 
 log = logging.getLogger("burstfs.remote")
-
-#: S3's longest key, in UTF-8 bytes (the prefix included).
-MAX_KEY_BYTES = 1024
-#: Error codes that concern one object (its key, its size, one argument): that file
-#: fails, the drain goes on (see burstfs.errors.error_scope).
-_OBJECT_CODES = {
-    "KeyTooLongError": "key_too_long",
-    "InvalidArgument": "invalid_argument",
-    "InvalidObjectName": "bad_key",
-    "EntityTooLarge": "too_large",
-}
-#: Error codes S3 uses for throttling and transient trouble.  BadDigest means the
-#: bytes changed in flight (we computed the checksum over what we sent), so a
-#: resend is the right answer too.
-_TEMP_CODES = frozenset(
-    {
-        "SlowDown",
-        "RequestTimeout",
-        "Throttling",
-        "ThrottlingException",
-        "RequestLimitExceeded",
-        "InternalError",
-        "ServiceUnavailable",
-        "BadDigest",
-    }
-)
-_TEMP_STATUS = frozenset({500, 502, 503, 504})
-_TEMP_EXCEPTIONS: tuple[type[BaseException], ...] = (
-    botocore.exceptions.EndpointConnectionError,
-    botocore.exceptions.ConnectionClosedError,
-    botocore.exceptions.ReadTimeoutError,
-    botocore.exceptions.ConnectTimeoutError,
-    botocore.exceptions.ResponseStreamingError,
-    botocore.exceptions.IncompleteReadError,  # a body shorter than its Content-Length (a dropped connection)
-    aiohttp.ClientError,
-    TimeoutError,
-    ConnectionError,
-)
-_DENIED_CODES = frozenset(
-    {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled", "ExpiredToken", "InvalidToken"}
-)
 
 #: S3 refuses single-request copies above 5 GiB; larger objects are copied in parts.
 COPY_MAX_SINGLE = 5 * 1024**3
@@ -96,11 +52,6 @@ async def _checksum(data: bytes) -> str:
     return await asyncio.to_thread(crc32c_b64, data)
 
 
-class ChecksumMismatch(Exception):
-    """The store reported a checksum (or MD5 ETag) other than the one of the bytes we sent:
-    it did not store them intact.  Temporary: the request is sent again."""
-
-
 def _is_md5_etag(etag: str) -> bool:
     return len(etag) == 32 and all(c in "0123456789abcdefABCDEF" for c in etag)
 
@@ -114,12 +65,6 @@ def _composite_crc32c(parts: list[UploadedPart]) -> str | None:
     if len(raw) != 4 * len(parts):
         return None
     return f"{crc32c_b64(raw)}-{len(parts)}"
-
-
-def _error_code(exc: botocore.exceptions.ClientError) -> tuple[str, int]:
-    error = exc.response.get("Error", {})
-    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-    return str(error.get("Code", "")), int(status)
 
 
 def _multipart_etag(parts: list[UploadedPart]) -> str | None:
@@ -150,146 +95,49 @@ class S3Remote(Remote):
         if url.scheme != "s3":
             raise ValueError(f"S3Remote needs an s3:// URL, not {url}")
         self.url = url
-        self.options = options or S3Options()
-        self.endpoint_url = self.options.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
+        self.session = S3Session(
+            url,
+            options or S3Options(),
+            max_connections=max_connections,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+        )
         self.retry = retry or RetryPolicy()
         self.copy_max_single = COPY_MAX_SINGLE
         self.copy_part_size = COPY_PART_SIZE
-        self._bucket = url.bucket
-        self._prefix = f"{url.prefix}/" if url.prefix else ""
-        self._config = AioConfig(
-            retries={"mode": "standard", "total_max_attempts": 1},
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            max_pool_connections=max_connections,
-            s3={"addressing_style": "path" if self.options.path_style else "virtual"},
-            # We send CRC32C ourselves where it matters and verify reads with xxh3;
-            # botocore's default CRC32 would be extra work on the event loop, and
-            # some S3-compatible stores reject its trailing checksums.
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-        )
-        self._stack = contextlib.AsyncExitStack()
-        self._client: Any = None
-        self._client_lock = asyncio.Lock()
         self._warned_unverified = False
         # Set by the mover: multipart uploads this remote starts on its own (large
         # copies) are recorded, so a restart aborts them and nobody else's.
         self.on_upload_started: Callable[[str, str], Awaitable[None]] | None = None
         self.on_upload_ended: Callable[[str], Awaitable[None]] | None = None
 
-    # -- helpers -----------------------------------------------------------------
-
-    def _full(self, key: str) -> str:
-        full = self._prefix + key
-        if len(full.encode()) > MAX_KEY_BYTES:
-            raise RemoteError(
-                f"{self.url}: key {key[:80]!r}... is longer than S3's {MAX_KEY_BYTES} bytes", kind="key_too_long"
-            )
-        return full
-
-    def _rel(self, full_key: str) -> str:
-        return full_key[len(self._prefix) :]
-
-    def _where(self) -> str:
-        return f"{self.url} (endpoint {self.endpoint_url or 'AWS default'})"
-
-    async def _get_client(self) -> Any:
-        async with self._client_lock:
-            if self._client is None:
-                self._client = await self._stack.enter_async_context(
-                    get_session().create_client(
-                        "s3", region_name=self.options.region, endpoint_url=self.endpoint_url, config=self._config
-                    )
-                )
-            return self._client
-
-    def _map_error(self, exc: Exception, what: str) -> Exception | None:
-        """The burstfs error for a permanent failure, or None to let ``exc`` (temporary) through."""
-        if isinstance(exc, botocore.exceptions.NoCredentialsError):
-            return RemoteError(
-                f"{self._where()}: no AWS credentials found (environment, ~/.aws, role)", kind="no_credentials"
-            )
-        if not isinstance(exc, botocore.exceptions.ClientError) or self.is_temp_failure(exc):
-            return None
-        code, status = _error_code(exc)
-        if code == "NoSuchBucket":
-            return RemoteError(f"{self._where()}: bucket {self._bucket!r} does not exist", kind="no_bucket")
-        if code == "NoSuchUpload":
-            return RemoteNotFound(f"{self.url}: {what}: no such multipart upload")
-        if code in ("NoSuchKey", "NotFound", "404") or status == 404:
-            return RemoteNotFound(f"{self.url}: {what}: not found ({code})")
-        if code == "InvalidRange":
-            return RemoteError(f"{self.url}: {what}: range not satisfiable", kind="invalid_range")
-        if code in _OBJECT_CODES:
-            message = exc.response.get("Error", {}).get("Message", "")
-            return RemoteError(f"{self.url}: {what}: {code}: {message}", kind=_OBJECT_CODES[code])
-        if code in _DENIED_CODES or status == 403:
-            return RemoteError(f"{self._where()}: {what}: access denied ({code})", kind="access_denied")
-        message = exc.response.get("Error", {}).get("Message", "")
-        return RemoteError(f"{self.url}: {what}: {code or status}: {message}", kind="remote")
-
-    async def _call(self, op: str, what: str, **params: Any) -> Any:
-        """One S3 request with errors mapped; temporary failures propagate unchanged."""
-        client = await self._get_client()
-        try:
-            return await getattr(client, op)(Bucket=self._bucket, **params)
-        except Exception as exc:
-            mapped = self._map_error(exc, what)
-            if mapped is None:
-                raise
-            raise mapped from exc
-
-    async def _read_body(self, response: dict[str, Any]) -> bytes:
-        async with response["Body"] as stream:
-            data: bytes = await stream.read()
-            return data
-
-    # -- Remote --------------------------------------------------------------------
-
-    async def _denial_detail(self, denied: RemoteError) -> RemoteError:
-        """A HEAD has no body, so a 403 on head_bucket loses S3's error code: ask once more
-        with a request that returns one (a one-key listing) and keep its code and message
-        (InvalidAccessKeyId, SignatureDoesNotMatch, ...).  Only Code and Message are kept:
-        S3 echoes the access key id and the string to sign in other fields."""
-        client = await self._get_client()
-        try:
-            await client.list_objects_v2(Bucket=self._bucket, Prefix=self._prefix, MaxKeys=1)
-        except botocore.exceptions.ClientError as exc:
-            code, status = _error_code(exc)
-            if code in _DENIED_CODES or status == 403:
-                message = " ".join(str(exc.response.get("Error", {}).get("Message", "")).split())[:300]
-                detail = f"{code}: {message}" if message else code
-                return RemoteError(f"{self._where()}: check: access denied ({detail})", kind="access_denied")
-        except Exception:  # noqa: S110 (the HEAD's denial is the answer; this only adds detail)
-            pass
-        return denied
-
     async def check(self) -> None:
-        probe = self._full(f"{INTERNAL_DIR}/check-{uuid.uuid4().hex}")
+        probe = self.session.full(f"{INTERNAL_DIR}/check-{uuid.uuid4().hex}")
         try:
             try:
-                await self._call("head_bucket", "check")
+                await self.session.call("head_bucket", "check")
             except RemoteError as exc:
                 if exc.kind != "access_denied":
                     raise
-                raise await self._denial_detail(exc) from exc
-            await self._call("put_object", "write probe", Key=probe, Body=b"")
-            await self._call("delete_object", "delete probe", Key=probe)
+                raise await self.session.denial_detail(exc) from exc
+            await self.session.call("put_object", "write probe", Key=probe, Body=b"")
+            await self.session.call("delete_object", "delete probe", Key=probe)
         except RemoteNotFound as exc:  # HEAD has no body, so a missing bucket is a bare 404
-            raise RemoteError(f"{self._where()}: bucket {self._bucket!r} does not exist", kind="no_bucket") from exc
+            raise RemoteError(
+                f"{self.session.where()}: bucket {self.session.bucket!r} does not exist", kind="no_bucket"
+            ) from exc
         except Exception as exc:
             if not self.is_temp_failure(exc):
                 raise
             kind = "unavailable" if isinstance(exc, botocore.exceptions.ClientError) else "unreachable"
-            raise RemoteError(f"cannot reach {self._where()}: {exc}", kind=kind) from exc
+            raise RemoteError(f"cannot reach {self.session.where()}: {exc}", kind=kind) from exc
 
     async def put_object(self, key: str, data: bytes) -> None:
         checksum = await _checksum(data)
-        response = await self._call(
+        response = await self.session.call(
             "put_object",
             f"put {key}",
-            Key=self._full(key),
+            Key=self.session.full(key),
             Body=data,
             ChecksumAlgorithm="CRC32C",
             ChecksumCRC32C=checksum,
@@ -298,20 +146,20 @@ class S3Remote(Remote):
 
     async def create_object(self, key: str, data: bytes) -> bool:
         checksum = await _checksum(data)
-        client = await self._get_client()
+        client = await self.session.client()
         try:
             response = await client.put_object(
-                Bucket=self._bucket,
-                Key=self._full(key),
+                Bucket=self.session.bucket,
+                Key=self.session.full(key),
                 Body=data,
                 IfNoneMatch="*",
                 ChecksumAlgorithm="CRC32C",
                 ChecksumCRC32C=checksum,
             )
         except Exception as exc:
-            if isinstance(exc, botocore.exceptions.ClientError) and _error_code(exc)[1] == 412:
+            if isinstance(exc, botocore.exceptions.ClientError) and error_code(exc)[1] == 412:
                 return False  # PreconditionFailed: the key exists
-            mapped = self._map_error(exc, f"create {key}")
+            mapped = self.session.map_error(exc, f"create {key}")
             if mapped is None:
                 raise
             raise mapped from exc
@@ -348,20 +196,22 @@ class S3Remote(Remote):
             )
 
     async def get_object(self, key: str) -> bytes:
-        response = await self._call("get_object", f"get {key}", Key=self._full(key))
-        return await self._read_body(response)
+        response = await self.session.call("get_object", f"get {key}", Key=self.session.full(key))
+        return await self.session.read_body(response)
 
     async def get_range(self, key: str, start: int, end: int) -> bytes:
         if end <= start:
             return b""
         what = f"get {key} bytes {start}-{end}"
         try:
-            response = await self._call("get_object", what, Key=self._full(key), Range=f"bytes={start}-{end - 1}")
+            response = await self.session.call(
+                "get_object", what, Key=self.session.full(key), Range=f"bytes={start}-{end - 1}"
+            )
         except RemoteError as exc:
             if exc.kind == "invalid_range":  # start at or past the end of the object
                 return b""
             raise
-        data = await self._read_body(response)
+        data = await self.session.read_body(response)
         if "ContentRange" not in response:  # a store that ignored Range sent the whole object
             return data[start:end]
         return data
@@ -376,7 +226,9 @@ class S3Remote(Remote):
             return
         what = f"get {key} bytes {start}-{end}"
         try:
-            response = await self._call("get_object", what, Key=self._full(key), Range=f"bytes={start}-{end - 1}")
+            response = await self.session.call(
+                "get_object", what, Key=self.session.full(key), Range=f"bytes={start}-{end - 1}"
+            )
         except RemoteError as exc:
             if exc.kind == "invalid_range":  # start at or past the end of the object
                 return
@@ -405,11 +257,11 @@ class S3Remote(Remote):
     async def warm(self) -> None:
         """Create the client and open a connection (a HEAD of the bucket) before the first read needs them."""
         with contextlib.suppress(Exception):  # the first real request reports any problem
-            await self._call("head_bucket", "warm")
+            await self.session.call("head_bucket", "warm")
 
     async def head(self, key: str) -> ObjectInfo | None:
         try:
-            response = await self._call("head_object", f"head {key}", Key=self._full(key))
+            response = await self.session.call("head_object", f"head {key}", Key=self.session.full(key))
         except RemoteNotFound:
             return None
         return ObjectInfo(
@@ -421,12 +273,12 @@ class S3Remote(Remote):
 
     async def list_dir(self, dir_key: str) -> tuple[list[ObjectInfo], list[str]]:
         dir_key = dir_key.strip("/")
-        list_prefix = self._full(dir_key + "/") if dir_key else self._prefix
+        list_prefix = self.session.full(dir_key + "/") if dir_key else self.session.prefix
         files: list[ObjectInfo] = []
         dirs: list[str] = []
         token: dict[str, str] = {}
         while True:
-            page = await self._call(
+            page = await self.session.call(
                 "list_objects_v2", f"list {dir_key or '/'}", Prefix=list_prefix, Delimiter="/", **token
             )
             files.extend(self._info(obj) for obj in page.get("Contents", ()) if obj["Key"] != list_prefix)
@@ -441,11 +293,11 @@ class S3Remote(Remote):
         while True:
             page = await self.retry.call(
                 self,
-                self._call,
+                self.session.call,
                 "list_objects_v2",
                 f"list {prefix or '/'}",
                 what=f"list {prefix or '/'}",
-                Prefix=self._full(prefix),
+                Prefix=self.session.full(prefix),
                 **token,
             )
             for obj in page.get("Contents", ()):
@@ -457,25 +309,25 @@ class S3Remote(Remote):
 
     def _info(self, obj: dict[str, Any]) -> ObjectInfo:
         return ObjectInfo(
-            key=self._rel(obj["Key"]),
+            key=self.session.rel(obj["Key"]),
             size=int(obj["Size"]),
             etag=str(obj.get("ETag", "")).strip('"') or None,
             mtime=obj["LastModified"].timestamp(),
         )
 
     async def create_multipart(self, key: str) -> str:
-        response = await self._call(
-            "create_multipart_upload", f"create upload {key}", Key=self._full(key), ChecksumAlgorithm="CRC32C"
+        response = await self.session.call(
+            "create_multipart_upload", f"create upload {key}", Key=self.session.full(key), ChecksumAlgorithm="CRC32C"
         )
         return str(response["UploadId"])
 
     async def upload_part(self, key: str, upload_id: str, part_number: int, offset: int, data: bytes) -> UploadedPart:
         checksum = await _checksum(data)
         what = f"upload {key} part {part_number}"
-        response = await self._call(
+        response = await self.session.call(
             "upload_part",
             what,
-            Key=self._full(key),
+            Key=self.session.full(key),
             UploadId=upload_id,
             PartNumber=part_number,
             Body=data,
@@ -494,10 +346,10 @@ class S3Remote(Remote):
                 entry["ChecksumCRC32C"] = p.checksum_crc32c
             listed.append(entry)
         try:
-            response = await self._call(
+            response = await self.session.call(
                 "complete_multipart_upload",
                 f"complete upload {key}",
-                Key=self._full(key),
+                Key=self.session.full(key),
                 UploadId=upload_id,
                 MultipartUpload={"Parts": listed},
             )
@@ -518,25 +370,31 @@ class S3Remote(Remote):
 
     async def abort_multipart(self, key: str, upload_id: str) -> None:
         with contextlib.suppress(RemoteNotFound):
-            await self._call("abort_multipart_upload", f"abort upload {key}", Key=self._full(key), UploadId=upload_id)
+            await self.session.call(
+                "abort_multipart_upload", f"abort upload {key}", Key=self.session.full(key), UploadId=upload_id
+            )
 
     async def list_multipart_uploads(self) -> list[tuple[str, str]]:
         uploads: list[tuple[str, str]] = []
         markers: dict[str, str] = {}
         while True:
-            page = await self._call("list_multipart_uploads", "list uploads", Prefix=self._prefix, **markers)
-            uploads.extend((self._rel(u["Key"]), u["UploadId"]) for u in page.get("Uploads", ()))
+            page = await self.session.call(
+                "list_multipart_uploads", "list uploads", Prefix=self.session.prefix, **markers
+            )
+            uploads.extend((self.session.rel(u["Key"]), u["UploadId"]) for u in page.get("Uploads", ()))
             if not page.get("IsTruncated"):
                 return uploads
             markers = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
     async def copy(self, src: str, dst: str) -> None:
-        source = {"Bucket": self._bucket, "Key": self._full(src)}
+        source = {"Bucket": self.session.bucket, "Key": self.session.full(src)}
         info = await self.head(src)
         if info is None:
             raise RemoteNotFound(f"{self.url}: copy source {src} not found")
         if info.size <= self.copy_max_single:
-            await self._call("copy_object", f"copy {src} to {dst}", Key=self._full(dst), CopySource=source)
+            await self.session.call(
+                "copy_object", f"copy {src} to {dst}", Key=self.session.full(dst), CopySource=source
+            )
             return
         await self._multipart_copy(src, dst, source, info.size)
 
@@ -545,7 +403,9 @@ class S3Remote(Remote):
         part_size = max(self.copy_part_size, -(-size // self.max_parts))
         ranges = [(n + 1, off, min(off + part_size, size)) for n, off in enumerate(range(0, size, part_size))]
         upload_id = str(
-            (await self._call("create_multipart_upload", f"create copy {dst}", Key=self._full(dst)))["UploadId"]
+            (await self.session.call("create_multipart_upload", f"create copy {dst}", Key=self.session.full(dst)))[
+                "UploadId"
+            ]
         )
         if self.on_upload_started is not None:
             await self.on_upload_started(dst, upload_id)
@@ -557,11 +417,11 @@ class S3Remote(Remote):
                 what = f"copy {src} to {dst} part {number}"
                 response = await self.retry.call(
                     self,
-                    self._call,
+                    self.session.call,
                     "upload_part_copy",
                     what,
                     what=what,
-                    Key=self._full(dst),
+                    Key=self.session.full(dst),
                     UploadId=upload_id,
                     PartNumber=number,
                     CopySource=source,
@@ -582,15 +442,10 @@ class S3Remote(Remote):
             await self.on_upload_ended(upload_id)
 
     async def delete(self, key: str) -> None:
-        await self._call("delete_object", f"delete {key}", Key=self._full(key))
+        await self.session.call("delete_object", f"delete {key}", Key=self.session.full(key))
 
     def is_temp_failure(self, exc: BaseException) -> bool:
-        if isinstance(exc, botocore.exceptions.ClientError):
-            code, status = _error_code(exc)
-            return status in _TEMP_STATUS or code in _TEMP_CODES
-        return isinstance(exc, (*_TEMP_EXCEPTIONS, ChecksumMismatch))
+        return is_temp_failure(exc)
 
     async def close(self) -> None:
-        async with self._client_lock:
-            await self._stack.aclose()
-            self._client = None
+        await self.session.close()
