@@ -575,7 +575,7 @@ async def s3_service(
     bucket = fresh_bucket(endpoint)
     remote = S3Remote(parse_remote_url(f"s3://{bucket}/ckpts"), S3Options(endpoint_url=proxy.endpoint))
     svc = RestoreService(ObjectStore(remote, FAST_RETRY), journal, LocalTier(tmp_path / "cache"))  # type: ignore[arg-type]
-    svc.stream_piece = 16 * 1024
+    svc.streams.piece = 16 * 1024
     try:
         yield svc
     finally:
@@ -700,20 +700,20 @@ def test_a_stream_left_by_its_reader_ends_and_a_later_read_starts_another(
 
     async def body() -> None:
         async with s3_service(s3_env, proxy, journal, tmp_path) as svc:
-            svc.stream_idle_s, svc.max_streams = 0.2, 1
+            svc.streams.idle_s, svc.streams.max_streams = 0.2, 1
             await put_with_manifest(svc.store, "idle.pt", content, S3_CHUNK)
             await put_with_manifest(svc.store, "other.pt", content, S3_CHUNK)
             journal.add(5, "idle.pt", len(content))
             journal.add(6, "other.pt", len(content))
             assert await svc.ensure_local(5, 0, 100) == S3_CHUNK  # a header read: the stream lands one chunk, waits
-            assert svc._streams == 1
+            assert svc.streams.active == 1
             assert await svc.ensure_local(6, 0, 2 * S3_CHUNK) == 2 * S3_CHUNK  # no stream slot left: ranged
             assert gets_of(proxy, "other.pt") == 2
             for _ in range(100):
-                if svc._streams == 0:
+                if svc.streams.active == 0:
                     break
                 await asyncio.sleep(0.05)
-            assert svc._streams == 0 and svc._files[5].stream is None  # idle: ended, its slot given back
+            assert svc.streams.active == 0 and svc._files[5].stream is None  # idle: ended, its slot given back
             assert await svc.ensure_local(5, S3_CHUNK, len(content)) == len(content)  # the reader is back
             assert gets_of(proxy, "idle.pt") == 2
         assert svc.tier.path(5).read_bytes() == content

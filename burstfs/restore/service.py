@@ -1,0 +1,308 @@
+"""The restore service: a read of a file that is not local, made local chunk by chunk.
+
+It keeps per-file fetch state (``state.FileFetch``), picks the plan for each
+read (a stream, ``stream.py``, or ranged GETs with a prefetch window, here),
+and records a file local once all of it landed and checked out (``verify.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+
+from ..errors import CorruptDataError, FsError, RemoteError
+from ..journal import Journal
+from ..localtier import LocalTier
+from ..objects import ObjectStore
+from .datafiles import DataFiles
+from .state import (
+    FETCH_CONCURRENCY,
+    LAYOUT_KEY,
+    LISTING_ATTEMPT_TIMEOUT_S,
+    LISTING_RETRY,
+    MAX_OPEN_FDS,
+    MAX_STREAM_LEAD,
+    MAX_WINDOW_CHUNKS,
+    FileFetch,
+    OwnedTasks,
+)
+from .stream import Streams
+from .verify import check_journal_chunk, verify_whole, without_manifest
+
+log = logging.getLogger("burstfs.restore")
+
+
+class RestoreService:
+    """Fetches remote-only (evicted or listed) files into the local tier."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        journal: Journal,
+        tier: LocalTier,
+        concurrency: int = FETCH_CONCURRENCY,
+        max_open_fds: int = MAX_OPEN_FDS,
+    ) -> None:
+        self.store = store
+        self.journal = journal
+        self.tier = tier
+        self.data_files = DataFiles(tier, max_open_fds)
+        self._ranged_bytes = 0  # landed by ranged GETs (streams count their own)
+        self._slots = asyncio.Semaphore(concurrency)
+        self._files: dict[int, FileFetch] = {}
+        self._opening: dict[int, asyncio.Future[FileFetch]] = {}
+        self._compressed: bool | None = None
+        self.listing_retry = LISTING_RETRY
+        self._tasks = OwnedTasks()  # every chunk fetch, prefetches included: aclose() ends them
+        self.listing_timeout = LISTING_ATTEMPT_TIMEOUT_S
+        self.streams = Streams(store, self.data_files, self._tasks, self._chunk)
+
+    def warm(self) -> None:
+        """Prepare the remote's client and a connection now (the mover starts), not in the first read."""
+        self._tasks.start(self.store.remote.warm())
+
+    @property
+    def open_fds(self) -> int:
+        """Data files this service holds open now (bounded by ``max_open_fds`` plus writes in flight)."""
+        return self.data_files.open_fds
+
+    @property
+    def fetched_bytes(self) -> int:
+        """Bytes landed on the tier by fetches, ranged and streamed."""
+        return self._ranged_bytes + self.streams.fetched_bytes
+
+    async def list_dir(self, dir_key: str) -> tuple[list[tuple[str, int, float]], list[str]]:
+        """(name, size, mtime) of files and names of subdirectories under ``dir_key``.
+
+        A listing gives stored sizes; when the remote holds compressed objects
+        (see :data:`LAYOUT_KEY`), the file sizes come from their manifests.
+        """
+        try:
+            return await asyncio.wait_for(self._list_dir_once(dir_key), self.listing_timeout)
+        except TimeoutError:
+            raise RemoteError(
+                f"list {dir_key or '/'}: remote {self.store.remote.url} did not answer within "
+                f"{self.listing_timeout:.0f}s",
+                kind="unavailable",
+            ) from None
+
+    async def _list_dir_once(self, dir_key: str) -> tuple[list[tuple[str, int, float]], list[str]]:
+        """list_dir's one attempt (``listing_retry``), without a bound of its own."""
+        remote = self.store.remote
+        files, subdirs = await self.listing_retry.call(remote, remote.list_dir, dir_key, what=f"list {dir_key or '/'}")
+        prefix = f"{dir_key}/" if dir_key else ""
+        sizes = {info.key: info.size for info in files}
+        if await self._compressed_layout():
+
+            async def logical_size(key: str) -> None:
+                async with self._slots:
+                    manifest = await self.store.fetch_manifest(key)
+                if manifest is not None:
+                    sizes[key] = manifest.size
+
+            await asyncio.gather(*(logical_size(info.key) for info in files))
+        return [(info.key[len(prefix) :], sizes[info.key], info.mtime) for info in files], subdirs
+
+    async def _compressed_layout(self) -> bool:
+        if self._compressed is None:
+            remote = self.store.remote
+            head = await self.listing_retry.call(remote, remote.head, LAYOUT_KEY, what="head layout")
+            self._compressed = head is not None
+        return self._compressed
+
+    async def ensure_local(self, ino: int, offset: int, length: int) -> int:
+        """Make bytes [offset, offset+length) local.
+
+        Returns how many bytes from the start of the file are now local without a
+        gap (the file's size once it is all here), so the caller can serve reads
+        below that without asking again.
+        """
+        fetch = await self._fetch_state(ino)
+        if fetch.size == 0:
+            return await self._complete(fetch)
+        end = min(offset + length, fetch.size)
+        whole = offset == 0 and end >= fetch.size  # a prefetch, or a file opened for writing
+        if fetch.whole_digest is not None:
+            # Only the whole file can be checked: fetch all of it before serving a byte.
+            offset, end, whole = 0, fetch.size, True
+        first, last = offset // fetch.chunk_size, max(offset, end - 1) // fetch.chunk_size
+        # Sequential: where the last read ended, or further on inside the gap-free
+        # local prefix (the core serves reads there without asking).
+        if not (offset == fetch.next_offset or fetch.next_offset < offset <= self._contiguous(fetch)):
+            fetch.run_start = offset
+        fetch.next_offset = end
+        run = end - fetch.run_start
+        # Beyond this read, a stream or the ranged window goes as far as this run has read already:
+        # a reader that stops (at the end of a tensor) has fetched at most about twice what it read.
+        ahead = run if run > length else 0
+        lead = fetch.size if whole else min(ahead, MAX_STREAM_LEAD)
+        stream = fetch.stream
+        at_stream = stream is not None and fetch.chunk_start(first) <= stream.limit  # a read the stream is serving
+        if (
+            self.streams.streaming(fetch)
+            and (whole or at_stream or fetch.run_start < fetch.chunk_size)
+            and self.streams.stream_to(fetch, first, end + lead)
+        ):
+            fetch.window = 0
+        else:
+            fetch.window = min(ahead // 2 // fetch.chunk_size, MAX_WINDOW_CHUNKS)  # prefetches can outlive the reader
+            for i in range(last + 1, min(last + 1 + fetch.window, fetch.chunks)):
+                self._chunk(fetch, i)  # prefetch: not awaited
+        needed = [self._chunk(fetch, i) for i in range(first, min(last, fetch.chunks - 1) + 1)]
+        await asyncio.gather(*needed)
+        return await self._complete(fetch)
+
+    def _contiguous(self, fetch: FileFetch) -> int:
+        if fetch.whole_digest is not None and not fetch.verified:
+            return 0  # nothing is served before the whole file checked out
+        while fetch.contiguous < fetch.chunks and fetch.contiguous in fetch.present:
+            fetch.contiguous += 1
+        return min(fetch.contiguous * fetch.chunk_size, fetch.size)
+
+    async def _fetch_state(self, ino: int) -> FileFetch:
+        if ino in self._files:
+            return self._files[ino]
+        if ino in self._opening:
+            return await asyncio.shield(self._opening[ino])
+        future: asyncio.Future[FileFetch] = asyncio.get_running_loop().create_future()
+        self._opening[ino] = future
+        try:
+            fetch = await self._open(ino)
+            self._files[ino] = fetch
+            future.set_result(fetch)
+            return fetch
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: waiters re-raise it
+            raise
+        finally:
+            del self._opening[ino]
+
+    async def _open(self, ino: int) -> FileFetch:
+        row = await asyncio.to_thread(self.journal.fetch_row, ino)
+        if row is None or not row.remote_key:
+            raise FsError(errno.EIO, f"inode {ino} has no remote object to fetch")
+        manifest = await self.store.fetch_manifest(row.remote_key)
+        if manifest is None:
+            fetch = without_manifest(row)
+        else:
+            if row.digest and manifest.digest != row.digest:
+                log.error(
+                    "event=corrupt_data key=%s ino=%d problem=%r",
+                    row.remote_key,
+                    ino,
+                    f"manifest digest {manifest.digest}, journal {row.digest}",
+                )
+                raise CorruptDataError(
+                    f"remote object {row.remote_key} changed since it was drained "
+                    f"(digest {manifest.digest}, journal {row.digest})"
+                )
+            fetch = FileFetch(ino, row.remote_key, manifest.size, manifest.chunk_size, manifest)
+        await asyncio.to_thread(self.data_files.create, ino, fetch.size)
+        return fetch
+
+    # -- chunks -----------------------------------------------------------------------
+
+    def _chunk(self, fetch: FileFetch, index: int) -> asyncio.Future[None]:
+        """A future for chunk ``index`` landing: done, a ranged fetch, or the stream passing it."""
+        if index in fetch.present:
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        task = fetch.in_flight.get(index)
+        if task is not None:
+            return task
+        stream = fetch.stream
+        if (
+            stream is not None
+            and stream.next_chunk <= index < stream.end_chunk
+            and fetch.chunk_start(index) < stream.limit
+        ):
+            waiter = stream.waiters.get(index)
+            if waiter is None:
+                waiter = stream.waiters[index] = asyncio.get_running_loop().create_future()
+            return waiter
+        task = self._tasks.start(self._fetch_chunk(fetch, index))
+        fetch.in_flight[index] = task
+        return task
+
+    async def _fetch_chunk(self, fetch: FileFetch, index: int) -> None:
+        start = index * fetch.chunk_size
+        end = min(start + fetch.chunk_size, fetch.size)
+        try:
+            async with self._slots:  # held until the chunk is on the tier: bounds fetch memory
+                if fetch.manifest is not None:
+                    data = await self.store.read_chunk(fetch.key, fetch.manifest, index)
+                else:
+                    data = await self.store.read_range(fetch.key, None, start, end)
+                if len(data) != end - start:
+                    log.error(
+                        "event=corrupt_data key=%s ino=%d range=%d-%d problem=%r",
+                        fetch.key,
+                        fetch.ino,
+                        start,
+                        end,
+                        f"remote returned {len(data)} bytes",
+                    )
+                    raise CorruptDataError(f"{fetch.key} bytes {start}-{end}: remote returned {len(data)} bytes")
+                if fetch.expected_chunks is not None:
+                    await check_journal_chunk(fetch, index, data)
+                await self.data_files.write(fetch, data, start)
+            fetch.present.add(index)
+            self._ranged_bytes += len(data)
+        finally:
+            fetch.in_flight.pop(index, None)
+
+    async def _complete(self, fetch: FileFetch) -> int:
+        """The contiguous local prefix; the file is recorded local once all chunks are (and checked out)."""
+        if len(fetch.present) < fetch.chunks:
+            return self._contiguous(fetch)
+        if fetch.whole_digest is not None and not fetch.verified:
+            await verify_whole(fetch, self.data_files)
+        if self._files.get(fetch.ino) is not fetch:  # completed by a concurrent reader, or forgotten
+            return self._contiguous(fetch) if not fetch.closed else fetch.size
+        del self._files[fetch.ino]
+        fetch.closed = True
+        if fetch.fd_users == 0:
+            self.data_files.close_fd(fetch)
+        manifest = fetch.manifest
+        if manifest is None:
+            self.journal.finish_fetch(fetch.ino, fetch.size)
+        else:
+            self.journal.finish_fetch(
+                fetch.ino,
+                fetch.size,
+                digest=manifest.digest,
+                chunk_size=manifest.chunk_size,
+                chunks=[c.xxh3 for c in manifest.chunks],
+            )
+        log.info("event=fetched key=%s bytes=%d verified=%s", fetch.key, fetch.size, fetch.verification)
+        return fetch.size
+
+    def forget(self, ino: int) -> None:
+        """Drop fetch state of a file that went away (unlinked or evicted again).
+
+        In-flight chunk fetches are cancelled; a pwrite already running in a
+        thread keeps the descriptor until it returns (then it is closed).
+        """
+        fetch = self._files.pop(ino, None)
+        if fetch is None:
+            return
+        fetch.closed = True
+        for task in list(fetch.in_flight.values()):
+            task.cancel()
+        if fetch.stream is not None and fetch.stream.task is not None:
+            fetch.stream.task.cancel()
+        if fetch.fd_users == 0:
+            self.data_files.close_fd(fetch)
+
+    async def aclose(self) -> None:
+        """End every chunk fetch (prefetches included) and close the descriptors (the mover stops).
+
+        A pwrite already running in a thread keeps its descriptor until it returns.
+        """
+        for ino in list(self._files):
+            self.forget(ino)
+        await self._tasks.aclose()
+        self.data_files.close_all()
