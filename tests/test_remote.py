@@ -10,6 +10,7 @@ import asyncio
 import errno
 import logging
 import os
+import tracemalloc
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -225,6 +226,35 @@ def test_upload_part_checksum(s3_endpoint: str) -> None:
         assert part.checksum_crc32c == crc32c_b64(b"123456789") == "4waSgw=="  # RFC 3720 check value
         await remote.complete_multipart("c", upload_id, [part])
         assert await remote.get_object("c") == b"123456789"
+
+    run(remote, body)
+
+
+def test_s3_parts_in_flight_are_not_copied(s3_endpoint: str) -> None:
+    """A part (or PUT) in flight is held once: the request body reads the caller's bytes in
+    place (no whole copy by botocore's BytesIO or aiohttp), so the drain's memory budget
+    of parts in flight x part size is what the daemon holds."""
+    remote = s3_remote(s3_endpoint, fresh_bucket(s3_endpoint))
+    part, count = 8 * 1024**2, 4
+    parts = [os.urandom(part) for _ in range(count)]
+
+    async def body() -> None:
+        upload_id = await remote.create_multipart("big")
+        await remote.put_object("warm", b"x")  # the client and its first connection exist before measuring
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            sent = await asyncio.gather(
+                *(remote.upload_part("big", upload_id, n + 1, n * part, data) for n, data in enumerate(parts)),
+                remote.put_object("single", parts[0]),
+            )
+            extra = tracemalloc.get_traced_memory()[1] - before
+        finally:
+            tracemalloc.stop()
+        assert extra < part, f"{count + 1} requests of {part} bytes in flight allocated {extra} bytes more"
+        await remote.complete_multipart("big", upload_id, list(sent[:count]))
+        assert await remote.get_object("big") == b"".join(parts)
+        assert await remote.get_object("single") == parts[0]
 
     run(remote, body)
 

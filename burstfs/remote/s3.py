@@ -14,6 +14,7 @@ import asyncio
 import base64
 import contextlib
 import hashlib
+import io
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -50,6 +51,30 @@ async def _checksum(data: bytes) -> str:
     if len(data) < _INLINE_CRC_BYTES:
         return crc32c_b64(data)
     return await asyncio.to_thread(crc32c_b64, data)
+
+
+class _PartBody(io.BytesIO):
+    """A request body that reads ``data`` in place, never copying it whole.
+
+    botocore wraps a bytes Body in ``io.BytesIO(data)``, which shares ``data`` until
+    its buffer is exported; aiohttp exports it (``getbuffer``) only to learn its
+    length, and that copies every part and PUT while it is in flight (8 parts of
+    8 MiB held twice: 64 MiB more).  Here ``getbuffer`` is a read-only view of
+    ``data``; aiohttp then sends it in 256 KiB reads, each waiting for the socket.
+    """
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self._data = data
+
+    def getbuffer(self) -> memoryview:
+        return memoryview(self._data)
+
+    def close(self) -> None:
+        """Let go of ``data`` once sent: the request objects that keep this body may live on in
+        reference cycles until the garbage collector runs."""
+        self._data = b""
+        super().close()
 
 
 def _is_md5_etag(etag: str) -> bool:
@@ -138,7 +163,7 @@ class S3Remote(Remote):
             "put_object",
             f"put {key}",
             Key=self.session.full(key),
-            Body=data,
+            Body=_PartBody(data),
             ChecksumAlgorithm="CRC32C",
             ChecksumCRC32C=checksum,
         )
@@ -330,7 +355,7 @@ class S3Remote(Remote):
             Key=self.session.full(key),
             UploadId=upload_id,
             PartNumber=part_number,
-            Body=data,
+            Body=_PartBody(data),
             ChecksumAlgorithm="CRC32C",
             ChecksumCRC32C=checksum,
         )
