@@ -161,7 +161,7 @@ class Mover:
         self.store = ObjectStore(
             self.remote, on_upload_started=self._upload_started, on_upload_ended=self._upload_ended
         )
-        self.restore = RestoreService(self.store, self.journal, self.tier_paths)
+        self.restore = RestoreService(self.store, self.journal, self.tier_paths, db=self.db)
         self.restore.warm()
         self.groups.journal = self.journal
         await self.groups.load()

@@ -10,9 +10,12 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 from ..errors import CorruptDataError, FsError, RemoteError
 from ..journal import Journal
+from ..journal.thread import JournalCall
 from ..localtier import LocalTier
 from ..objects import ObjectStore
 from .datafiles import DataFiles
@@ -32,6 +35,14 @@ from .verify import check_journal_chunk, verify_whole, without_manifest
 
 log = logging.getLogger("burstfs.restore")
 
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+async def call_inline(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+    """A journal call on the calling thread: for a service without a journal thread (tests)."""
+    return fn(*args, **kwargs)
+
 
 class RestoreService:
     """Fetches remote-only (evicted or listed) files into the local tier."""
@@ -43,9 +54,11 @@ class RestoreService:
         tier: LocalTier,
         concurrency: int = FETCH_CONCURRENCY,
         max_open_fds: int = MAX_OPEN_FDS,
+        db: JournalCall = call_inline,
     ) -> None:
         self.store = store
         self.journal = journal
+        self._db = db  # the mover's journal thread: its calls run in order, never on the loop
         self.tier = tier
         self.data_files = DataFiles(tier, max_open_fds)
         self._ranged_bytes = 0  # landed by ranged GETs (streams count their own)
@@ -180,7 +193,7 @@ class RestoreService:
             del self._opening[ino]
 
     async def _open(self, ino: int) -> FileFetch:
-        row = await asyncio.to_thread(self.journal.fetch_row, ino)
+        row = await self._db(self.journal.fetch_row, ino)
         if row is None or not row.remote_key:
             raise FsError(errno.EIO, f"inode {ino} has no remote object to fetch")
         manifest = await self.store.fetch_manifest(row.remote_key)
@@ -261,16 +274,30 @@ class RestoreService:
         if fetch.whole_digest is not None and not fetch.verified:
             await verify_whole(fetch, self.data_files)
         if self._files.get(fetch.ino) is not fetch:  # completed by a concurrent reader, or forgotten
-            return self._contiguous(fetch) if not fetch.closed else fetch.size
+            if not fetch.closed:
+                return self._contiguous(fetch)
+            if fetch.recorded is not None:
+                await asyncio.shield(fetch.recorded)  # no reader learns the file is local before the journal
+            return fetch.size
         del self._files[fetch.ino]
         fetch.closed = True
         if fetch.fd_users == 0:
             self.data_files.close_fd(fetch)
+        # On the journal thread, in order with the mover's other journal calls; owned by the service,
+        # so a reader that goes away does not drop it.  No reader learns the file is local (and so
+        # nothing can evict it, and forget it here) before the record landed.
+        fetch.recorded = self._tasks.start(self._record_fetched(fetch))
+        await asyncio.shield(fetch.recorded)
+        return fetch.size
+
+    async def _record_fetched(self, fetch: FileFetch) -> None:
+        """Record ``fetch``'s file local (with the manifest's digests, if any), on the journal thread."""
         manifest = fetch.manifest
         if manifest is None:
-            self.journal.finish_fetch(fetch.ino, fetch.size)
+            await self._db(self.journal.finish_fetch, fetch.ino, fetch.size)
         else:
-            self.journal.finish_fetch(
+            await self._db(
+                self.journal.finish_fetch,
                 fetch.ino,
                 fetch.size,
                 digest=manifest.digest,
@@ -278,7 +305,6 @@ class RestoreService:
                 chunks=[c.xxh3 for c in manifest.chunks],
             )
         log.info("event=fetched key=%s bytes=%d verified=%s", fetch.key, fetch.size, fetch.verification)
-        return fetch.size
 
     def forget(self, ino: int) -> None:
         """Drop fetch state of a file that went away (unlinked or evicted again).

@@ -73,6 +73,7 @@ class FileFetch:
     fd_users: int = 0  # pwrites in flight on fd (in threads)
     closed: bool = False  # forgotten or finished: the fd goes once its users are done
     verifying: asyncio.Future[None] | None = None
+    recorded: asyncio.Future[None] | None = None  # the journal record of the finished fetch
 
     @property
     def chunks(self) -> int:
