@@ -82,6 +82,7 @@ class Faults:
         self.crash_after: int | None = None  # events left before the crash (drain steps only)
         self.crashed = False
         self.events = 0  # changing calls and journal writes seen: "progress" for the idle check
+        self.in_flight = 0  # changing calls past the gate and not yet returned: the drain is not idle
         self.hold_at: int | None = None  # the n-th changing call of this drain step is held...
         self.on_hold: Callable[[], None] | None = None  # ...after running this (the interleaving)
         self.held = threading.Event()  # set while a call is held
@@ -148,6 +149,15 @@ class FaultyRemote:
         async def call(*args: Any, **kw: Any) -> Any:
             while not faults.gate_open and not faults.crashed:
                 await asyncio.sleep(0.002)
+            with faults.lock:
+                faults.in_flight += 1
+            try:
+                return await _past_the_gate(*args, **kw)
+            finally:
+                with faults.lock:
+                    faults.in_flight -= 1
+
+        async def _past_the_gate(*args: Any, **kw: Any) -> Any:
             self.changing_calls += 1
             if faults.hold_at is not None and self.changing_calls >= faults.hold_at:
                 faults.hold_at = None
@@ -376,8 +386,10 @@ class Node:
                     return "held"
                 if self.mover.stats.halted is not None:
                     return "halted"
-                signature = (faults.events, self.pending(tolerated()))
-                quiet = quiet + 1 if signature == last and not signature[1] else 0
+                # A call past the gate (one held back while the model's interleaving runs, an
+                # intent record) is work in progress even when the journal shows none.
+                signature = (faults.events, faults.in_flight, self.pending(tolerated()))
+                quiet = quiet + 1 if signature == last and not signature[1] and not signature[2] else 0
                 last = signature
                 if quiet >= 3:
                     return "idle"
