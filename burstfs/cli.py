@@ -111,7 +111,7 @@ def _mountpoint_command(config_help: str) -> Callable[[Callable[..., Any]], clic
     "--max-files",
     default=2,
     show_default=True,
-    help="Files draining at once (drain memory: max-files x concurrency x part size).",
+    help="Files draining at once (drain memory: max-files x concurrency x part size + 32 MiB of small files).",
 )
 @click.option("--read-ahead", default="1M", show_default=True, help="Kernel readahead of the mount.")
 @click.option("--compress", type=click.Choice(["none", "lz4"]), default="none", show_default=True)

@@ -131,7 +131,8 @@ class DrainOptions:
     """How files travel to the remote.
 
     part_size: multipart part size and checksum chunk size, bytes.
-    concurrency: parts in flight per file (and the memory bound: part_size x concurrency).
+    concurrency: parts in flight per file (and its memory bound: part_size x concurrency,
+        see Mover.drain_memory for the drain's).
     max_files: files draining at once.
     compress: ``None`` or ``"lz4"``.
     commit_markers: fnmatch patterns of files that publish a checkpoint.

@@ -183,8 +183,8 @@ class ObjectStore:
         """
         chunk_size = reader.chunk_size
         count = reader.count
-        target = max(self.remote.min_part_size, chunk_size * -(-count // self.remote.max_parts))
-        budget = _ByteBudget(max(concurrency * chunk_size, target + chunk_size))
+        target = self._part_target(chunk_size, count)
+        budget = _ByteBudget(self.upload_memory(chunk_size, concurrency, reader.size))
         upload_slots = asyncio.Semaphore(concurrency)
         reads: asyncio.Queue[asyncio.Task[tuple[ChunkInfo, bytes]]] = asyncio.Queue()
         chunks: list[ChunkInfo] = []
@@ -246,6 +246,17 @@ class ObjectStore:
             raise
         await self._upload_ended(upload_id)
         return chunks
+
+    def _part_target(self, chunk_size: int, count: int) -> int:
+        """Bytes a part gathers before it goes up: the remote's minimum part size, more for huge files."""
+        return max(self.remote.min_part_size, chunk_size * -(-count // self.remote.max_parts))
+
+    def upload_memory(self, chunk_size: int, concurrency: int, size: int = 0) -> int:
+        """The most chunk bytes one upload of a ``size``-byte file holds (read ahead, being
+        encoded or in flight): ``concurrency`` chunks, or one part plus one chunk if larger.
+        Each is held once: the remote sends the caller's bytes without copying them whole."""
+        target = self._part_target(chunk_size, chunk_count(size, chunk_size))
+        return max(concurrency * chunk_size, target + chunk_size)
 
     async def _upload_ended(self, upload_id: str) -> None:
         if self.on_upload_ended is not None:

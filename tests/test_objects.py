@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import random
+import tracemalloc
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -481,6 +482,39 @@ def test_parts_in_flight_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyP
     run(store, lambda: upload(store, "bounded", path, digests, concurrency=3))
     assert 1 <= peak <= 3
     assert (root / "bounded").read_bytes() == data
+
+
+@pytest.mark.s3
+def test_upload_holds_at_most_its_memory_budget(s3_env: str, tmp_path: Path) -> None:
+    """A multipart upload to S3 allocates no more than ``upload_memory`` (parts read ahead and in
+    flight, each held once) and the requests' small buffers: the drain's budget is what it holds."""
+    remote = s3_remote(s3_env, fresh_bucket(s3_env))
+    chunk = 4 * 1024 * 1024
+    remote.min_part_size = chunk
+    store = make_store(remote)
+    data = os.urandom(chunk * 6)
+    path = tmp_path / "big.bin"
+    path.write_bytes(data)
+    digests = compute_digests(path, chunk)
+    budget = store.upload_memory(chunk, 3, len(data))
+    assert budget == 3 * chunk
+
+    async def body() -> int:
+        await upload(store, "warm", path, digests, concurrency=3)  # botocore's models and connections are loaded
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            await upload(store, "big", path, digests, concurrency=3)
+            held = tracemalloc.get_traced_memory()[1] - before
+        finally:
+            tracemalloc.stop()
+        assert await remote.get_object("big") == data
+        return held
+
+    held = run(store, body)
+    # Beyond the budget only the requests' own buffers (< 1 MiB each: a 256 KiB read of the
+    # body and what of it the socket did not take yet); a copy of each part would be 12 MiB.
+    assert held < budget + chunk, f"the upload held {held} bytes; its budget is {budget}"
 
 
 def test_parts_respect_remote_limits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

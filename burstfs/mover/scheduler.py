@@ -138,6 +138,14 @@ class Mover:
         assert self._journal_thread is not None
         return await self._journal_thread.call(fn, *args, **kwargs)
 
+    def drain_memory(self) -> int:
+        """The drain's memory budget, bytes of file data held at once (docs/CONFIGURATION.md):
+        ``max_files`` uploads of ``concurrency`` parts each (or one part plus one chunk, if
+        larger) and the small files' pool, each byte held once."""
+        assert self.store is not None
+        per_file = self.store.upload_memory(self.options.part_size, self.options.concurrency)
+        return self.options.max_files * per_file + timing.SMALL_FILES_IN_FLIGHT * timing.SMALL_FILE_BYTES
+
     # -- main loop ---------------------------------------------------------------
 
     async def run(self, *, until_idle: bool = False) -> None:
@@ -161,6 +169,7 @@ class Mover:
         self.store = ObjectStore(
             self.remote, on_upload_started=self._upload_started, on_upload_ended=self._upload_ended
         )
+        log.info("event=drain_budget bytes=%d", self.drain_memory())
         self.restore = RestoreService(self.store, self.journal, self.tier_paths, db=self.db)
         self.restore.warm()
         self.groups.journal = self.journal

@@ -61,6 +61,8 @@ class _PartBody(io.BytesIO):
     length, and that copies every part and PUT while it is in flight (8 parts of
     8 MiB held twice: 64 MiB more).  Here ``getbuffer`` is a read-only view of
     ``data``; aiohttp then sends it in 256 KiB reads, each waiting for the socket.
+    Closed once the request is answered (``with``): aiobotocore never closes a
+    body, and the part's bytes must not live as long as botocore's request objects.
     """
 
     def __init__(self, data: bytes) -> None:
@@ -71,8 +73,6 @@ class _PartBody(io.BytesIO):
         return memoryview(self._data)
 
     def close(self) -> None:
-        """Let go of ``data`` once sent: the request objects that keep this body may live on in
-        reference cycles until the garbage collector runs."""
         self._data = b""
         super().close()
 
@@ -159,14 +159,15 @@ class S3Remote(Remote):
 
     async def put_object(self, key: str, data: bytes) -> None:
         checksum = await _checksum(data)
-        response = await self.session.call(
-            "put_object",
-            f"put {key}",
-            Key=self.session.full(key),
-            Body=_PartBody(data),
-            ChecksumAlgorithm="CRC32C",
-            ChecksumCRC32C=checksum,
-        )
+        with _PartBody(data) as body:
+            response = await self.session.call(
+                "put_object",
+                f"put {key}",
+                Key=self.session.full(key),
+                Body=body,
+                ChecksumAlgorithm="CRC32C",
+                ChecksumCRC32C=checksum,
+            )
         await self._verify(f"put {key}", response, checksum, data)
 
     async def create_object(self, key: str, data: bytes) -> bool:
@@ -349,16 +350,17 @@ class S3Remote(Remote):
     async def upload_part(self, key: str, upload_id: str, part_number: int, offset: int, data: bytes) -> UploadedPart:
         checksum = await _checksum(data)
         what = f"upload {key} part {part_number}"
-        response = await self.session.call(
-            "upload_part",
-            what,
-            Key=self.session.full(key),
-            UploadId=upload_id,
-            PartNumber=part_number,
-            Body=_PartBody(data),
-            ChecksumAlgorithm="CRC32C",
-            ChecksumCRC32C=checksum,
-        )
+        with _PartBody(data) as body:
+            response = await self.session.call(
+                "upload_part",
+                what,
+                Key=self.session.full(key),
+                UploadId=upload_id,
+                PartNumber=part_number,
+                Body=body,
+                ChecksumAlgorithm="CRC32C",
+                ChecksumCRC32C=checksum,
+            )
         await self._verify(what, response, checksum, data)
         return UploadedPart(part_number, str(response["ETag"]).strip('"'), response.get("ChecksumCRC32C") or checksum)
 
