@@ -170,6 +170,18 @@ class KeyMoves:
         path, old_key, holder = move
         if holder is not None:
             return holder
+        if self.mover.is_marker_name(path.rpartition("/")[2]) and await self.mover.db(
+            self.mover.journal.keys.restage_durable, ino, old_key
+        ):
+            # A commit marker renamed into place (DCP's .metadata.tmp -> .metadata) publishes
+            # a checkpoint: it drains as an upload, behind its directory's files and the
+            # commit gate, never as a server-side copy that would bypass both.  Its old
+            # key is dropped as stale.
+            log.info("event=marker_restaged ino=%d from=%s to=%s", ino, old_key, path)
+            self._roots.add(ino)  # the next pass drops the old key
+            self._needed = True
+            self.mover.wake()
+            return None
         try:
             await self.mover.store.rename(old_key, path, delete_source=False)
         except Exception as exc:
