@@ -700,7 +700,7 @@ def test_a_stream_left_by_its_reader_ends_and_a_later_read_starts_another(
 
     async def body() -> None:
         async with s3_service(s3_env, proxy, journal, tmp_path) as svc:
-            svc.streams.idle_s, svc.streams.max_streams = 0.2, 1
+            svc.streams.idle_s, svc.streams.max_streams = 60.0, 1  # no idle end before the ranged read below
             await put_with_manifest(svc.store, "idle.pt", content, S3_CHUNK)
             await put_with_manifest(svc.store, "other.pt", content, S3_CHUNK)
             journal.add(5, "idle.pt", len(content))
@@ -709,6 +709,10 @@ def test_a_stream_left_by_its_reader_ends_and_a_later_read_starts_another(
             assert svc.streams.active == 1
             assert await svc.ensure_local(6, 0, 2 * S3_CHUNK) == 2 * S3_CHUNK  # no stream slot left: ranged
             assert gets_of(proxy, "other.pt") == 2
+            svc.streams.idle_s = 0.2
+            waiting = svc._files[5].stream
+            assert waiting is not None
+            waiting.moved.set()  # the stream waits again, now with the short idle bound
             for _ in range(100):
                 if svc.streams.active == 0:
                     break
