@@ -512,9 +512,10 @@ def test_upload_holds_at_most_its_memory_budget(s3_env: str, tmp_path: Path) -> 
         return held
 
     held = run(store, body)
-    # Beyond the budget only the requests' own buffers (< 1 MiB each: a 256 KiB read of the
-    # body and what of it the socket did not take yet); a copy of each part would be 12 MiB.
-    assert held < budget + chunk, f"the upload held {held} bytes; its budget is {budget}"
+    # Beyond the budget only the requests' and the event loop's own buffers (measured 1.5 to 4.5 MiB:
+    # a 256 KiB read of each body, what the sockets did not take yet); a copy of each part in
+    # flight adds another 12 MiB (25.8 MiB measured before parts were held once).
+    assert held < budget * 3 // 2, f"the upload held {held} bytes; its budget is {budget}"
 
 
 def test_parts_respect_remote_limits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
