@@ -225,18 +225,22 @@ class S3Remote(Remote):
         response = await self.session.call("get_object", f"get {key}", Key=self.session.full(key))
         return await self.session.read_body(response)
 
-    async def get_range(self, key: str, start: int, end: int) -> bytes:
-        if end <= start:
-            return b""
+    async def _ranged_get(self, key: str, start: int, end: int) -> dict[str, Any] | None:
+        """The response of a GET of bytes ``[start, end)``; None if ``start`` is at or past the end."""
         what = f"get {key} bytes {start}-{end}"
         try:
-            response = await self.session.call(
+            response: dict[str, Any] = await self.session.call(
                 "get_object", what, Key=self.session.full(key), Range=f"bytes={start}-{end - 1}"
             )
         except RemoteError as exc:
-            if exc.kind == "invalid_range":  # start at or past the end of the object
-                return b""
+            if exc.kind == "invalid_range":
+                return None
             raise
+        return response
+
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        if end <= start or (response := await self._ranged_get(key, start, end)) is None:
+            return b""
         data = await self.session.read_body(response)
         if "ContentRange" not in response:  # a store that ignored Range sent the whole object
             return data[start:end]
@@ -248,17 +252,9 @@ class S3Remote(Remote):
         A body that ends early (a reset connection) raises a temporary error after
         the pieces that did arrive; the caller resumes from there.
         """
-        if end <= start:
+        if end <= start or (response := await self._ranged_get(key, start, end)) is None:
             return
         what = f"get {key} bytes {start}-{end}"
-        try:
-            response = await self.session.call(
-                "get_object", what, Key=self.session.full(key), Range=f"bytes={start}-{end - 1}"
-            )
-        except RemoteError as exc:
-            if exc.kind == "invalid_range":  # start at or past the end of the object
-                return
-            raise
         ranged = "ContentRange" in response  # a store that ignored Range sends the whole object
         left = min(end - start, int(response.get("ContentLength", end)) - (0 if ranged else start))
         async with response["Body"] as body:
