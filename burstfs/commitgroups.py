@@ -229,11 +229,7 @@ class CommitGroups:
                 group = OwnGroup(dir_key, new_round_id(), time.time(), previous=group.round if group else None)
                 self.groups[dir_key] = group
                 log.info("event=round_started dir=%s round=%s node=%s", dir_key, group.round, self.node_id)
-            group.touches += 1
-            self._retouched.setdefault(dir_key, set()).add(ino)
-            if ino not in group.members:
-                group.members.add(ino)
-                self._dirty.add(dir_key)
+            self._touch_locked(group, ino)
         self._wake()
 
     def joined_announced(self, ino: int, dir_key: str, name: bytes) -> bool:
@@ -248,14 +244,19 @@ class CommitGroups:
             group = self.groups.get(dir_key)
             if group is None or group.sealed or not group.intent:
                 return False
-            group.touches += 1
-            self._retouched.setdefault(dir_key, set()).add(ino)
-            joined = ino not in group.members
-            if joined:
-                group.members.add(ino)
-                self._dirty.add(dir_key)
+            joined = self._touch_locked(group, ino)
         if joined:
             self._wake()
+        return True
+
+    def _touch_locked(self, group: OwnGroup, ino: int) -> bool:
+        """Count an open or close of ``ino`` in ``group`` (held: ``_lock``); True if it joined."""
+        group.touches += 1
+        self._retouched.setdefault(group.dir_key, set()).add(ino)
+        if ino in group.members:
+            return False
+        group.members.add(ino)
+        self._dirty.add(group.dir_key)
         return True
 
     def intent_out(self, dir_key: str) -> bool:
@@ -305,14 +306,12 @@ class CommitGroups:
         """Publish due intents and dones (and their journaled state); never raises for the remote."""
         self.remote = remote
         now = time.time()
-        with self._lock:
+        with self._lock:  # the FUSE thread adds members under it (joined_announced)
             pending = [g for g in self.groups.values() if not (g.intent and g.done)]
-            dirty = {key: self.groups[key] for key in self._dirty if key in self.groups}
+            dirty = [(f"{_META_GROUP}{key}", self.groups[key].to_json()) for key in self._dirty if key in self.groups]
             self._dirty.clear()
         if dirty:
-            await self._db(
-                self.journal.set_metas, [(f"{_META_GROUP}{group.dir_key}", group.to_json()) for group in dirty.values()]
-            )
+            await self._db(self.journal.set_metas, dirty)
         for group in pending:
             if self._retry_at.get(group.dir_key, 0.0) > now:
                 continue

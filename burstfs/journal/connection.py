@@ -62,7 +62,12 @@ class Database:
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
-            db.execute("COMMIT")
+            try:
+                db.execute("COMMIT")
+            except BaseException:  # a full disk, an I/O error: end the transaction, or every later BEGIN fails
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
 
     def apply(self, ops: Iterable[Op]) -> None:
         """Run ``ops`` in one transaction (the group commit)."""

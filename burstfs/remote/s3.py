@@ -430,8 +430,6 @@ class S3Remote(Remote):
                 "UploadId"
             ]
         )
-        if self.on_upload_started is not None:
-            await self.on_upload_started(dst, upload_id)
         parts: list[UploadedPart] = []
         pending = iter(ranges)
 
@@ -452,7 +450,9 @@ class S3Remote(Remote):
                 )
                 parts.append(UploadedPart(number, str(response["CopyPartResult"]["ETag"]).strip('"')))
 
-        try:
+        try:  # recording it may be cancelled or fail too: the abort covers that as well
+            if self.on_upload_started is not None:
+                await self.on_upload_started(dst, upload_id)
             await run_workers(worker, min(COPY_CONCURRENCY, len(ranges)))
             await self.complete_multipart(dst, upload_id, parts)
         except BaseException:
