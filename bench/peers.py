@@ -521,8 +521,8 @@ CASES: list[tuple[str, Callable[[Contender, dict[str, Any], argparse.Namespace],
 PROFILE_GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("S3 client creation (first GET)", ("_PrefixTrie", "ClientCreatorContext")),
     ("SSL context of the client session", ("_build_verify_context",)),
-    ("GET body read (aiohttp)", ("S3Remote._read_body", "stream_range", "data_received", "StreamReader")),
-    ("GET request/response (botocore)", ("S3Remote._call",)),
+    ("GET body read (aiohttp)", ("S3Session.read_body", "stream_range", "data_received", "StreamReader")),
+    ("GET request/response (botocore)", ("S3Session.call",)),
     ("chunk verification (decode_chunk)", ("decode_chunk",)),
     ("tier write (+ xxh3 of streamed pieces)", ("pwrite_full", "_write_hashed")),
     ("trio <-> mover hop", ("on_mover_loop", "WakeupSocketpair", "call_soon_threadsafe")),
@@ -552,7 +552,7 @@ def contenders(endpoint: str, bucket: str, args: argparse.Namespace) -> tuple[li
     skipped: list[str] = []
     if args.py_spy is not None and shutil.which("py-spy", path=str(Path(sys.executable).parent)) is None:
         skipped.append(f"py-spy profile: no py-spy next to {sys.executable} (pip install py-spy)")
-        found[1] = Burstfs("burstfs", "burstfs", endpoint, bucket, ())
+        found = [Burstfs("burstfs", "burstfs", endpoint, bucket, ()) if c.name == "burstfs" else c for c in found]
     if args.no_rclone:
         skipped.append("rclone writes, rclone full: --no-rclone")
     elif shutil.which("rclone") is None:

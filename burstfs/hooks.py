@@ -23,8 +23,8 @@ class DrainHooks(Protocol):
         """Return once ``generation`` of ``ino`` is durable; raise if it cannot be."""
 
     def writing_in(self, ino: int, dir_key: str, name: bytes) -> None:
-        """``ino`` (named ``name``) is opened for writing, or closed, in ``dir_key``: this node
-        takes part in the checkpoint there (a cross-node commit round)."""
+        """``ino`` (named ``name``) is opened for writing in ``dir_key``: this node takes part
+        in the checkpoint there (a cross-node commit round)."""
 
     async def closed_in(self, ino: int, dir_key: str, name: bytes) -> None:
         """``ino`` was closed in ``dir_key``: it joins this node's round there; return once
