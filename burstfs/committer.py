@@ -102,7 +102,10 @@ class GroupCommitter:
         self._wakeup = trio.Event()
         batch, self._batch = self._batch, _Batch()
         try:
-            await trio.to_thread.run_sync(self._journal.apply, batch.ops)
+            # Shielded: once taken off the queue, a batch is committed or failed, never
+            # dropped by a cancellation (trio checks for one before the thread starts).
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self._journal.apply, batch.ops)
         except Exception as exc:
             self.failures += 1
             # The batch that filled meanwhile may build on this one (a file created in

@@ -22,7 +22,7 @@ import trio
 from burstfs.config import TierOptions
 from burstfs.core import BurstCore
 from burstfs.errors import BurstfsError
-from burstfs.journal import INCOMPLETE, ROOT_INO, STAGED, WRITING, Journal
+from burstfs.journal import INCOMPLETE, ROOT_INO, STAGED, WRITING, Journal, set_meta_op
 
 RENAME_NOREPLACE = 1  # linux/fs.h, the values pyfuse3 passes through
 RENAME_EXCHANGE = 2
@@ -449,6 +449,18 @@ def test_group_commit_batches_concurrent_creates(tmp_path: Path) -> None:
     assert commits < count // 4, commits
     rows = db_rows(tmp_path, "SELECT COUNT(*), SUM(size) FROM inodes WHERE state=?", (STAGED,))
     assert rows == [(count, sum(range(count)))]
+
+
+def test_records_queued_just_before_the_committer_stops_are_committed(tmp_path: Path) -> None:
+    """A cancellation that reaches the committer after it took a batch off the queue (but
+    before its worker thread started) used to drop that batch: its waiters never woke."""
+
+    async def body(core: BurstCore) -> None:
+        core.committer.enqueue([set_meta_op("queued-at-exit", "1")])
+        await trio.lowlevel.checkpoint()  # the committer takes the batch; open_core cancels it next
+
+    run(tmp_path, body)
+    assert db_rows(tmp_path, "SELECT value FROM meta WHERE key=?", ("queued-at-exit",)) == [("1",)]
 
 
 def test_recovery_rebuilds_namespace(tmp_path: Path) -> None:
