@@ -35,7 +35,12 @@ CODECS = ("raw", "lz4")
 MAX_MANIFEST_CHUNK_SIZE = 5 << 30
 MAX_MANIFEST_CHUNKS = 1 << 20
 MAX_MANIFEST_BYTES = 80 << 20
-_MAX_MANIFEST_COMMAS = 3 * MAX_MANIFEST_CHUNKS + 8192
+_MAX_MANIFEST_COMMAS = 4 * MAX_MANIFEST_CHUNKS + 8192  # chunks (3 each) and blocks (1 each)
+#: An object stored uncompressed also lists the xxh3-64 of each block of this many bytes
+#: (``blocks``): a reader verifies, and so fetches, a random read a block at a time rather
+#: than a whole chunk (a chunk is an upload part: 8 MiB by default).  At most
+#: MAX_MANIFEST_CHUNKS blocks (1 TiB); a larger file is verified by chunks only.
+BLOCK_SIZE = 1 << 20
 _INT64 = 1 << 63
 #: A chunk is stored compressed only if lz4 saves at least this fraction: below
 #: that, decompressing on every read costs more than the bytes it saves.
@@ -83,9 +88,22 @@ class Manifest:
     mode: int
     chunks: tuple[ChunkInfo, ...]
     version: int = MANIFEST_VERSION
+    block_size: int = 0  # 0: no block digests
+    blocks: tuple[str, ...] = ()  # xxh3-64 of each block_size bytes of the plain file
+
+    def by_blocks(self) -> Manifest:
+        """This manifest with its blocks as (raw) chunks, for readers that verify by block;
+        itself when it lists no blocks."""
+        if not self.blocks:
+            return self
+        chunks = tuple(
+            ChunkInfo(digest, "raw", min(self.block_size, self.size - index * self.block_size))
+            for index, digest in enumerate(self.blocks)
+        )
+        return dataclasses.replace(self, chunk_size=self.block_size, chunks=chunks, block_size=0, blocks=())
 
     def to_json(self) -> bytes:
-        doc = {
+        doc: dict[str, Any] = {
             "version": self.version,
             "key": self.key,
             "size": self.size,
@@ -96,6 +114,9 @@ class Manifest:
             "mode": self.mode,
             "chunks": [dataclasses.asdict(c) for c in self.chunks],
         }
+        if self.blocks:
+            doc["block_size"] = self.block_size
+            doc["blocks"] = list(self.blocks)
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -139,6 +160,17 @@ class Manifest:
             # lz4 is kept only when it saves space; allow the frame's worst-case overhead anyway.
             if chunk.codec == "lz4" and not 0 < chunk.stored_size <= length + length // 255 + 64:
                 return f"'chunks[{index}].stored_size' is {chunk.stored_size} for an lz4 chunk of {length} bytes"
+        return self._blocks_problem()
+
+    def _blocks_problem(self) -> str | None:
+        if not self.blocks and not self.block_size:
+            return None
+        if not 0 < self.block_size <= self.chunk_size or self.chunk_size % self.block_size:
+            return f"'block_size' {self.block_size} does not divide 'chunk_size' {self.chunk_size}"
+        if len(self.blocks) != chunk_count(self.size, self.block_size) or not self.blocks:
+            return f"'blocks' has {len(self.blocks)} entries for {self.size} bytes in blocks of {self.block_size}"
+        if any(chunk.codec != "raw" for chunk in self.chunks):
+            return "'blocks' of an object with compressed chunks"
         return None
 
     @functools.cached_property
@@ -196,10 +228,16 @@ def _field(doc: dict[str, Any], name: str, kind: type, where: str = "") -> Any:
     return value
 
 
+_HEX_DIGITS = frozenset("0123456789abcdef")
+
+
 def _hex_field(doc: dict[str, Any], name: str, length: int, where: str = "") -> str:
-    value: str = _field(doc, name, str, where)
-    if len(value) != length or any(c not in "0123456789abcdef" for c in value):
-        raise ManifestError(f"invalid manifest: key '{where}{name}' is not {length} hex digits")
+    return _checked_hex(_field(doc, name, str, where), length, f"{where}{name}")
+
+
+def _checked_hex(value: Any, length: int, label: str) -> str:
+    if type(value) is not str or len(value) != length or not set(value) <= _HEX_DIGITS:
+        raise ManifestError(f"invalid manifest: key '{label}' is not {length} hex digits")
     return value
 
 
@@ -230,6 +268,14 @@ def _manifest_from_doc(cls: type[Manifest], doc: Any) -> Manifest:
                 _field(raw, "stored_size", int, where),
             )
         )
+    blocks: tuple[str, ...] = ()
+    block_size = 0
+    if "blocks" in doc or "block_size" in doc:
+        raw_blocks = _field(doc, "blocks", list)
+        if len(raw_blocks) > MAX_MANIFEST_CHUNKS:
+            raise ManifestError(f"invalid manifest for {key}: key 'blocks' has more than {MAX_MANIFEST_CHUNKS} entries")
+        blocks = tuple(_checked_hex(b, 16, f"blocks[{i}]") for i, b in enumerate(raw_blocks))
+        block_size = _field(doc, "block_size", int)
     mode = _field(doc, "mode", int)
     if not 0 <= mode < 1 << 32:
         raise ManifestError(f"invalid manifest for {key}: key 'mode' is out of range")
@@ -246,6 +292,8 @@ def _manifest_from_doc(cls: type[Manifest], doc: Any) -> Manifest:
         mode=mode,
         chunks=tuple(chunks),
         version=version,
+        block_size=block_size,
+        blocks=blocks,
     )
     problem = manifest._problem()
     if problem:

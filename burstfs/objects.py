@@ -71,6 +71,7 @@ class ObjectStore:
         self.retry = retry or RetryPolicy()
         self.on_upload_started = on_upload_started
         self.on_upload_ended = on_upload_ended
+        self.block_size = manifest_format.BLOCK_SIZE  # of the block digests manifests list
 
     async def _call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
         return await self.retry.call(self.remote, fn, *args, what=what)
@@ -127,7 +128,15 @@ class ObjectStore:
                 )
         elif chunk_size <= 0:
             raise ValueError(f"chunk size must be positive, not {chunk_size}")
-        reader = _ChunkReader(Path(path), key, size, chunk_size, expected.chunks if expected else None, compress)
+        reader = _ChunkReader(
+            Path(path),
+            key,
+            size,
+            chunk_size,
+            expected.chunks if expected else None,
+            compress,
+            self._block_size_for(size, chunk_size, compress),
+        )
         whole = None if expected else asyncio.ensure_future(asyncio.to_thread(whole_file_digest, reader.path, size))
         try:
             if reader.count <= 1:
@@ -142,6 +151,7 @@ class ObjectStore:
         finally:
             if whole is not None and not whole.done():
                 whole.cancel()
+        blocks = reader.block_digests() if reader.block_size else ()
         manifest = Manifest(
             key=key,
             size=size,
@@ -151,9 +161,19 @@ class ObjectStore:
             mtime_ns=mtime_ns,
             mode=mode,
             chunks=tuple(chunks),
+            block_size=reader.block_size if blocks else 0,
+            blocks=blocks,
         )
         await self._call(self.remote.put_object, manifest_key(key), manifest.to_json(), what=f"put manifest {key}")
         return manifest
+
+    def _block_size_for(self, size: int, chunk_size: int, compress: str | None) -> int:
+        """The block size of the manifest's block digests, or 0 for none: the chunks are
+        larger than a block and stored plain (compressed chunks are read whole anyway)."""
+        block = self.block_size
+        if compress is not None or not block or chunk_size <= block or chunk_size % block:
+            return 0
+        return block if chunk_count(size, block) <= manifest_format.MAX_MANIFEST_CHUNKS else 0
 
     async def _put_whole(
         self, key: str, reader: _ChunkReader, cancel_check: Callable[[], Awaitable[bool]] | None
@@ -423,10 +443,16 @@ class _ChunkReader:
     chunk_size: int
     expected: tuple[str, ...] | None  # xxh3 of each chunk taken at close; None: nothing to check
     compress: str | None
+    block_size: int = 0  # also hash each block of this many bytes (0: no block digests)
+    blocks: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # chunk index -> its blocks'
 
     @property
     def count(self) -> int:
         return chunk_count(self.size, self.chunk_size)
+
+    def block_digests(self) -> tuple[str, ...]:
+        """The xxh3-64 of every block, in order (once every chunk was read)."""
+        return tuple(digest for index in range(self.count) for digest in self.blocks[index])
 
     def length(self, index: int) -> int:
         return min(self.chunk_size, self.size - index * self.chunk_size)
@@ -446,5 +472,10 @@ class _ChunkReader:
             raise CorruptDataError(
                 f"staged file {self.path} ({self.key}): bytes {start}-{start + length} no longer match "
                 f"the checksum taken at close (xxh3 {digest}, expected {self.expected[index]})"
+            )
+        if self.block_size:
+            view = memoryview(data)
+            self.blocks[index] = tuple(
+                xxhash.xxh3_64_hexdigest(view[at : at + self.block_size]) for at in range(0, length, self.block_size)
             )
         return encode_chunk(data, digest, self.compress)

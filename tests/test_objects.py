@@ -132,6 +132,13 @@ def manifest_doc(**changes: Any) -> dict[str, Any]:
     return doc
 
 
+RAW_CHUNKS = [
+    {"xxh3": "1" * 16, "codec": "raw", "stored_size": 100},
+    {"xxh3": "2" * 16, "codec": "raw", "stored_size": 100},
+    {"xxh3": "3" * 16, "codec": "raw", "stored_size": 50},
+]
+
+
 def doc_bytes(doc: Any) -> bytes:
     import json
 
@@ -229,8 +236,13 @@ HUGE = 5 << 30
             ),
             "'chunks[0].xxh3' is int",
         ),
+        (doc_bytes(manifest_doc(block_size=50, blocks=["a" * 16] * 5)), "'blocks' of an object with compressed"),
+        (doc_bytes(manifest_doc(chunks=RAW_CHUNKS, block_size=50, blocks=["a" * 16] * 4)), "'blocks' has 4 entries"),
+        (doc_bytes(manifest_doc(chunks=RAW_CHUNKS, block_size=30, blocks=["a" * 16] * 9)), "'block_size' 30 does not"),
+        (doc_bytes(manifest_doc(chunks=RAW_CHUNKS, block_size=50, blocks=["a" * 16, "A" * 16])), "'blocks[1]' is not"),
+        (doc_bytes(manifest_doc(chunks=RAW_CHUNKS, blocks=["a" * 16] * 5)), "'block_size' is missing"),
         (b" " * (80 << 20) + b"{}", "exceeds the limit"),
-        (b"[" + b"0," * 4_000_000 + b"0]", "more elements"),
+        (b"[" + b"0," * 5_000_000 + b"0]", "more elements"),
     ],
 )
 def test_manifest_parsing_is_bounded_and_raises_one_error_type(data: bytes, names: str) -> None:
@@ -423,6 +435,63 @@ def test_read_ranges(store: ObjectStore, tmp_path: Path) -> None:
         assert await store.read_range("r", manifest, len(data), len(data) + 5) == b""
         for index in range(len(manifest.chunks)):
             assert await store.read_chunk("r", manifest, index) == data[index * CHUNK : (index + 1) * CHUNK]
+
+    run(store, body)
+
+
+@pytest.mark.parametrize("digests_at_close", [True, False])
+def test_plain_objects_list_block_digests_and_read_by_block(
+    store: ObjectStore, tmp_path: Path, digests_at_close: bool
+) -> None:
+    """An uncompressed object's manifest carries an xxh3 per block (smaller than a chunk), so a
+    reader can fetch and verify one block; compressed objects and one-block chunks carry none."""
+    block = CHUNK // 4
+    store.block_size = block
+    data = os.urandom(CHUNK * 2 + block + 100)
+    path, digests = staged(tmp_path, data)
+
+    async def body() -> None:
+        manifest = await upload(store, "b", path, digests if digests_at_close else None, chunk_size=CHUNK)
+        expected = tuple(xxhash.xxh3_64_hexdigest(data[i : i + block]) for i in range(0, len(data), block))
+        assert (manifest.block_size, manifest.blocks) == (block, expected)
+        assert Manifest.from_json(manifest.to_json()) == manifest
+        assert await store.fetch_manifest("b") == manifest
+        by_blocks = manifest.by_blocks()
+        assert (by_blocks.chunk_size, len(by_blocks.chunks), by_blocks.digest) == (block, 10, manifest.digest)
+        for index in (0, 5, 9):
+            assert await store.read_chunk("b", by_blocks, index) == data[index * block : (index + 1) * block]
+        assert (
+            await store.read_range("b", by_blocks, 3 * block - 7, 6 * block + 1) == data[3 * block - 7 : 6 * block + 1]
+        )
+        compressed = await upload(
+            store, "z", path, digests if digests_at_close else None, chunk_size=CHUNK, compress="lz4"
+        )
+        assert (compressed.block_size, compressed.blocks) == (0, ())
+        store.block_size = CHUNK  # blocks as large as the chunks: nothing to add
+        whole = await upload(store, "w", path, digests if digests_at_close else None, chunk_size=CHUNK)
+        assert whole.blocks == () and whole.by_blocks() is whole
+
+    run(store, body)
+
+
+def test_a_flipped_byte_fails_only_its_block(tmp_path: Path) -> None:
+    root = tmp_path / "remote"
+    root.mkdir()
+    store = make_store(FileRemote(parse_remote_url(f"file://{root}")))
+    block = CHUNK // 4
+    store.block_size = block
+    data = os.urandom(CHUNK * 2)
+    path, digests = staged(tmp_path, data)
+
+    async def body() -> None:
+        by_blocks = (await upload(store, "f", path, digests)).by_blocks()
+        stored = bytearray((root / "f").read_bytes())
+        stored[block + 3] ^= 0xFF
+        (root / "f").write_bytes(bytes(stored))
+        with pytest.raises(CorruptDataError, match=f"bytes {block}-{2 * block} do not match"):
+            await store.read_chunk("f", by_blocks, 1)
+        assert await store.read_chunk("f", by_blocks, 0) == data[:block]
+        assert await store.read_chunk("f", by_blocks, 2) == data[2 * block : 3 * block]
 
     run(store, body)
 

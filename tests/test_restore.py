@@ -99,7 +99,9 @@ def test_random_reads_fetch_only_what_they_touch(mounted_factory: type[MountedFS
         f.seek(17 * MiB + 5)
         assert f.read(1000) == content[17 * MiB + 5 : 17 * MiB + 1005]
     data_file = next((reader.cache / "data").iterdir())
-    assert os.stat(data_file).st_blocks * 512 < 20 * MiB  # sparse: only touched chunks are local
+    # Sparse: only the touched 1 MiB blocks (each verified by its own digest) are local, the
+    # kernel's readahead included (3 MiB measured), not whole 5 MiB parts.
+    assert os.stat(data_file).st_blocks * 512 <= 4 * MiB
     assert (reader.path / "big.safetensors").read_bytes() == content
 
 

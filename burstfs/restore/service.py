@@ -211,7 +211,10 @@ class RestoreService:
                     f"remote object {row.remote_key} changed since it was drained "
                     f"(digest {manifest.digest}, journal {row.digest})"
                 )
-            fetch = FileFetch(ino, row.remote_key, manifest.size, manifest.chunk_size, manifest)
+            # Verified (and fetched) by block where the manifest lists blocks: a random read
+            # costs a 1 MiB block, not a whole part-sized chunk.
+            by_blocks = manifest.by_blocks()
+            fetch = FileFetch(ino, row.remote_key, by_blocks.size, by_blocks.chunk_size, by_blocks)
         await asyncio.to_thread(self.data_files.create, ino, fetch.size)
         return fetch
 
