@@ -355,6 +355,24 @@ class Node:
                 reasons.append(f"relocation {key} -> {path}")
         return reasons
 
+    def gate_state(self) -> str:
+        """What the commit gate knows, for a wedge's failure message: this node's rounds, the
+        verdicts of the directories markers wait on, and the records backing off."""
+        groups = self.mover.groups
+        rounds = [
+            f"{g.dir_key}:{g.round} intent={g.intent} sealed={g.sealed} done={g.done} members={sorted(g.members)}"
+            for g in list(groups.groups.values())
+        ]
+        verdicts = {
+            d: f"listed_at={v.listed_at:.3f} waiting={v.waiting} own_pending={v.own_pending}"
+            for d, v in list(groups.verdicts.items())
+        }
+        markers = self.rows("SELECT ino, name, updated, generation FROM inodes WHERE state='staged' AND parent!=0")
+        return (
+            f"rounds={rounds} verdicts={verdicts} retry_at={dict(groups._retry_at)} "
+            f"failures={dict(groups._failures)} staged={markers} now={time.time():.3f}"
+        )
+
     def journal_path(self, ino: int) -> str | None:
         parts = []
         while ino != ROOT_INO:
@@ -395,7 +413,7 @@ class Node:
                     return "idle"
                 time.sleep(0.003)
                 self.mover.wake()
-            raise AssertionError(f"the drain is wedged: {self.pending(tolerated())}")
+            raise AssertionError(f"the drain is wedged: {self.pending(tolerated())}; {self.gate_state()}")
         finally:
             faults.gate_open = False
 
