@@ -330,6 +330,10 @@ class CommitGroups:
                 break
             self._commits.remove(commit)
 
+    def retry_now(self) -> None:
+        """``drain --now``: records backing off after failures are due at once (any thread)."""
+        self._retry_at.clear()
+
     def _publish_failed(self, what: str, exc: RemoteError) -> None:
         failures = self._failures.get(what, 0) + 1
         self._failures[what] = failures

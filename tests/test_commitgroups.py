@@ -18,7 +18,7 @@ from test_mover import PART, Front, HookedRemote, until
 
 from burstfs.commitgroups import COMMITS_PREFIX, GROUPS_PREFIX, parse_record_key, record_key
 from burstfs.config import DrainOptions, S3Options, check_node_id, parse_remote_url
-from burstfs.errors import ConfigError
+from burstfs.errors import ConfigError, RemoteError
 from burstfs.journal import DURABLE, FAILED, WRITING
 from burstfs.latest import find_latest
 from burstfs.mover import Mover
@@ -135,6 +135,36 @@ def test_marker_waits_for_every_node_with_an_intent(tmp_path: Path) -> None:
         assert sorted(f["path"] for f in commit["files"]) == ["ckpt/step_1/shard_a", "ckpt/step_1/shard_b"]
 
     run_nodes([a, b], scenario)
+
+
+def test_drain_now_retries_a_record_backing_off(tmp_path: Path) -> None:
+    """An intent that failed several times backs off (0.5 s doubling, up to 30 s); ``drain --now``
+    (which every ``burstfs-admin wait`` and fsync --remote use) tries it again at once."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    node = Node(tmp_path, "a", remote_dir)
+    failures = 0
+    create_object = node.remote.create_object
+
+    async def refusing(key: str, data: bytes) -> bool:
+        nonlocal failures
+        if key.endswith(".intent") and failures < 12:
+            failures += 1
+            raise RemoteError("injected: intent refused", kind="denied")  # permanent: no retry inside
+        return await create_object(key, data)
+
+    node.remote.create_object = refusing  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        nonlocal failures
+        node.write("ckpt/shard", b"s")
+        await until(lambda: failures >= 4, "4 failed intents")
+        failures = 12  # the remote is well again, but the next try is seconds away
+        assert not node.mover.groups.intent_out("ckpt")
+        node.mover.drain_now()
+        await until(lambda: node.mover.groups.intent_out("ckpt"), "the intent, right after drain --now", timeout=2)
+
+    run_nodes([node], scenario)
 
 
 def test_a_rewrite_of_the_same_directory_is_a_new_round(tmp_path: Path) -> None:

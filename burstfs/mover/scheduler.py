@@ -104,6 +104,7 @@ class Mover:
         self._skip_delay = True
         self.not_before.clear()
         self.key_moves.retry_now()
+        self.groups.retry_now()
         self.wake()
 
     async def retry_failed(self) -> int:
