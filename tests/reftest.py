@@ -226,10 +226,11 @@ class NodeOptions:
     part_size: int = 64 << 10
     max_files: int = 2
     list_ttl: float = 0.0
+    node_id: str = "node-a"  # each node of a shared prefix has its own (as --node-id makes sure)
 
 
-def drain_options(part_size: int, max_files: int) -> DrainOptions:
-    options = DrainOptions(max_files=max_files, concurrency=2)
+def drain_options(part_size: int, max_files: int, node_id: str) -> DrainOptions:
+    options = DrainOptions(max_files=max_files, concurrency=2, node_id=node_id)
     # The 5 MiB floor is S3's; the file remote takes any part size, and small
     # parts put multipart uploads within reach of small test files.
     object.__setattr__(options, "part_size", part_size)
@@ -251,7 +252,11 @@ class Node:
         self.remote = FaultyRemote(remote.open(), self.faults)
         _FAULTS_BY_CACHE[cache] = self.faults  # the mover opens its journal (again, after a restart) by path
         self.mover = Mover(
-            cache, url, remote.s3_options, drain_options(options.part_size, options.max_files), remote=self.remote
+            cache,
+            url,
+            remote.s3_options,
+            drain_options(options.part_size, options.max_files, options.node_id),
+            remote=self.remote,
         )  # type: ignore[arg-type]
         # A close does not wait for its directory's intent record: the gate holds every remote
         # change outside drain steps, so each close would wait the whole bound.
@@ -342,6 +347,8 @@ class Node:
             if not (state == "staged" and path in tolerated):
                 reasons.append(f"{state} {path} (ino {ino}, close_seq {seq}, error {error})")
         reasons += [f"delete {key} ({reason})" for key, reason in self.rows("SELECT key, reason FROM remote_deletes")]
+        if self.commit_records_due():
+            reasons.append("commit records (intent, done or commit) not published yet")
         reasons += [
             f"upload {key} ({upload_id}) not finished or aborted"
             for key, upload_id in self.rows("SELECT key, upload_id FROM uploads")
@@ -354,6 +361,17 @@ class Node:
             if path is not None and path != key:
                 reasons.append(f"relocation {key} -> {path}")
         return reasons
+
+    def commit_records_due(self) -> bool:
+        """Whether this node has intent, done or commit records it can publish now: outside its
+        drain steps the gate holds them, and another node's marker may wait for them."""
+        loop = self.mover.loop
+        if loop is None or self.faults.crashed:
+            return False
+        try:
+            return asyncio.run_coroutine_threadsafe(self.mover.groups.has_work(), loop).result(10)
+        except (Exception, Crash):  # the mover stopped or crashed meanwhile: nothing it can publish now
+            return False
 
     def gate_state(self) -> str:
         """What the commit gate knows, for a wedge's failure message: this node's rounds, the

@@ -496,7 +496,7 @@ class BurstfsModel(RuleBasedStateMachine):
 
     def other_node(self) -> Node:
         if self.other is None:
-            self.other = Node(self.base / "cache-other", self.side, NodeOptions())
+            self.other = Node(self.base / "cache-other", self.side, NodeOptions(node_id="node-b"))
             parent, name = self.other.parent_and_name(FOREIGN_DIR)
             try:
                 self.other.call(self.other.core.mkdir, parent, name, 0o755, UID, GID)
@@ -666,7 +666,7 @@ class BurstfsModel(RuleBasedStateMachine):
         self.node.call(self.node.drain.retry_failed)
         assert self.drain_step() == "idle", self.node.pending(self.blocked_markers())
         self.check_remote()
-        cold = Node(self.base / "cache-cold", self.side, NodeOptions())
+        cold = Node(self.base / "cache-cold", self.side, NodeOptions(node_id="node-cold"))
         try:
             self.check_cold(cold)
         finally:
