@@ -574,8 +574,15 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="rounds (contender order rotates); medians")
     parser.add_argument("--py-spy", type=Path, default=None, help="record the default mount's daemon into DIR")
     parser.add_argument("--no-rclone", action="store_true", help="burstfs and the reference only (faster)")
+    parser.add_argument(
+        "--case",
+        action="append",
+        choices=[name for name, _ in CASES],
+        help="run only these cases (repeatable; a cold case reads what its '-> durable' case wrote: include it)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    cases = [(name, run) for name, run in CASES if not args.case or name in args.case]
     args.size_mib, args.shard_mib = SIZES[args.size]
     retain_freed_memory()
     load_start = os.getloadavg()[0]
@@ -599,7 +606,7 @@ def main() -> None:
             for i in range(args.repeat):
                 order = found[i % len(found) :] + found[: i % len(found)]
                 for c in order:
-                    for case, run in CASES:
+                    for case, run in cases:
                         seconds = run(c, sd, args)
                         times.setdefault(c.name, {}).setdefault(case, []).append(seconds)
                         print(f"  [{i + 1}] {c.name:<26} {case:<26} {seconds:7.2f} s", file=sys.stderr)
@@ -636,7 +643,7 @@ def main() -> None:
     print(f"\npeers on one moto server, medians of {args.repeat} (s; ratio to the {ref})")
     print(f"| case | {' | '.join(names)} |")
     print(f"|---|{'---|' * len(names)}")
-    for case, _ in CASES:
+    for case, _ in cases:
         cells = [
             "-"
             if med[n][case] != med[n][case]  # NaN: the contender has no such case
