@@ -14,7 +14,7 @@ import functools
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import lz4.frame
 import xxhash
@@ -197,6 +197,9 @@ class Manifest:
         return [self.stored_chunk(i) for i in range(start // self.chunk_size, (end - 1) // self.chunk_size + 1)]
 
 
+Stored = TypeVar("Stored", bytes, memoryview)
+
+
 def encode_chunk(data: bytes, digest: str, compress: str | None) -> tuple[ChunkInfo, bytes]:
     """The stored form of one chunk whose xxh3-64 is ``digest``, and its manifest entry.
 
@@ -301,7 +304,7 @@ def _manifest_from_doc(cls: type[Manifest], doc: Any) -> Manifest:
     return manifest
 
 
-def decode_chunk(key: str, manifest: Manifest, index: int, stored: bytes) -> bytes:
+def decode_chunk(key: str, manifest: Manifest, index: int, stored: Stored) -> Stored | bytes:
     """Decompress and verify one stored chunk (blocking: called in a thread)."""
     info = manifest.chunks[index]
     start, end = manifest.chunk_range(index)

@@ -324,6 +324,18 @@ class ObjectStore:
         )
         return await asyncio.to_thread(decode_chunk, key, manifest, index, stored)
 
+    async def read_chunks(
+        self, key: str, manifest: Manifest, first: int, stop: int
+    ) -> list[memoryview | CorruptDataError]:
+        """Chunks ``[first, stop)`` by one ranged GET, each decoded and verified on its own:
+        its plain bytes, or the CorruptDataError it failed with (logged)."""
+        begin = manifest.stored_chunk(first).offset
+        last = manifest.stored_chunk(stop - 1)
+        stored = await self._call(
+            self.remote.get_range, key, begin, last.offset + last.size, what=f"get {key} chunks {first}-{stop - 1}"
+        )
+        return await asyncio.to_thread(_decode_chunks, key, manifest, first, stop, begin, memoryview(stored))
+
     async def read_range(self, key: str, manifest: Manifest | None, start: int, end: int) -> bytes:
         """Logical bytes ``[start, end)`` of ``key``, shorter at the end of the file.
 
@@ -421,6 +433,20 @@ class _ByteBudget:
     def release(self, n: int) -> None:
         self._free += n
         self._changed.set()
+
+
+def _decode_chunks(
+    key: str, manifest: Manifest, first: int, stop: int, begin: int, stored: memoryview
+) -> list[memoryview | CorruptDataError]:
+    """decode_chunk of each chunk in ``stored`` (the stored bytes from offset ``begin`` on; blocking)."""
+    out: list[memoryview | CorruptDataError] = []
+    for index in range(first, stop):
+        span = manifest.stored_chunk(index)
+        try:
+            out.append(memoryview(decode_chunk(key, manifest, index, stored[span.offset - begin :][: span.size])))
+        except CorruptDataError as exc:
+            out.append(exc)
+    return out
 
 
 async def _check_cancel(cancel_check: Callable[[], Awaitable[bool]] | None, key: str) -> None:

@@ -30,7 +30,8 @@ from burstfs.localtier import LocalTier
 from burstfs.objects import ChunkInfo, Manifest, ObjectStore, manifest_key
 from burstfs.remote import FileRemote, RetryPolicy
 from burstfs.remote.s3 import S3Remote
-from burstfs.restore import MAX_OPEN_FDS, MAX_WINDOW_CHUNKS, RestoreService
+from burstfs.restore import MAX_OPEN_FDS, RestoreService
+from burstfs.restore import service as restore_service
 
 T = TypeVar("T")
 
@@ -336,6 +337,45 @@ async def settle(svc: RestoreService) -> None:
         await asyncio.sleep(0.01)
 
 
+def test_one_ranged_get_serves_consecutive_chunks_and_a_bad_one_fails_only_itself(tmp_path: Path) -> None:
+    """A read of 6 chunks from the middle of a file (the file remote: no stream) is one ranged GET;
+    a flipped byte in one of them fails that chunk alone: the others land, verified."""
+    journal = FakeJournal()
+    svc = service(tmp_path, journal)
+    content = os.urandom(12 * CHUNK)
+    gets: list[tuple[int, int]] = []
+    remote = svc.store.remote
+    get_range = remote.get_range
+
+    async def counted(key: str, start: int, end: int) -> bytes:
+        if key == "run.pt":  # not its manifest
+            gets.append((start, end))
+        return await get_range(key, start, end)
+
+    remote.get_range = counted  # type: ignore[method-assign]
+
+    async def body() -> None:
+        await put_with_manifest(svc.store, "run.pt", content)
+        journal.add(4, "run.pt", len(content))
+        stored = tmp_path / "remote" / "run.pt"
+        damaged = bytearray(stored.read_bytes())
+        damaged[5 * CHUNK + 7] ^= 0xFF
+        stored.write_bytes(bytes(damaged))
+        gets.clear()
+        with pytest.raises(CorruptDataError, match=f"bytes {5 * CHUNK}-{6 * CHUNK}"):
+            await svc.ensure_local(4, 3 * CHUNK, 6 * CHUNK)  # chunks 3..8
+        assert gets == [(3 * CHUNK, 9 * CHUNK)]
+        assert svc._files[4].present == {3, 4, 6, 7, 8}
+        assert await svc.ensure_local(4, 6 * CHUNK, 2 * CHUNK) == 0  # the good ones are local: no GET
+        assert gets == [(3 * CHUNK, 9 * CHUNK)]
+        await svc.aclose()
+
+    run_async(body)
+    local = svc.tier.path(4).read_bytes()
+    assert local[3 * CHUNK : 5 * CHUNK] == content[3 * CHUNK : 5 * CHUNK]
+    assert local[6 * CHUNK : 9 * CHUNK] == content[6 * CHUNK : 9 * CHUNK]
+
+
 def test_partial_fetches_of_many_files_hold_a_bounded_number_of_fds(tmp_path: Path) -> None:
     """Reading 4 KiB from each of 300 cold files once took one descriptor per file for good
     (19 -> 319 fds; EMFILE under a 256 limit).  Now at most MAX_OPEN_FDS stay open."""
@@ -459,9 +499,12 @@ def test_object_nobody_recorded_digests_for_is_served_unverified(
     assert svc.tier.path(4).read_bytes() == content
 
 
-def test_sequential_reads_grow_the_prefetch_window_and_a_seek_resets_it(tmp_path: Path) -> None:
-    """The ranged window is half as many chunks as the sequential run has read (up to MAX_WINDOW_CHUNKS),
+def test_sequential_reads_grow_the_prefetch_window_and_a_seek_resets_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ranged window is half as many bytes as the sequential run has read (up to MAX_WINDOW_BYTES),
     none after a seek: a reader that stops has fetched at most about 1.5 times what it read."""
+    monkeypatch.setattr(restore_service, "MAX_WINDOW_BYTES", 16 * CHUNK)
     journal = FakeJournal()
     svc = service(tmp_path, journal)
     content = os.urandom(64 * CHUNK)
@@ -479,13 +522,12 @@ def test_sequential_reads_grow_the_prefetch_window_and_a_seek_resets_it(tmp_path
         assert [await read_chunk(i) for i in range(5)] == [1, 3, 4, 6, 7]
         assert await read_chunk(40) == 8  # a seek: no window (chunk 40 only)
         assert await read_chunk(41) == 10  # sequential again: window 1 (42)
-        for i in range(5, 40):  # the window stops growing at MAX_WINDOW_CHUNKS
+        for i in range(5, 40):  # the window stops growing at MAX_WINDOW_BYTES
             await read_chunk(i)
-        assert svc._files[7].window == MAX_WINDOW_CHUNKS
+        assert svc._files[7].window == 16
         await svc.aclose()
 
     run_async(body)
-    assert MAX_WINDOW_CHUNKS == 16  # the numbers above assume it
     data = svc.tier.path(7).read_bytes()
     assert (
         data[: 40 * CHUNK] == content[: 40 * CHUNK]
@@ -710,7 +752,7 @@ def test_a_stream_left_by_its_reader_ends_and_a_later_read_starts_another(
             assert await svc.ensure_local(5, 0, 100) == S3_CHUNK  # a header read: the stream lands one chunk, waits
             assert svc.streams.active == 1
             assert await svc.ensure_local(6, 0, 2 * S3_CHUNK) == 2 * S3_CHUNK  # no stream slot left: ranged
-            assert gets_of(proxy, "other.pt") == 2
+            assert gets_of(proxy, "other.pt") == 1  # both chunks in one ranged GET, each verified
             svc.streams.idle_s = 0.2
             waiting = svc._files[5].stream
             assert waiting is not None

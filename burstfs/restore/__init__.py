@@ -13,10 +13,12 @@ the chunks covering it, in one of two plans:
   byte that has not landed.  One GET per file is what moto wants (it reads the
   whole object for every ranged GET) and costs real S3 nothing per byte;
 - any other read (mmap, safetensors ``safe_open``, the zip directory at the end
-  of a ``torch.save`` file) fetches the chunks it touches with ranged GETs, and
-  a sequential run grows a prefetch window of half as many chunks as it has
-  read (up to ``MAX_WINDOW_CHUNKS``; none after a seek), so a random reader
-  fetches little more than it touches.
+  of a ``torch.save`` file) fetches the chunks it touches with ranged GETs (one
+  GET for up to ``RANGED_RUN_BYTES`` of consecutive chunks, each chunk verified on
+  its own), and a sequential run grows a prefetch window of half as many bytes
+  as it has read (up to ``MAX_WINDOW_BYTES``; none after a seek), so a random
+  reader fetches little more than it touches.  Chunks are the manifest's 1 MiB
+  blocks where it lists them (uncompressed objects), else its chunks.
 
 Every chunk is checked against the digests recorded at drain time before a
 byte of it is served (a ranged chunk before it lands on the tier; a streamed
@@ -39,7 +41,8 @@ from .state import (
     LAYOUT_KEY,
     MAX_OPEN_FDS,
     MAX_STREAMS,
-    MAX_WINDOW_CHUNKS,
+    MAX_WINDOW_BYTES,
+    RANGED_RUN_BYTES,
     OwnedTasks,
 )
 
@@ -48,7 +51,8 @@ __all__ = [
     "LAYOUT_KEY",
     "MAX_OPEN_FDS",
     "MAX_STREAMS",
-    "MAX_WINDOW_CHUNKS",
+    "MAX_WINDOW_BYTES",
+    "RANGED_RUN_BYTES",
     "OwnedTasks",
     "RestoreService",
 ]

@@ -26,7 +26,8 @@ from .state import (
     LISTING_RETRY,
     MAX_OPEN_FDS,
     MAX_STREAM_LEAD,
-    MAX_WINDOW_CHUNKS,
+    MAX_WINDOW_BYTES,
+    RANGED_RUN_BYTES,
     FileFetch,
     OwnedTasks,
 )
@@ -152,18 +153,24 @@ class RestoreService:
         lead = fetch.size if whole else min(ahead, MAX_STREAM_LEAD)
         stream = fetch.stream
         at_stream = stream is not None and fetch.chunk_start(first) <= stream.limit  # a read the stream is serving
+        wanted = range(first, min(last, fetch.chunks - 1) + 1)
         if (
             self.streams.streaming(fetch)
             and (whole or at_stream or fetch.run_start < fetch.chunk_size)
             and self.streams.stream_to(fetch, first, end + lead)
         ):
             fetch.window = 0
+            needed = self._chunks(fetch, wanted.start, wanted.stop)
         else:
-            fetch.window = min(ahead // 2 // fetch.chunk_size, MAX_WINDOW_CHUNKS)  # prefetches can outlive the reader
-            for i in range(last + 1, min(last + 1 + fetch.window, fetch.chunks)):
-                self._chunk(fetch, i)  # prefetch: not awaited
-        needed = [self._chunk(fetch, i) for i in range(first, min(last, fetch.chunks - 1) + 1)]
-        await asyncio.gather(*needed)
+            needed = self._chunks(fetch, wanted.start, wanted.stop)
+            # Prefetch (not awaited; it can outlive the reader): half of what this run has read.
+            fetch.window = min(ahead // 2, MAX_WINDOW_BYTES) // fetch.chunk_size
+            self._chunks(fetch, last + 1, min(last + 1 + fetch.window, fetch.chunks))
+        outcomes = await asyncio.gather(*needed, return_exceptions=True)
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        # A ranged GET serves several chunks: another chunk's failure does not fail this read.
+        if failed and not all(i in fetch.present for i in wanted):
+            raise failed[0]
         return await self._complete(fetch)
 
     def _contiguous(self, fetch: FileFetch) -> int:
@@ -222,6 +229,31 @@ class RestoreService:
 
     def _chunk(self, fetch: FileFetch, index: int) -> asyncio.Future[None]:
         """A future for chunk ``index`` landing: done, a ranged fetch, or the stream passing it."""
+        return self._chunks(fetch, index, index + 1)[0]
+
+    def _chunks(self, fetch: FileFetch, start: int, stop: int) -> list[asyncio.Future[None]]:
+        """Futures for chunks ``[start, stop)`` landing; the missing ones no fetch or stream
+        covers yet are fetched by ranged GETs of up to RANGED_RUN_BYTES of consecutive chunks."""
+        futures: list[asyncio.Future[None]] = []
+        run: list[int] = []
+        longest = max(1, RANGED_RUN_BYTES // fetch.chunk_size)
+        for index in range(start, stop):
+            underway = self._underway(fetch, index)
+            if underway is None:
+                run.append(index)
+                if len(run) < longest:
+                    continue
+            if run:
+                futures.append(self._fetch_run(fetch, run[0], run[-1] + 1))
+                run = []
+            if underway is not None:
+                futures.append(underway)
+        if run:
+            futures.append(self._fetch_run(fetch, run[0], run[-1] + 1))
+        return futures
+
+    def _underway(self, fetch: FileFetch, index: int) -> asyncio.Future[None] | None:
+        """Chunk ``index`` done, being fetched or passed by the stream: a future for it; else None."""
         if index in fetch.present:
             done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             done.set_result(None)
@@ -239,36 +271,67 @@ class RestoreService:
             if waiter is None:
                 waiter = stream.waiters[index] = asyncio.get_running_loop().create_future()
             return waiter
-        task = self._tasks.start(self._fetch_chunk(fetch, index))
-        fetch.in_flight[index] = task
+        return None
+
+    def _fetch_run(self, fetch: FileFetch, first: int, stop: int) -> asyncio.Task[None]:
+        task = self._tasks.start(self._fetch_chunks(fetch, first, stop))
+        for index in range(first, stop):
+            fetch.in_flight[index] = task
         return task
 
-    async def _fetch_chunk(self, fetch: FileFetch, index: int) -> None:
-        start = index * fetch.chunk_size
-        end = min(start + fetch.chunk_size, fetch.size)
+    async def _fetch_chunks(self, fetch: FileFetch, first: int, stop: int) -> None:
+        """Chunks ``[first, stop)`` by one ranged GET; each that checks out lands and is present,
+        then the first one that did not raises (CorruptDataError)."""
+        problem: BaseException | None = None
         try:
-            async with self._slots:  # held until the chunk is on the tier: bounds fetch memory
-                if fetch.manifest is not None:
-                    data = await self.store.read_chunk(fetch.key, fetch.manifest, index)
-                else:
-                    data = await self.store.read_range(fetch.key, None, start, end)
-                if len(data) != end - start:
+            async with self._slots:  # held until the chunks are on the tier: bounds fetch memory
+                for index, data in await self._read_chunks(fetch, first, stop):
+                    if isinstance(data, BaseException):
+                        problem = problem or data
+                        continue
+                    start = fetch.chunk_start(index)
+                    await self.data_files.write(fetch, data, start)
+                    fetch.present.add(index)
+                    self._ranged_bytes += len(data)
+        finally:
+            for index in range(first, stop):
+                fetch.in_flight.pop(index, None)
+        if problem is not None:
+            raise problem
+
+    async def _read_chunks(
+        self, fetch: FileFetch, first: int, stop: int
+    ) -> list[tuple[int, bytes | memoryview | CorruptDataError]]:
+        """Each chunk's verified bytes, or why it is not right."""
+        start, end = fetch.chunk_start(first), fetch.chunk_start(stop)
+        if fetch.manifest is not None:
+            chunks = await self.store.read_chunks(fetch.key, fetch.manifest, first, stop)
+            return list(zip(range(first, stop), chunks, strict=True))
+        data = memoryview(await self.store.read_range(fetch.key, None, start, end))
+        out: list[tuple[int, bytes | memoryview | CorruptDataError]] = []
+        for index in range(first, stop):
+            at, to = fetch.chunk_start(index) - start, fetch.chunk_start(index + 1) - start
+            piece = data[at:to]
+            try:
+                if len(piece) != to - at:
                     log.error(
                         "event=corrupt_data key=%s ino=%d range=%d-%d problem=%r",
                         fetch.key,
                         fetch.ino,
-                        start,
-                        end,
-                        f"remote returned {len(data)} bytes",
+                        at + start,
+                        to + start,
+                        f"remote returned {len(piece)} bytes",
                     )
-                    raise CorruptDataError(f"{fetch.key} bytes {start}-{end}: remote returned {len(data)} bytes")
+                    raise CorruptDataError(
+                        f"{fetch.key} bytes {at + start}-{to + start}: remote returned {len(piece)} bytes"
+                    )
                 if fetch.expected_chunks is not None:
-                    await check_journal_chunk(fetch, index, data)
-                await self.data_files.write(fetch, data, start)
-            fetch.present.add(index)
-            self._ranged_bytes += len(data)
-        finally:
-            fetch.in_flight.pop(index, None)
+                    await check_journal_chunk(fetch, index, piece)
+            except CorruptDataError as exc:
+                out.append((index, exc))
+                continue
+            out.append((index, piece))
+        return out
 
     async def _complete(self, fetch: FileFetch) -> int:
         """The contiguous local prefix; the file is recorded local once all chunks are (and checked out)."""

@@ -71,7 +71,7 @@ def check_digest(fetch: FileFetch, index: int, digest: str) -> None:
     )
 
 
-async def check_journal_chunk(fetch: FileFetch, index: int, data: bytes) -> None:
+async def check_journal_chunk(fetch: FileFetch, index: int, data: bytes | memoryview) -> None:
     check_digest(fetch, index, await asyncio.to_thread(xxhash.xxh3_64_hexdigest, data))
 
 
