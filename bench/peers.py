@@ -22,7 +22,14 @@ Cases, per contender, in this order (the durable cases write what the cold cases
   6. cold ``torch.load(mmap=True)`` of the checkpoint, then one tensor summed, and
   7. cold safetensors ``safe_open`` of ``model.safetensors`` (written with the checkpoint, not
      timed there), one tensor read: burstfs only; reported with the bytes the daemon fetched
-     (allocated bytes of the reader's tier) over the bytes the reader touched (target <= 2x).
+     (allocated bytes of the reader's tier) over the bytes the reader touched (target <= 2x);
+  8. PyTorch DCP ``dcp.save`` of the state dict as ``--ranks`` files (one process,
+     ``FileSystemWriter(thread_count=ranks)``) -> durable (reference: save to tmpfs, upload the files
+     at once), and
+  9. cold ``dcp.load`` of it in one process, which reads its ``.metadata`` and then walks the
+     files one by one (reference: download the files at once, then ``dcp.load`` from tmpfs).
+     burstfs and the reference only; when this case is chosen with ``--case``, also
+     ``burstfs --no-read-plans`` (no prefetch planned from the ``.metadata``).
 Also per burstfs mount: daemon CPU seconds per GiB restored in each read case, and peak RSS.
 Ratios are to the reference.  ``--size`` preset ``issue`` = the issue's 1 GiB / 8 x 128 MiB.
 ``--py-spy DIR`` records the default burstfs mount's daemon (py-spy, raw collapsed stacks,
@@ -121,8 +128,37 @@ class Contender:
     def cold_safetensors(self) -> float:
         return float("nan")
 
+    def dcp_durable(self, sd: dict[str, Any], files: int) -> float:
+        return float("nan")
+
+    def cold_dcp_load(self, sd: dict[str, Any]) -> float:
+        return float("nan")
+
     def close(self) -> None:
         pass
+
+
+def dcp_save(sd: dict[str, Any], path: Path, files: int) -> list[str]:
+    """One process saves ``sd`` with DCP as ``files`` files (and ``.metadata``); their names."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path), thread_count=files))
+    return sorted(p.name for p in path.iterdir())
+
+
+def dcp_load(sd: dict[str, Any], path: Path) -> None:
+    """One process loads ``path`` into ``sd`` in place: ``.metadata``, then the files one by one."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
 
 
 class Reference(Contender):
@@ -136,6 +172,7 @@ class Reference(Contender):
         self.client, self.bucket, self.prefix = s3_client(endpoint), bucket, "reference"
         self.config = TransferConfig(multipart_threshold=PART, multipart_chunksize=PART, max_concurrency=THREADS)
         self.dir = fresh_base("ref")
+        self.dcp_files: list[str] = []  # what dcp_durable uploaded
 
     def _upload(self, names: list[str]) -> None:
         def one(name: str) -> None:
@@ -186,6 +223,20 @@ class Reference(Contender):
     def prefetch(self) -> float:
         seconds = timed(functools.partial(self._download, ["ckpt.pt"]))
         (self.dir / "ckpt.pt").unlink()
+        return seconds
+
+    def dcp_durable(self, sd: dict[str, Any], files: int) -> float:
+        start = time.perf_counter()
+        self.dcp_files = [f"dcp/{name}" for name in dcp_save(sd, self.dir / "dcp", files)]
+        self._upload(self.dcp_files)
+        return time.perf_counter() - start
+
+    def cold_dcp_load(self, sd: dict[str, Any]) -> float:
+        start = time.perf_counter()
+        self._download(self.dcp_files)
+        dcp_load(sd, self.dir / "dcp")
+        seconds = time.perf_counter() - start
+        shutil.rmtree(self.dir / "dcp")
         return seconds
 
     def close(self) -> None:
@@ -391,6 +442,20 @@ class Burstfs(MountContender):
             with self.measured("cold safetensors: one tensor") as touched:
                 return timed(functools.partial(touch_one_tensor_safetensors, mnt / "model.safetensors", touched))
 
+    def dcp_durable(self, sd: dict[str, Any], files: int) -> float:
+        with self.mounted() as mnt:
+            start = time.perf_counter()
+            names = dcp_save(sd, mnt / "dcp", files)
+            self.wait_durable(names)
+            return time.perf_counter() - start
+
+    def cold_dcp_load(self, sd: dict[str, Any]) -> float:
+        with self.mounted() as mnt:
+            drop_page_cache()
+            with self.profiled("cold_dcp_load"), self.measured("cold dcp.load") as touched:
+                touched.extend(p.stat().st_size for p in (mnt / "dcp").iterdir())
+                return timed(functools.partial(dcp_load, sd, mnt / "dcp"))
+
 
 ONE_TENSOR = "layer7.weight"  # in the middle of the file: neither the header nor the zip directory's chunk
 
@@ -513,6 +578,8 @@ CASES: list[tuple[str, Callable[[Contender, dict[str, Any], argparse.Namespace],
     ("prefetch", lambda c, sd, a: c.prefetch()),
     ("cold mmap: one tensor", lambda c, sd, a: c.cold_mmap_tensor()),
     ("cold safetensors: one tensor", lambda c, sd, a: c.cold_safetensors()),
+    ("DCP save -> durable", lambda c, sd, a: c.dcp_durable(sd, a.ranks)),
+    ("cold dcp.load", lambda c, sd, a: c.cold_dcp_load(sd)),
 ]
 
 
@@ -549,6 +616,8 @@ def contenders(endpoint: str, bucket: str, args: argparse.Namespace) -> tuple[li
         Burstfs("burstfs", "burstfs", endpoint, bucket, (), args.py_spy),
         Burstfs("burstfs --no-passthrough", "burstfs-nopt", endpoint, bucket, ("--no-passthrough",)),
     ]
+    if args.case and "cold dcp.load" in args.case:
+        found.append(Burstfs("burstfs --no-read-plans", "burstfs-noplans", endpoint, bucket, ("--no-read-plans",)))
     skipped: list[str] = []
     if args.py_spy is not None and shutil.which("py-spy", path=str(Path(sys.executable).parent)) is None:
         skipped.append(f"py-spy profile: no py-spy next to {sys.executable} (pip install py-spy)")
@@ -624,6 +693,8 @@ def main() -> None:
         "prefetch": f"`burstfs-admin prefetch` {args.size_mib} MiB (reference: download_file)",
         "cold mmap: one tensor": f"cold `torch.load(mmap=True)` {args.size_mib} MiB, one tensor",
         "cold safetensors: one tensor": f"cold safetensors `safe_open` {args.size_mib} MiB, one tensor",
+        "DCP save -> durable": f"DCP save {args.size_mib} MiB as {args.ranks} files -> durable",
+        "cold dcp.load": f"cold `dcp.load` {args.size_mib} MiB, {args.ranks} files, one process",
     }
     med = {n: {case: median(v) for case, v in t.items()} for n, t in times.items()}
     if args.json:

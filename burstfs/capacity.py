@@ -52,7 +52,8 @@ class TierCapacity:
         self._space_freed = trio.Event()
         self._full_waited: dict[int, float] = {}  # ino -> seconds its writes waited on a full tier
 
-    def _fits(self, nbytes: int) -> bool:
+    def fits(self, nbytes: int) -> bool:
+        """``nbytes`` more fit on the tier now, without evicting anything."""
         limit = self.policy.cache_size
         if limit is not None and self.local_bytes + nbytes > limit:
             return False
@@ -72,13 +73,13 @@ class TierCapacity:
         file has hit ENOSPC its writes that do not fit fail at once, until it is
         emptied (truncate to 0, ``O_TRUNC``).
         """
-        if not self._fits(nbytes):
+        if not self.fits(nbytes):
             spent = self._full_waited.get(inode.ino, 0.0) if inode is not None else 0.0
             started = time.monotonic()
             deadline = started + max(0.0, self.policy.full_timeout - spent)
             waited = False
             try:
-                while not self._fits(nbytes) and not await self._evict_for(nbytes):
+                while not self.fits(nbytes) and not await self._evict_for(nbytes):
                     if time.monotonic() >= deadline:
                         if spent < self.policy.full_timeout:
                             log.error(
@@ -202,10 +203,10 @@ class TierCapacity:
                 candidates.append((inode.last_access if self.policy.evict == "lru" else close_seq, inode))
         candidates.sort(key=lambda c: c[0])
         for _, inode in candidates:
-            if self._fits(nbytes):
+            if self.fits(nbytes):
                 break
             await self._evict(inode)
-        return self._fits(nbytes)
+        return self.fits(nbytes)
 
     async def _evict(self, inode: Inode) -> int:
         changed = await trio.to_thread.run_sync(self.journal.evict, inode.ino, inode.generation)

@@ -82,6 +82,11 @@ def _mountpoint_command(config_help: str) -> Callable[[Callable[..., Any]], clic
     is_flag=True,
     help="Serve file data through the daemon even where FUSE passthrough is available (slower).",
 )
+@click.option(
+    "--no-read-plans",
+    is_flag=True,
+    help="Do not fetch ahead the shards a checkpoint's index names when a reader walks them.",
+)
 @click.option("--cache-size", default=None, help="Bytes of the local tier to use (e.g. 20G); default: all of it.")
 @click.option(
     "--min-free", default="0", show_default=True, help="Free space the local tier's file system keeps (e.g. 2G)."

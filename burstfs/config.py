@@ -201,6 +201,7 @@ class MountConfig:
     fsync_remote: fsync(2) waits until the file is durable on the remote.
     writeback_cache: let the kernel buffer writes (large, batched writes to us).
     passthrough: let the kernel read and write local files on the tier itself (FUSE passthrough).
+    read_plans: fetch ahead the files a checkpoint's index names once a reader walks them (readplans.py).
     tier: how the local tier is kept from overflowing.
     list_ttl: seconds a directory's remote listing stays fresh.
     read_ahead: kernel readahead of the mount, bytes.
@@ -218,6 +219,7 @@ class MountConfig:
     allow_other: bool = False
     writeback_cache: bool = True
     passthrough: bool = True
+    read_plans: bool = True
     list_ttl: float = 30.0
     read_ahead: int = 1 << 20
     log_level: str = "INFO"

@@ -191,6 +191,7 @@ def build_config(values: dict[str, Any]) -> MountConfig:
         allow_other=values["allow_other"],
         writeback_cache=not values["no_writeback_cache"],
         passthrough=not values["no_passthrough"],
+        read_plans=not values["no_read_plans"],
         list_ttl=values["list_ttl"],
         read_ahead=size("read_ahead", "read-ahead"),
         log_level=values["log_level"].upper(),

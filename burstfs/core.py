@@ -35,6 +35,7 @@ from .localtier import LocalTier
 from .namespace import Namespace
 from .nodes import Inode, Undo
 from .publish import Publisher
+from .readplans import ReadPlans
 from .xattrs import ExtendedAttributes
 
 
@@ -93,6 +94,7 @@ class BurstCore:
             offload_writes=offload_writes,
             digest_chunk_size=digest_chunk_size,
         )
+        self.plans = ReadPlans(self.namespace, self.data, self.capacity)  # run by the daemon's nursery
 
     # -- names (burstfs/namespace.py) -------------------------------------------------
 
@@ -213,7 +215,10 @@ class BurstCore:
     # -- file data (burstfs/datapath.py) ----------------------------------------------
 
     async def open(self, ino: int, flags: int) -> int:
-        return await self.data.open(ino, flags)
+        fh = await self.data.open(ino, flags)
+        handle = self.data.handles[fh]
+        self.plans.opened(handle.inode, handle.writable)
+        return fh
 
     def backing_id(self, fh: int) -> int:
         """The passthrough backing id of a handle; 0 when its I/O comes to the daemon."""
@@ -241,7 +246,10 @@ class BurstCore:
         await self.data.flush(fh)
 
     async def release(self, fh: int) -> None:
+        handle = self.data.handles.get(fh)
         await self.data.release(fh)
+        if handle is not None:
+            self.plans.closed(handle.inode)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         await self.data.fsync(fh, datasync)

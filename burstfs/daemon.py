@@ -239,6 +239,8 @@ async def serve(config: MountConfig, ops: BurstOperations, on_ready: Callable[[]
         if metrics is not None:
             nursery.start_soon(metrics.run)
         await nursery.start(core.committer.run)
+        if config.read_plans and core.links.fetcher is not None:
+            await nursery.start(core.plans.run)
         await nursery.start(serve_control, config, core, drain)
         nursery.start_soon(_stop_on_signals, nursery.cancel_scope)
         nursery.start_soon(set_read_ahead, config.mountpoint, config.read_ahead, ops.initialized)

@@ -1,0 +1,210 @@
+"""Prefetch planned from a checkpoint's index: a reader walking the shards finds them fetched.
+
+A framework restoring a sharded checkpoint reads its index first (PyTorch DCP's
+``.metadata``, a Hugging Face ``*.index.json`` with its ``weight_map``), then
+the shards it names, one after another.  Each shard then streams at one GET's
+speed while the others wait.  Here the core notes which files an index names
+(its directory's *plan*), and once this node walks the plan, that is opens a
+named file after it closed another one, the next few named files that are
+only on the remote are fetched in the background, a few at a time.
+
+Why not fetch every named file as soon as the index is read: on a cluster every
+rank reads the index and then only its own shards, so each node would fetch the
+whole checkpoint.  Ranks of one node open their shards side by side, without
+closing one first, so they trigger nothing; a walker costs at most
+``AHEAD_FILES`` files it may not read.  A plan never makes room on the tier (it
+fetches only what fits without evicting or waiting) and never delays a request:
+opens and closes only note names; reading and parsing the index and the fetches
+run in :meth:`ReadPlans.run`, a task of the daemon's nursery.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import pickletools
+
+import trio
+
+from .capacity import TierCapacity
+from .datapath import DataPath
+from .errors import BurstfsError
+from .namespace import Namespace
+from .nodes import Inode
+
+log = logging.getLogger("burstfs.readplans")
+
+AHEAD_FILES = 4  # files fetched ahead of the one a walker opened (and at once)
+MAX_INDEX_BYTES = 64 << 20  # a bigger "index" is not one: it is not parsed
+MAX_PLANS = 64  # directories whose plans are remembered (least recently planned dropped)
+QUEUED = 256  # notes waiting for the planner; more are dropped, never waited for
+
+
+def index_kind(name: bytes) -> str | None:
+    """What kind of checkpoint index a file of this name is (None: not one)."""
+    if name == b".metadata":
+        return "dcp"
+    if name.endswith(b".index.json"):
+        return "weight_map"
+    return None
+
+
+def named_files(kind: str, data: bytes) -> list[bytes]:
+    """File names an index names, in its order (duplicates dropped).
+
+    A DCP ``.metadata`` is a pickle: its opcodes are read without running it and
+    its string constants are candidates (those naming no file of the directory
+    are dropped by the caller).  A ``weight_map`` maps tensors to file names.
+    Names with a path separator are not followed.
+    """
+    names: list[str] = []
+    if kind == "dcp":
+        try:
+            names = [arg for _, arg, _ in pickletools.genops(data) if isinstance(arg, str)]
+        except (ValueError, EOFError, UnicodeDecodeError):
+            return []
+    else:
+        try:
+            weight_map = json.loads(data).get("weight_map")
+        except (ValueError, AttributeError):
+            return []
+        if isinstance(weight_map, dict):
+            names = [value for value in weight_map.values() if isinstance(value, str)]
+    plain = (os.fsencode(name) for name in names if name and "/" not in name and name not in (".", ".."))
+    return list(dict.fromkeys(plain))
+
+
+class Plan:
+    """The files one directory's index names, and which of them this node has closed."""
+
+    def __init__(self, index: Inode, names: list[bytes]) -> None:
+        self.index_ino = index.ino
+        self.index_version = (index.size, index.mtime_ns)
+        self.names = names
+        self.position = {name: i for i, name in enumerate(names)}
+        self.closed: set[bytes] = set()
+
+
+class ReadPlans:
+    """Plans of the directories whose index was opened, and the task that fetches ahead."""
+
+    def __init__(self, namespace: Namespace, data: DataPath, capacity: TierCapacity) -> None:
+        self.namespace = namespace
+        self.data = data
+        self.capacity = capacity
+        self.plans: collections.OrderedDict[int, Plan] = collections.OrderedDict()  # directory ino -> plan
+        self._fetching: set[int] = set()  # inos a plan is fetching now
+        self._send, self._receive = trio.open_memory_channel[tuple[str, Inode]](QUEUED)
+        self.fetched_files = 0  # fetched ahead by plans (status, tests)
+
+    # -- notes from the request path (never wait) ----------------------------------------
+
+    def opened(self, inode: Inode, writable: bool) -> None:
+        """A file was opened: an index is read and planned, a walker's next files fetched."""
+        if writable or self.data.links.fetcher is None or not inode.parent:
+            return
+        kind = index_kind(inode.name)
+        if kind is not None:
+            plan = self.plans.get(inode.parent)
+            if plan is None or plan.index_ino != inode.ino or plan.index_version != (inode.size, inode.mtime_ns):
+                self._note("index", inode)
+            return
+        plan = self.plans.get(inode.parent)
+        if plan is not None and inode.name in plan.position and plan.closed - {inode.name}:
+            self._note("walk", inode)
+
+    def closed(self, inode: Inode) -> None:
+        """A handle of a file was released: a named file closed is a step of a walk."""
+        plan = self.plans.get(inode.parent) if inode.parent else None
+        if plan is not None and inode.name in plan.position:
+            plan.closed.add(inode.name)
+
+    def _note(self, what: str, inode: Inode) -> None:
+        try:
+            self._send.send_nowait((what, inode))
+        except trio.WouldBlock:
+            log.debug("event=read_plan_note_dropped what=%s ino=%d", what, inode.ino)
+
+    # -- the planner's task ---------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Plan indexes and fetch ahead of walkers until cancelled (a daemon nursery task)."""
+        limiter = trio.CapacityLimiter(AHEAD_FILES)
+        async with trio.open_nursery() as fetches:
+            task_status.started()
+            async for what, inode in self._receive:
+                if what == "index":
+                    await self._plan(inode)
+                else:
+                    for ahead in self._ahead_of(inode):
+                        self._fetching.add(ahead.ino)
+                        fetches.start_soon(self._fetch, ahead, limiter)
+
+    async def _plan(self, index: Inode) -> None:
+        """Read ``index`` (fetching it: its reader needs it anyway) and remember what it names."""
+        kind = index_kind(index.name)
+        if kind is None or not index.parent or index.size > MAX_INDEX_BYTES:
+            return
+        try:
+            await self.data.ensure_local(index)
+            data = await trio.to_thread.run_sync(_read_head, self.data.tier.path(index.ino), index.size)
+            names = await trio.to_thread.run_sync(named_files, kind, data)
+        except (BurstfsError, OSError) as exc:
+            log.info("event=read_plan_skipped ino=%d error=%s", index.ino, exc)
+            return
+        directory = self.namespace.inodes.get(index.parent)
+        if directory is None or directory.children is None:
+            return
+        children = directory.children
+        files = [name for name in names if name in children and self._is_file(children[name])]
+        if not files:
+            return
+        self.plans[index.parent] = Plan(index, files)
+        self.plans.move_to_end(index.parent)
+        while len(self.plans) > MAX_PLANS:
+            self.plans.popitem(last=False)
+        log.info("event=read_plan dir_ino=%d index=%s kind=%s files=%d", index.parent, index.name, kind, len(files))
+
+    def _is_file(self, ino: int) -> bool:
+        inode = self.namespace.inodes.get(ino)
+        return inode is not None and inode.kind == "file"
+
+    def _ahead_of(self, inode: Inode) -> list[Inode]:
+        """The next ``AHEAD_FILES`` files of the plan after ``inode`` that are only on the remote."""
+        plan = self.plans.get(inode.parent)
+        directory = self.namespace.inodes.get(inode.parent)
+        if plan is None or directory is None or directory.children is None or inode.name not in plan.position:
+            return []
+        ahead: list[Inode] = []
+        for name in plan.names[plan.position[inode.name] + 1 : plan.position[inode.name] + 1 + AHEAD_FILES]:
+            ino = directory.children.get(name)
+            candidate = self.namespace.inodes.get(ino) if ino is not None else None
+            if candidate is None or candidate.kind != "file" or candidate.local or candidate.ino in self._fetching:
+                continue
+            ahead.append(candidate)
+        return ahead
+
+    async def _fetch(self, inode: Inode, limiter: trio.CapacityLimiter) -> None:
+        try:
+            async with limiter:
+                if inode.local or not inode.named:
+                    return
+                if not self.capacity.fits(inode.size - inode.accounted):
+                    log.info("event=read_plan_fetch_skipped ino=%d reason=tier_has_no_room", inode.ino)
+                    return
+                await self.data.ensure_local(inode)
+                self.fetched_files += 1
+                log.debug("event=read_plan_fetched ino=%d bytes=%d", inode.ino, inode.size)
+        except (BurstfsError, OSError) as exc:  # its reader meets the error itself, if it reads
+            log.warning("event=read_plan_fetch_failed ino=%d error=%s", inode.ino, exc)
+        finally:
+            self._fetching.discard(inode.ino)
+
+
+def _read_head(path: os.PathLike[str], size: int) -> bytes:
+    """The first ``size`` bytes of a data file, through a descriptor of its own (the
+    tier's may be closed by a release while this worker thread reads)."""
+    with open(path, "rb") as f:
+        return f.read(size)

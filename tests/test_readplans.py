@@ -1,0 +1,134 @@
+"""Prefetch planned from a checkpoint's index (burstfs/readplans.py).
+
+What an index names (pure), and through real mounts on a second node: a reader
+walking the shards an index names finds the next ones fetched, while ranks that
+open their own shards side by side trigger nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import time
+from pathlib import Path
+
+import pytest
+from conftest import MountedFS, RemoteTarget, wait_for
+
+from burstfs.readplans import AHEAD_FILES, index_kind, named_files
+
+MiB = 1 << 20
+SHARDS = [f"__{rank}_0.distcp".encode() for rank in range(8)]
+
+
+class StorageInfo:
+    """Stands in for DCP's ``_StorageInfo`` (what the pickle names is what matters)."""
+
+    def __init__(self, relative_path: str, offset: int, length: int) -> None:
+        self.relative_path, self.offset, self.length = relative_path, offset, length
+
+
+def dcp_metadata(names: list[bytes]) -> bytes:
+    storage = {("model.w", i): StorageInfo(os.fsdecode(name), 0, 4 * MiB) for i, name in enumerate(names)}
+    return pickle.dumps({"state_dict_metadata": {"model.w": "tensor"}, "storage_data": storage, "version": "1.0.0"})
+
+
+def test_index_kinds() -> None:
+    assert index_kind(b".metadata") == "dcp"
+    assert index_kind(b"model.safetensors.index.json") == "weight_map"
+    assert index_kind(b"pytorch_model.bin.index.json") == "weight_map"
+    assert index_kind(b"model.safetensors") is None
+    assert index_kind(b"metadata") is None
+
+
+def test_a_dcp_metadata_names_its_files_in_order_without_being_unpickled() -> None:
+    data = dcp_metadata(SHARDS + SHARDS[:2])
+    names = named_files("dcp", data)
+    assert [n for n in names if n.endswith(b".distcp")] == SHARDS  # each once, in the pickle's order
+    # A pickle that would run code when loaded is only read here: nothing runs.
+    evil = pickle.dumps(type("Evil", (), {"__reduce__": lambda self: (os.system, ("false",))})())
+    assert b"false" in named_files("dcp", evil)
+
+
+def test_a_weight_map_names_its_shards_and_nothing_outside_the_directory() -> None:
+    doc = {
+        "metadata": {"total_size": 3},
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+            "c": "model-00001-of-00002.safetensors",
+            "d": "../elsewhere.safetensors",
+            "e": 7,
+        },
+    }
+    assert named_files("weight_map", json.dumps(doc).encode()) == [
+        b"model-00001-of-00002.safetensors",
+        b"model-00002-of-00002.safetensors",
+    ]
+
+
+@pytest.mark.parametrize("data", [b"", b"not a pickle", b"\x80\x04\x95garbage", b"[1, 2]", b"{"])
+def test_a_damaged_index_is_no_plan_and_no_error(data: bytes) -> None:
+    assert named_files("dcp", data) == []
+    assert named_files("weight_map", data) == []
+
+
+def write_dcp_checkpoint(fs: MountedFS) -> dict[bytes, bytes]:
+    directory = fs.path / "ckpt" / "step5"
+    directory.mkdir(parents=True)
+    shards = {name: os.urandom(4 * MiB) for name in SHARDS}
+    for name, content in shards.items():
+        (directory / os.fsdecode(name)).write_bytes(content)
+    (directory / ".metadata").write_bytes(dcp_metadata(SHARDS))
+    wait_for(
+        lambda: all(os.getxattr(p, "user.burstfs.state") == b"durable" for p in directory.iterdir()),
+        what="drain",
+    )
+    return shards
+
+
+def states(directory: Path) -> dict[bytes, str]:
+    return {name: os.getxattr(directory / os.fsdecode(name), "user.burstfs.state").decode() for name in SHARDS}
+
+
+@pytest.mark.fuse
+def test_a_reader_walking_the_shards_finds_the_next_ones_fetched(
+    mounted_factory: type[MountedFS], remote: RemoteTarget
+) -> None:
+    writer = mounted_factory("w", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    writer.mount()
+    shards = write_dcp_checkpoint(writer)
+    reader = mounted_factory("r", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    reader.mount()
+    directory = reader.path / "ckpt" / "step5"
+    assert (directory / ".metadata").read_bytes() == dcp_metadata(SHARDS)
+    assert set(states(directory).values()) == {"remote"}
+    assert (directory / os.fsdecode(SHARDS[0])).read_bytes() == shards[SHARDS[0]]
+    time.sleep(0.5)  # one shard read to its end and closed is not a walk yet
+    assert [s for s in states(directory).values()] == ["durable"] + ["remote"] * 7
+    with open(directory / os.fsdecode(SHARDS[1]), "rb") as second:  # a named file opened after another closed
+        ahead = SHARDS[2 : 2 + AHEAD_FILES]
+        wait_for(lambda: all(states(directory)[n] == "durable" for n in ahead), what="the next shards fetched")
+        assert second.read() == shards[SHARDS[1]]
+    assert all(states(directory)[n] == "remote" for n in SHARDS[2 + AHEAD_FILES :])  # no further than ahead
+    for name, content in shards.items():  # every shard still reads back exactly (fetched ahead or not)
+        assert (directory / os.fsdecode(name)).read_bytes() == content
+
+
+@pytest.mark.fuse
+def test_ranks_opening_their_own_shards_side_by_side_fetch_nothing_ahead(mounted_factory: type[MountedFS]) -> None:
+    writer = mounted_factory("w")
+    writer.mount()
+    write_dcp_checkpoint(writer)
+    reader = mounted_factory("r", writer.remote_url)  # type: ignore[call-arg]
+    reader.mount()
+    directory = reader.path / "ckpt" / "step5"
+    (directory / ".metadata").read_bytes()
+    with contextlib.ExitStack() as stack:  # ranks 0-3 of this node, each on its own shard
+        files = [stack.enter_context(open(directory / os.fsdecode(name), "rb")) for name in SHARDS[:4]]
+        for f in files:
+            f.read(MiB)
+    time.sleep(1.0)
+    assert all(state == "remote" for state in list(states(directory).values())[4:])
