@@ -97,13 +97,13 @@ class ReadPlans:
         self.plans: collections.OrderedDict[int, Plan] = collections.OrderedDict()  # directory ino -> plan
         self._fetching: set[int] = set()  # inos a plan is fetching now
         self._send, self._receive = trio.open_memory_channel[tuple[str, Inode]](QUEUED)
-        self.fetched_files = 0  # fetched ahead by plans (status, tests)
+        self.running = False  # run() is serving notes (a remote is configured, plans are on)
 
     # -- notes from the request path (never wait) ----------------------------------------
 
     def opened(self, inode: Inode, writable: bool) -> None:
         """A file was opened: an index is read and planned, a walker's next files fetched."""
-        if writable or self.data.links.fetcher is None or not inode.parent:
+        if writable or not self.running or not inode.parent:
             return
         kind = index_kind(inode.name)
         if kind is not None:
@@ -132,15 +132,19 @@ class ReadPlans:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Plan indexes and fetch ahead of walkers until cancelled (a daemon nursery task)."""
         limiter = trio.CapacityLimiter(AHEAD_FILES)
-        async with trio.open_nursery() as fetches:
-            task_status.started()
-            async for what, inode in self._receive:
-                if what == "index":
-                    await self._plan(inode)
-                else:
-                    for ahead in self._ahead_of(inode):
-                        self._fetching.add(ahead.ino)
-                        fetches.start_soon(self._fetch, ahead, limiter)
+        try:
+            async with trio.open_nursery() as fetches:
+                self.running = True
+                task_status.started()
+                async for what, inode in self._receive:
+                    if what == "index":
+                        await self._plan(inode)
+                    else:
+                        for ahead in self._ahead_of(inode):
+                            self._fetching.add(ahead.ino)
+                            fetches.start_soon(self._fetch, ahead, limiter)
+        finally:
+            self.running = False
 
     async def _plan(self, index: Inode) -> None:
         """Read ``index`` (fetching it: its reader needs it anyway) and remember what it names."""
@@ -195,7 +199,6 @@ class ReadPlans:
                     log.info("event=read_plan_fetch_skipped ino=%d reason=tier_has_no_room", inode.ino)
                     return
                 await self.data.ensure_local(inode)
-                self.fetched_files += 1
                 log.debug("event=read_plan_fetched ino=%d bytes=%d", inode.ino, inode.size)
         except (BurstfsError, OSError) as exc:  # its reader meets the error itself, if it reads
             log.warning("event=read_plan_fetch_failed ino=%d error=%s", inode.ino, exc)
