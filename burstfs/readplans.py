@@ -158,6 +158,9 @@ class ReadPlans:
         except (BurstfsError, OSError) as exc:
             log.info("event=read_plan_skipped ino=%d error=%s", index.ino, exc)
             return
+        except Exception:  # a bug here must not end the mount: plans only save time
+            log.exception("event=read_plan_bug ino=%d", index.ino)
+            return
         directory = self.namespace.inodes.get(index.parent)
         if directory is None or directory.children is None:
             return
@@ -202,6 +205,8 @@ class ReadPlans:
                 log.debug("event=read_plan_fetched ino=%d bytes=%d", inode.ino, inode.size)
         except (BurstfsError, OSError) as exc:  # its reader meets the error itself, if it reads
             log.warning("event=read_plan_fetch_failed ino=%d error=%s", inode.ino, exc)
+        except Exception:  # a bug here must not end the mount: plans only save time
+            log.exception("event=read_plan_bug ino=%d", inode.ino)
         finally:
             self._fetching.discard(inode.ino)
 

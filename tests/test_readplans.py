@@ -8,6 +8,7 @@ open their own shards side by side trigger nothing.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import pickle
@@ -132,3 +133,31 @@ def test_ranks_opening_their_own_shards_side_by_side_fetch_nothing_ahead(mounted
             f.read(MiB)
     time.sleep(1.0)
     assert all(state == "remote" for state in list(states(directory).values())[4:])
+
+
+@pytest.mark.fuse
+def test_a_corrupt_shard_fetched_ahead_fails_only_its_own_read(mounted_factory: type[MountedFS]) -> None:
+    writer = mounted_factory("w")
+    writer.mount()
+    shards = write_dcp_checkpoint(writer)
+    bad = SHARDS[3]
+    object_path = writer.remote_dir / "ckpt" / "step5" / os.fsdecode(bad)
+    flipped = bytearray(object_path.read_bytes())
+    flipped[MiB + 5] ^= 0xFF
+    object_path.write_bytes(bytes(flipped))
+    reader = mounted_factory("r", writer.remote_url)  # type: ignore[call-arg]
+    reader.mount()
+    reader.expect_log("checksum")
+    reader.expect_log("read_plan_fetch_failed")
+    reader.expect_log("request_failed")
+    directory = reader.path / "ckpt" / "step5"
+    (directory / ".metadata").read_bytes()
+    assert (directory / os.fsdecode(SHARDS[0])).read_bytes() == shards[SHARDS[0]]
+    assert (directory / os.fsdecode(SHARDS[1])).read_bytes() == shards[SHARDS[1]]  # the walk: 2-5 fetched ahead
+    wait_for(lambda: "event=read_plan_fetch_failed" in reader.log_text(), what="the planned fetch of the bad shard")
+    assert states(directory)[SHARDS[2]] == "durable"
+    with pytest.raises(OSError) as err:  # its reader gets the error, never the flipped byte
+        (directory / os.fsdecode(bad)).read_bytes()
+    assert err.value.errno == errno.EIO
+    for name in SHARDS[4:]:  # the mount and the walk go on
+        assert (directory / os.fsdecode(name)).read_bytes() == shards[name]
