@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,28 @@ def test_a_corrupt_shard_fetched_ahead_fails_only_its_own_read(mounted_factory: 
     assert err.value.errno == errno.EIO
     for name in SHARDS[4:]:  # the mount and the walk go on
         assert (directory / os.fsdecode(name)).read_bytes() == shards[name]
+
+
+@pytest.mark.fuse
+def test_dcp_load_in_one_process_restores_through_a_planned_walk(mounted_factory: type[MountedFS]) -> None:
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    state = {f"layer{i}.weight": torch.randn(256 * 1024) for i in range(8)}
+    writer = mounted_factory("w")
+    writer.mount()
+    directory = writer.path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), thread_count=4))
+    names = sorted(p.name for p in directory.iterdir())
+    assert names == [".metadata", "__0_0.distcp", "__0_1.distcp", "__0_2.distcp", "__0_3.distcp"]
+    wait_for(lambda: all(os.getxattr(directory / n, "user.burstfs.state") == b"durable" for n in names), what="drain")
+    reader = mounted_factory("r", writer.remote_url)  # type: ignore[call-arg]
+    reader.mount()
+    loaded = {name: torch.zeros_like(t) for name, t in state.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(reader.path / "dcp")))
+    assert all(torch.equal(loaded[name], state[name]) for name in state)
+    assert "event=read_plan " in reader.log_text() and "kind=dcp files=4" in reader.log_text()
