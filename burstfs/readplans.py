@@ -6,7 +6,8 @@ the shards it names, one after another.  Each shard then streams at one GET's
 speed while the others wait.  Here the core notes which files an index names
 (its directory's *plan*), and once this node walks the plan, that is opens a
 named file after it closed another one, the next few named files that are
-only on the remote are fetched in the background, a few at a time.
+only on the remote are fetched whole in the background, with the one it opened
+(a loader that seeks inside a file would otherwise fetch it by ranges).
 
 Why not fetch every named file as soon as the index is read: on a cluster every
 rank reads the index and then only its own shards, so each node would fetch the
@@ -36,7 +37,7 @@ from .nodes import Inode
 
 log = logging.getLogger("burstfs.readplans")
 
-AHEAD_FILES = 4  # files fetched ahead of the one a walker opened (and at once)
+AHEAD_FILES = 4  # files fetched ahead of the one a walker opened, and files fetched at once
 MAX_INDEX_BYTES = 64 << 20  # a bigger "index" is not one: it is not parsed
 MAX_PLANS = 64  # directories whose plans are remembered (least recently planned dropped)
 QUEUED = 256  # notes waiting for the planner; more are dropped, never waited for
@@ -179,13 +180,15 @@ class ReadPlans:
         return inode is not None and inode.kind == "file"
 
     def _ahead_of(self, inode: Inode) -> list[Inode]:
-        """The next ``AHEAD_FILES`` files of the plan after ``inode`` that are only on the remote."""
+        """``inode`` and the next ``AHEAD_FILES`` files of the plan after it that are only on the
+        remote, in that order: a walker reads whole files, so the one it opened comes whole too
+        (one GET from its start rather than ranged reads where the loader seeks)."""
         plan = self.plans.get(inode.parent)
         directory = self.namespace.inodes.get(inode.parent)
         if plan is None or directory is None or directory.children is None or inode.name not in plan.position:
             return []
         ahead: list[Inode] = []
-        for name in plan.names[plan.position[inode.name] + 1 : plan.position[inode.name] + 1 + AHEAD_FILES]:
+        for name in plan.names[plan.position[inode.name] : plan.position[inode.name] + 1 + AHEAD_FILES]:
             ino = directory.children.get(name)
             candidate = self.namespace.inodes.get(ino) if ino is not None else None
             if candidate is None or candidate.kind != "file" or candidate.local or candidate.ino in self._fetching:
