@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import pickle
 import random
 import shutil
 import stat
@@ -68,6 +69,14 @@ def file_path(path: str) -> str:
 
 def payload(seed: int, size: int) -> bytes:
     return random.Random(seed).randbytes(size)
+
+
+def file_payload(path: str, seed: int, size: int) -> bytes:
+    """What ``write_file`` writes: a ``.metadata`` names its directory's other files, as a
+    DCP index does, so that a cold node reading a directory walks a read plan."""
+    if path.rsplit("/", 1)[-1] == ".metadata":
+        return pickle.dumps({"storage_data": [n for n in NAMES if n != ".metadata"], "pad": payload(seed, size)})
+    return payload(seed, size)
 
 
 @dataclasses.dataclass
@@ -227,7 +236,7 @@ class BurstfsModel(RuleBasedStateMachine):
         path = file_path(path)
         if not self.parent_exists(path) or path in self.dirs:
             return
-        self.write_whole(path, payload(seed, size), pieces)
+        self.write_whole(path, file_payload(path, seed, size), pieces)
 
     @rule(
         path=st.sampled_from(PATHS),
