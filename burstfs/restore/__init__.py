@@ -42,7 +42,6 @@ from .state import (
     MAX_OPEN_FDS,
     MAX_STREAMS,
     MAX_WINDOW_BYTES,
-    RANGED_RUN_BYTES,
     OwnedTasks,
 )
 
@@ -52,7 +51,6 @@ __all__ = [
     "MAX_OPEN_FDS",
     "MAX_STREAMS",
     "MAX_WINDOW_BYTES",
-    "RANGED_RUN_BYTES",
     "OwnedTasks",
     "RestoreService",
 ]

@@ -17,7 +17,7 @@ from ..errors import CorruptDataError, FsError, RemoteError
 from ..journal import Journal
 from ..journal.thread import JournalCall
 from ..localtier import LocalTier
-from ..objects import ObjectStore
+from ..objects import RANGED_RUN_BYTES, ObjectStore
 from .datafiles import DataFiles
 from .state import (
     FETCH_CONCURRENCY,
@@ -27,7 +27,6 @@ from .state import (
     MAX_OPEN_FDS,
     MAX_STREAM_LEAD,
     MAX_WINDOW_BYTES,
-    RANGED_RUN_BYTES,
     FileFetch,
     OwnedTasks,
 )

@@ -23,11 +23,8 @@ from ..remote.retry import RetryPolicy
 # enough to amortize a GET, small enough that a random read stays cheap.
 UNVERIFIED_CHUNK = 8 * 1024 * 1024
 # The ranged prefetch window grows to this many bytes ahead, enough to keep a fast
-# remote busy; memory use is bounded by `concurrency` ranged GETs of RANGED_RUN_BYTES.
+# remote busy; memory use is bounded by `concurrency` ranged GETs of objects.RANGED_RUN_BYTES.
 MAX_WINDOW_BYTES = 128 << 20
-# Consecutive missing chunks are fetched by one ranged GET of up to this many bytes, each
-# chunk verified on its own: 1 MiB blocks would otherwise cost a request each.
-RANGED_RUN_BYTES = 8 << 20
 # A stream writes its body to the tier in pieces of this size (one thread hop each).
 STREAM_PIECE = 1 << 20
 # A stream lands at most this far beyond what its reader has asked for (tier space, not memory).
