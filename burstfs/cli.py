@@ -85,7 +85,7 @@ def _mountpoint_command(config_help: str) -> Callable[[Callable[..., Any]], clic
 @click.option(
     "--no-read-plans",
     is_flag=True,
-    help="Do not fetch ahead the shards a checkpoint's index names when a reader walks them.",
+    help="Do not fetch ahead the shards of a checkpoint (DCP, Hugging Face index) when a reader walks them.",
 )
 @click.option("--cache-size", default=None, help="Bytes of the local tier to use (e.g. 20G); default: all of it.")
 @click.option(

@@ -3,8 +3,9 @@
 A framework restoring a sharded checkpoint reads its index first (PyTorch DCP's
 ``.metadata``, a Hugging Face ``*.index.json`` with its ``weight_map``), then
 the shards it names, one after another.  Each shard then streams at one GET's
-speed while the others wait.  Here the core notes which files an index names
-(its directory's *plan*), and once this node walks the plan, that is opens a
+speed while the others wait.  Here the core notes which files a checkpoint has
+(its directory's *plan*: a DCP directory's ``*.distcp`` files, the files a
+``weight_map`` names), and once this node walks the plan, that is opens a
 named file after it closed another one, the next few named files that are
 only on the remote are fetched whole in the background, with the one it opened
 (a loader that seeks inside a file would otherwise fetch it by ranges).
@@ -25,7 +26,8 @@ import collections
 import json
 import logging
 import os
-import pickletools
+import re
+from collections.abc import Iterable
 
 import trio
 
@@ -38,7 +40,7 @@ from .nodes import Inode
 log = logging.getLogger("burstfs.readplans")
 
 AHEAD_FILES = 4  # files fetched ahead of the one a walker opened, and files fetched at once
-MAX_INDEX_BYTES = 64 << 20  # a bigger "index" is not one: it is not parsed
+MAX_INDEX_BYTES = 16 << 20  # a bigger weight_map index is not one: it is not read
 MAX_PLANS = 64  # directories whose plans are remembered (least recently planned dropped)
 QUEUED = 256  # notes waiting for the planner; more are dropped, never waited for
 
@@ -52,27 +54,32 @@ def index_kind(name: bytes) -> str | None:
     return None
 
 
-def named_files(kind: str, data: bytes) -> list[bytes]:
-    """File names an index names, in its order (duplicates dropped).
+def dcp_files(names: Iterable[bytes]) -> list[bytes]:
+    """A DCP checkpoint's data files among its directory's names, in the order a one-process
+    ``dcp.load`` reads them (``__RANK_N.distcp``: by rank, then N).
 
-    A DCP ``.metadata`` is a pickle: its opcodes are read without running it and
-    its string constants are candidates (those naming no file of the directory
-    are dropped by the caller).  A ``weight_map`` maps tensors to file names.
-    Names with a path separator are not followed.
+    Taken from the directory, not from ``.metadata``: every ``.distcp`` file there
+    belongs to it, and the metadata of a checkpoint of thousands of ranks (tens of
+    MiB of pickle) would cost seconds of pure-Python parsing to say the same.
     """
-    names: list[str] = []
-    if kind == "dcp":
-        try:
-            names = [arg for _, arg, _ in pickletools.genops(data) if isinstance(arg, str)]
-        except (ValueError, EOFError, UnicodeDecodeError):
-            return []
-    else:
-        try:
-            weight_map = json.loads(data).get("weight_map")
-        except (ValueError, AttributeError):
-            return []
-        if isinstance(weight_map, dict):
-            names = [value for value in weight_map.values() if isinstance(value, str)]
+    return sorted((name for name in names if name.endswith(b".distcp")), key=_natural_order)
+
+
+def _natural_order(name: bytes) -> list[int | bytes]:
+    """``__2_0`` before ``__10_0``: digit runs compare as numbers."""
+    return [int(part) if part.isdigit() else part for part in re.split(rb"(\d+)", name)]
+
+
+def weight_map_files(data: bytes) -> list[bytes]:
+    """The files a Hugging Face ``*.index.json`` maps tensors to, in its order (each once).
+    Names with a path separator are not followed."""
+    try:
+        weight_map = json.loads(data).get("weight_map")
+    except (ValueError, AttributeError):
+        return []
+    if not isinstance(weight_map, dict):
+        return []
+    names = (value for value in weight_map.values() if isinstance(value, str))
     plain = (os.fsencode(name) for name in names if name and "/" not in name and name not in (".", ".."))
     return list(dict.fromkeys(plain))
 
@@ -148,24 +155,27 @@ class ReadPlans:
             self.running = False
 
     async def _plan(self, index: Inode) -> None:
-        """Read ``index`` (fetching it: its reader needs it anyway) and remember what it names."""
+        """Remember the files of ``index``'s checkpoint: a DCP directory's data files, or what a
+        ``weight_map`` names (read from the index, fetched: its reader needs it anyway)."""
         kind = index_kind(index.name)
-        if kind is None or not index.parent or index.size > MAX_INDEX_BYTES:
+        if kind is None or not index.parent:
             return
-        try:
-            await self.data.ensure_local(index)
-            data = await trio.to_thread.run_sync(_read_head, self.data.tier.path(index.ino), index.size)
-            names = await trio.to_thread.run_sync(named_files, kind, data)
-        except (BurstfsError, OSError) as exc:
-            log.info("event=read_plan_skipped ino=%d error=%s", index.ino, exc)
-            return
-        except Exception:  # a bug here must not end the mount: plans only save time
-            log.exception("event=read_plan_bug ino=%d", index.ino)
-            return
-        directory = self.namespace.inodes.get(index.parent)
-        if directory is None or directory.children is None:
-            return
-        children = directory.children
+        if kind == "dcp":
+            names = dcp_files(self._children(index.parent))
+        else:
+            if index.size > MAX_INDEX_BYTES:
+                return
+            try:
+                await self.data.ensure_local(index)
+                data = await trio.to_thread.run_sync(_read_head, self.data.tier.path(index.ino), index.size)
+                names = await trio.to_thread.run_sync(weight_map_files, data)
+            except (BurstfsError, OSError) as exc:
+                log.info("event=read_plan_skipped ino=%d error=%s", index.ino, exc)
+                return
+            except Exception:  # a bug here must not end the mount: plans only save time
+                log.exception("event=read_plan_bug ino=%d", index.ino)
+                return
+        children = self._children(index.parent)
         files = [name for name in names if name in children and self._is_file(children[name])]
         if not files:
             return
@@ -174,6 +184,10 @@ class ReadPlans:
         while len(self.plans) > MAX_PLANS:
             self.plans.popitem(last=False)
         log.info("event=read_plan dir_ino=%d index=%s kind=%s files=%d", index.parent, index.name, kind, len(files))
+
+    def _children(self, dir_ino: int) -> dict[bytes, int]:
+        directory = self.namespace.inodes.get(dir_ino)
+        return directory.children if directory is not None and directory.children is not None else {}
 
     def _is_file(self, ino: int) -> bool:
         inode = self.namespace.inodes.get(ino)

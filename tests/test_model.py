@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
-import pickle
 import random
 import shutil
 import stat
@@ -56,7 +55,8 @@ from burstfs.objects import Manifest, manifest_key
 
 UID, GID = os.getuid(), os.getgid()
 DIRS = ("a", "a/b", "c")
-NAMES = ("f0", "f1", "latest", ".metadata")
+# A directory with shards and a .metadata is a DCP checkpoint: a cold node's read-back walks its read plan.
+NAMES = ("f0.distcp", "f1.distcp", "latest", ".metadata")
 PATHS = tuple(f"{d}/{n}" for d in ("", *DIRS) for n in NAMES)
 FOREIGN_DIR = "other"  # where the second node writes
 SIZES = (0, 1, 4095, 4096, 65535, 65536, 65537, 150_000)
@@ -69,14 +69,6 @@ def file_path(path: str) -> str:
 
 def payload(seed: int, size: int) -> bytes:
     return random.Random(seed).randbytes(size)
-
-
-def file_payload(path: str, seed: int, size: int) -> bytes:
-    """What ``write_file`` writes: a ``.metadata`` names its directory's other files, as a
-    DCP index does, so that a cold node reading a directory walks a read plan."""
-    if path.rsplit("/", 1)[-1] == ".metadata":
-        return pickle.dumps({"storage_data": [n for n in NAMES if n != ".metadata"], "pad": payload(seed, size)})
-    return payload(seed, size)
 
 
 @dataclasses.dataclass
@@ -236,7 +228,7 @@ class BurstfsModel(RuleBasedStateMachine):
         path = file_path(path)
         if not self.parent_exists(path) or path in self.dirs:
             return
-        self.write_whole(path, file_payload(path, seed, size), pieces)
+        self.write_whole(path, payload(seed, size), pieces)
 
     @rule(
         path=st.sampled_from(PATHS),

@@ -11,7 +11,6 @@ import contextlib
 import errno
 import json
 import os
-import pickle
 import time
 import warnings
 from pathlib import Path
@@ -19,22 +18,10 @@ from pathlib import Path
 import pytest
 from conftest import MountedFS, RemoteTarget, wait_for
 
-from burstfs.readplans import AHEAD_FILES, index_kind, named_files
+from burstfs.readplans import AHEAD_FILES, dcp_files, index_kind, weight_map_files
 
 MiB = 1 << 20
 SHARDS = [f"__{rank}_0.distcp".encode() for rank in range(8)]
-
-
-class StorageInfo:
-    """Stands in for DCP's ``_StorageInfo`` (what the pickle names is what matters)."""
-
-    def __init__(self, relative_path: str, offset: int, length: int) -> None:
-        self.relative_path, self.offset, self.length = relative_path, offset, length
-
-
-def dcp_metadata(names: list[bytes]) -> bytes:
-    storage = {("model.w", i): StorageInfo(os.fsdecode(name), 0, 4 * MiB) for i, name in enumerate(names)}
-    return pickle.dumps({"state_dict_metadata": {"model.w": "tensor"}, "storage_data": storage, "version": "1.0.0"})
 
 
 def test_index_kinds() -> None:
@@ -45,13 +32,10 @@ def test_index_kinds() -> None:
     assert index_kind(b"metadata") is None
 
 
-def test_a_dcp_metadata_names_its_files_in_order_without_being_unpickled() -> None:
-    data = dcp_metadata(SHARDS + SHARDS[:2])
-    names = named_files("dcp", data)
-    assert [n for n in names if n.endswith(b".distcp")] == SHARDS  # each once, in the pickle's order
-    # A pickle that would run code when loaded is only read here: nothing runs.
-    evil = pickle.dumps(type("Evil", (), {"__reduce__": lambda self: (os.system, ("false",))})())
-    assert b"false" in named_files("dcp", evil)
+def test_a_dcp_checkpoint_is_its_directorys_distcp_files_in_rank_order() -> None:
+    names = [b"__10_0.distcp", b".metadata", b"__2_1.distcp", b"notes.txt", b"__2_0.distcp", b"__0_0.distcp"]
+    assert dcp_files(names) == [b"__0_0.distcp", b"__2_0.distcp", b"__2_1.distcp", b"__10_0.distcp"]
+    assert dcp_files([b".metadata"]) == []
 
 
 def test_a_weight_map_names_its_shards_and_nothing_outside_the_directory() -> None:
@@ -65,25 +49,42 @@ def test_a_weight_map_names_its_shards_and_nothing_outside_the_directory() -> No
             "e": 7,
         },
     }
-    assert named_files("weight_map", json.dumps(doc).encode()) == [
+    assert weight_map_files(json.dumps(doc).encode()) == [
         b"model-00001-of-00002.safetensors",
         b"model-00002-of-00002.safetensors",
     ]
 
 
-@pytest.mark.parametrize("data", [b"", b"not a pickle", b"\x80\x04\x95garbage", b"[1, 2]", b"{"])
+@pytest.mark.parametrize("data", [b"", b"not json", b"[1, 2]", b"{", b'{"weight_map": [1]}', b"\xff\xfe"])
 def test_a_damaged_index_is_no_plan_and_no_error(data: bytes) -> None:
-    assert named_files("dcp", data) == []
-    assert named_files("weight_map", data) == []
+    assert weight_map_files(data) == []
 
 
-def write_dcp_checkpoint(fs: MountedFS) -> dict[bytes, bytes]:
+#: Two sharded layouts a restore walks: (index name, shard names).
+LAYOUTS = {
+    "dcp": (".metadata", SHARDS),
+    "weight_map": (
+        "model.safetensors.index.json",
+        [f"model-{r + 1:05d}-of-00008.safetensors".encode() for r in range(8)],
+    ),
+}
+
+
+def index_bytes(kind: str) -> bytes:
+    if kind == "dcp":
+        return b"(a DCP .metadata: the plan takes the directory's .distcp files, not this)"
+    weight_map = {f"layer{r}.weight": os.fsdecode(name) for r, name in enumerate(LAYOUTS[kind][1])}
+    return json.dumps({"metadata": {"total_size": 8 * 4 * MiB}, "weight_map": weight_map}).encode()
+
+
+def write_checkpoint(fs: MountedFS, kind: str = "dcp") -> dict[bytes, bytes]:
+    index, names = LAYOUTS[kind]
     directory = fs.path / "ckpt" / "step5"
     directory.mkdir(parents=True)
-    shards = {name: os.urandom(4 * MiB) for name in SHARDS}
+    shards = {name: os.urandom(4 * MiB) for name in names}
     for name, content in shards.items():
         (directory / os.fsdecode(name)).write_bytes(content)
-    (directory / ".metadata").write_bytes(dcp_metadata(SHARDS))
+    (directory / index).write_bytes(index_bytes(kind))
     wait_for(
         lambda: all(os.getxattr(p, "user.burstfs.state") == b"durable" for p in directory.iterdir()),
         what="drain",
@@ -91,30 +92,32 @@ def write_dcp_checkpoint(fs: MountedFS) -> dict[bytes, bytes]:
     return shards
 
 
-def states(directory: Path) -> dict[bytes, str]:
-    return {name: os.getxattr(directory / os.fsdecode(name), "user.burstfs.state").decode() for name in SHARDS}
+def states(directory: Path, names: list[bytes] = SHARDS) -> dict[bytes, str]:
+    return {name: os.getxattr(directory / os.fsdecode(name), "user.burstfs.state").decode() for name in names}
 
 
 @pytest.mark.fuse
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
 def test_a_reader_walking_the_shards_finds_the_next_ones_fetched(
-    mounted_factory: type[MountedFS], remote: RemoteTarget
+    mounted_factory: type[MountedFS], remote: RemoteTarget, kind: str
 ) -> None:
+    index, names = LAYOUTS[kind]
     writer = mounted_factory("w", remote.url, remote.extra_args)  # type: ignore[call-arg]
     writer.mount()
-    shards = write_dcp_checkpoint(writer)
+    shards = write_checkpoint(writer, kind)
     reader = mounted_factory("r", remote.url, remote.extra_args)  # type: ignore[call-arg]
     reader.mount()
     directory = reader.path / "ckpt" / "step5"
-    assert (directory / ".metadata").read_bytes() == dcp_metadata(SHARDS)
-    assert set(states(directory).values()) == {"remote"}
-    assert (directory / os.fsdecode(SHARDS[0])).read_bytes() == shards[SHARDS[0]]
+    assert (directory / index).read_bytes() == index_bytes(kind)
+    assert set(states(directory, names).values()) == {"remote"}
+    assert (directory / os.fsdecode(names[0])).read_bytes() == shards[names[0]]
     time.sleep(0.5)  # one shard read to its end and closed is not a walk yet
-    assert [s for s in states(directory).values()] == ["durable"] + ["remote"] * 7
-    with open(directory / os.fsdecode(SHARDS[1]), "rb") as second:  # a named file opened after another closed
-        ahead = SHARDS[2 : 2 + AHEAD_FILES]
-        wait_for(lambda: all(states(directory)[n] == "durable" for n in ahead), what="the next shards fetched")
-        assert second.read() == shards[SHARDS[1]]
-    assert all(states(directory)[n] == "remote" for n in SHARDS[2 + AHEAD_FILES :])  # no further than ahead
+    assert list(states(directory, names).values()) == ["durable"] + ["remote"] * 7
+    with open(directory / os.fsdecode(names[1]), "rb") as second:  # a named file opened after another closed
+        ahead = names[2 : 2 + AHEAD_FILES]
+        wait_for(lambda: all(states(directory, names)[n] == "durable" for n in ahead), what="the next shards")
+        assert second.read() == shards[names[1]]
+    assert all(states(directory, names)[n] == "remote" for n in names[2 + AHEAD_FILES :])  # no further than ahead
     for name, content in shards.items():  # every shard still reads back exactly (fetched ahead or not)
         assert (directory / os.fsdecode(name)).read_bytes() == content
 
@@ -123,7 +126,7 @@ def test_a_reader_walking_the_shards_finds_the_next_ones_fetched(
 def test_ranks_opening_their_own_shards_side_by_side_fetch_nothing_ahead(mounted_factory: type[MountedFS]) -> None:
     writer = mounted_factory("w")
     writer.mount()
-    write_dcp_checkpoint(writer)
+    write_checkpoint(writer)
     reader = mounted_factory("r", writer.remote_url)  # type: ignore[call-arg]
     reader.mount()
     directory = reader.path / "ckpt" / "step5"
@@ -140,7 +143,7 @@ def test_ranks_opening_their_own_shards_side_by_side_fetch_nothing_ahead(mounted
 def test_a_corrupt_shard_fetched_ahead_fails_only_its_own_read(mounted_factory: type[MountedFS]) -> None:
     writer = mounted_factory("w")
     writer.mount()
-    shards = write_dcp_checkpoint(writer)
+    shards = write_checkpoint(writer)
     bad = SHARDS[3]
     object_path = writer.remote_dir / "ckpt" / "step5" / os.fsdecode(bad)
     flipped = bytearray(object_path.read_bytes())
