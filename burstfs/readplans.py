@@ -94,6 +94,10 @@ class Plan:
         self.position = {name: i for i, name in enumerate(names)}
         self.closed: set[bytes] = set()
 
+    def walked_to(self, name: bytes) -> bool:
+        """An open of ``name`` is a walk step: it is planned, and another planned file was closed."""
+        return name in self.position and (len(self.closed) > 1 or bool(self.closed and name not in self.closed))
+
 
 class ReadPlans:
     """Plans of the directories whose index was opened, and the task that fetches ahead."""
@@ -104,6 +108,7 @@ class ReadPlans:
         self.capacity = capacity
         self.plans: collections.OrderedDict[int, Plan] = collections.OrderedDict()  # directory ino -> plan
         self._fetching: set[int] = set()  # inos a plan is fetching now
+        self._planning: set[int] = set()  # index inos noted and not planned yet (every rank opens the index)
         self._send, self._receive = trio.open_memory_channel[tuple[str, Inode]](QUEUED)
         self.running = False  # run() is serving notes (a remote is configured, plans are on)
 
@@ -116,11 +121,13 @@ class ReadPlans:
         kind = index_kind(inode.name)
         if kind is not None:
             plan = self.plans.get(inode.parent)
-            if plan is None or plan.index_ino != inode.ino or plan.index_version != (inode.size, inode.mtime_ns):
+            stale = plan is None or plan.index_ino != inode.ino or plan.index_version != (inode.size, inode.mtime_ns)
+            if stale and inode.ino not in self._planning:
+                self._planning.add(inode.ino)
                 self._note("index", inode)
             return
         plan = self.plans.get(inode.parent)
-        if plan is not None and inode.name in plan.position and plan.closed - {inode.name}:
+        if plan is not None and plan.walked_to(inode.name):
             self._note("walk", inode)
 
     def closed(self, inode: Inode) -> None:
@@ -133,6 +140,7 @@ class ReadPlans:
         try:
             self._send.send_nowait((what, inode))
         except trio.WouldBlock:
+            self._planning.discard(inode.ino)
             log.debug("event=read_plan_note_dropped what=%s ino=%d", what, inode.ino)
 
     # -- the planner's task ---------------------------------------------------------------
@@ -145,18 +153,33 @@ class ReadPlans:
                 self.running = True
                 task_status.started()
                 async for what, inode in self._receive:
-                    if what == "index":
-                        await self._plan(inode)
-                    else:
-                        for ahead in self._ahead_of(inode):
-                            self._fetching.add(ahead.ino)
-                            fetches.start_soon(self._fetch, ahead, limiter)
+                    if what == "index":  # in a task: a slow remote holds up only this index
+                        fetches.start_soon(self._plan, inode)
+                        continue
+                    try:
+                        ahead = self._ahead_of(inode)
+                    except Exception:  # a bug here must not end the mount: plans only save time
+                        log.exception("event=read_plan_bug ino=%d", inode.ino)
+                        continue
+                    for candidate in ahead:
+                        self._fetching.add(candidate.ino)
+                        fetches.start_soon(self._fetch, candidate, limiter)
         finally:
             self.running = False
 
     async def _plan(self, index: Inode) -> None:
         """Remember the files of ``index``'s checkpoint: a DCP directory's data files, or what a
         ``weight_map`` names (read from the index, fetched: its reader needs it anyway)."""
+        try:
+            await self._plan_from(index)
+        except (BurstfsError, OSError) as exc:
+            log.info("event=read_plan_skipped ino=%d error=%s", index.ino, exc)
+        except Exception:  # a bug here must not end the mount: plans only save time
+            log.exception("event=read_plan_bug ino=%d", index.ino)
+        finally:
+            self._planning.discard(index.ino)
+
+    async def _plan_from(self, index: Inode) -> None:
         kind = index_kind(index.name)
         if kind is None or not index.parent:
             return
@@ -165,16 +188,9 @@ class ReadPlans:
         else:
             if index.size > MAX_INDEX_BYTES:
                 return
-            try:
-                await self.data.ensure_local(index)
-                data = await trio.to_thread.run_sync(_read_head, self.data.tier.path(index.ino), index.size)
-                names = await trio.to_thread.run_sync(weight_map_files, data)
-            except (BurstfsError, OSError) as exc:
-                log.info("event=read_plan_skipped ino=%d error=%s", index.ino, exc)
-                return
-            except Exception:  # a bug here must not end the mount: plans only save time
-                log.exception("event=read_plan_bug ino=%d", index.ino)
-                return
+            await self.data.ensure_local(index)
+            data = await trio.to_thread.run_sync(_read_head, self.data.tier.path(index.ino), index.size)
+            names = await trio.to_thread.run_sync(weight_map_files, data)
         children = self._children(index.parent)
         files = [name for name in names if name in children and self._is_file(children[name])]
         if not files:

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import MountedFS, RemoteTarget, wait_for
 
-from burstfs.readplans import AHEAD_FILES, dcp_files, index_kind, weight_map_files
+from burstfs.nodes import Inode
+from burstfs.readplans import AHEAD_FILES, Plan, dcp_files, index_kind, weight_map_files
 
 MiB = 1 << 20
 SHARDS = [f"__{rank}_0.distcp".encode() for rank in range(8)]
@@ -36,6 +37,18 @@ def test_a_dcp_checkpoint_is_its_directorys_distcp_files_in_rank_order() -> None
     names = [b"__10_0.distcp", b".metadata", b"__2_1.distcp", b"notes.txt", b"__2_0.distcp", b"__0_0.distcp"]
     assert dcp_files(names) == [b"__0_0.distcp", b"__2_0.distcp", b"__2_1.distcp", b"__10_0.distcp"]
     assert dcp_files([b".metadata"]) == []
+
+
+def test_a_walk_step_is_an_open_of_a_planned_file_after_another_was_closed() -> None:
+    index = Inode(ino=9, kind="file", mode=0o100644, uid=0, gid=0, parent=1, name=b".metadata")
+    plan = Plan(index, SHARDS[:3])
+    assert not plan.walked_to(SHARDS[0])  # nothing closed yet: ranks opening side by side
+    plan.closed.add(SHARDS[0])
+    assert not plan.walked_to(SHARDS[0])  # the same file again (a reopen) is no step
+    assert plan.walked_to(SHARDS[1]) and plan.walked_to(SHARDS[2])
+    assert not plan.walked_to(b"notes.txt")  # not planned
+    plan.closed.add(SHARDS[1])
+    assert plan.walked_to(SHARDS[0])
 
 
 def test_a_weight_map_names_its_shards_and_nothing_outside_the_directory() -> None:
