@@ -8,12 +8,13 @@ speed while the others wait.  Here the core notes which files a checkpoint has
 ``weight_map`` names), and once this node walks the plan, that is opens a
 named file after it closed another one, the next few named files that are
 only on the remote are fetched whole in the background, with the one it opened
-(a loader that seeks inside a file would otherwise fetch it by ranges).
+(a loader that seeks inside a file would otherwise fetch it by ranges).  A DCP
+data file is a rank's own part, read whole: any open of one fetches it whole.
 
 Why not fetch every named file as soon as the index is read: on a cluster every
 rank reads the index and then only its own shards, so each node would fetch the
 whole checkpoint.  Ranks of one node open their shards side by side, without
-closing one first, so they trigger nothing; a walker costs at most
+closing one first, so they fetch nothing ahead; a walker costs at most
 ``AHEAD_FILES`` files it may not read.  A plan never makes room on the tier (it
 fetches only what fits without evicting or waiting) and never delays a request:
 opens and closes only note names; reading and parsing the index and the fetches
@@ -87,7 +88,8 @@ def weight_map_files(data: bytes) -> list[bytes]:
 class Plan:
     """The files one directory's index names, and which of them this node has closed."""
 
-    def __init__(self, index: Inode, names: list[bytes]) -> None:
+    def __init__(self, index: Inode, kind: str, names: list[bytes]) -> None:
+        self.kind = kind
         self.index_ino = index.ino
         self.index_version = (index.size, index.mtime_ns)
         self.names = names
@@ -127,8 +129,12 @@ class ReadPlans:
                 self._note("index", inode)
             return
         plan = self.plans.get(inode.parent)
-        if plan is not None and plan.walked_to(inode.name):
+        if plan is None or inode.name not in plan.position:
+            return
+        if plan.walked_to(inode.name):
             self._note("walk", inode)
+        elif plan.kind == "dcp":  # a rank's own data file: it reads all of it
+            self._note("open", inode)
 
     def closed(self, inode: Inode) -> None:
         """A handle of a file was released: a named file closed is a step of a walk."""
@@ -157,7 +163,7 @@ class ReadPlans:
                         fetches.start_soon(self._plan, inode)
                         continue
                     try:
-                        ahead = self._ahead_of(inode)
+                        ahead = self._ahead_of(inode, AHEAD_FILES if what == "walk" else 0)
                     except Exception:  # a bug here must not end the mount: plans only save time
                         log.exception("event=read_plan_bug ino=%d", inode.ino)
                         continue
@@ -195,7 +201,7 @@ class ReadPlans:
         files = [name for name in names if name in children and self._is_file(children[name])]
         if not files:
             return
-        self.plans[index.parent] = Plan(index, files)
+        self.plans[index.parent] = Plan(index, kind, files)
         self.plans.move_to_end(index.parent)
         while len(self.plans) > MAX_PLANS:
             self.plans.popitem(last=False)
@@ -209,8 +215,8 @@ class ReadPlans:
         inode = self.namespace.inodes.get(ino)
         return inode is not None and inode.kind == "file"
 
-    def _ahead_of(self, inode: Inode) -> list[Inode]:
-        """``inode`` and the next ``AHEAD_FILES`` files of the plan after it that are only on the
+    def _ahead_of(self, inode: Inode, count: int) -> list[Inode]:
+        """``inode`` and the next ``count`` files of the plan after it that are only on the
         remote, in that order: a walker reads whole files, so the one it opened comes whole too
         (one GET from its start rather than ranged reads where the loader seeks)."""
         plan = self.plans.get(inode.parent)
@@ -218,7 +224,7 @@ class ReadPlans:
         if plan is None or directory is None or directory.children is None or inode.name not in plan.position:
             return []
         ahead: list[Inode] = []
-        for name in plan.names[plan.position[inode.name] : plan.position[inode.name] + 1 + AHEAD_FILES]:
+        for name in plan.names[plan.position[inode.name] : plan.position[inode.name] + 1 + count]:
             ino = directory.children.get(name)
             candidate = self.namespace.inodes.get(ino) if ino is not None else None
             if candidate is None or candidate.kind != "file" or candidate.local or candidate.ino in self._fetching:

@@ -41,7 +41,7 @@ def test_a_dcp_checkpoint_is_its_directorys_distcp_files_in_rank_order() -> None
 
 def test_a_walk_step_is_an_open_of_a_planned_file_after_another_was_closed() -> None:
     index = Inode(ino=9, kind="file", mode=0o100644, uid=0, gid=0, parent=1, name=b".metadata")
-    plan = Plan(index, SHARDS[:3])
+    plan = Plan(index, "dcp", SHARDS[:3])
     assert not plan.walked_to(SHARDS[0])  # nothing closed yet: ranks opening side by side
     plan.closed.add(SHARDS[0])
     assert not plan.walked_to(SHARDS[0])  # the same file again (a reopen) is no step
@@ -136,7 +136,9 @@ def test_a_reader_walking_the_shards_finds_the_next_ones_fetched(
 
 
 @pytest.mark.fuse
-def test_ranks_opening_their_own_shards_side_by_side_fetch_nothing_ahead(mounted_factory: type[MountedFS]) -> None:
+def test_ranks_opening_their_own_shards_side_by_side_fetch_them_whole_and_nothing_ahead(
+    mounted_factory: type[MountedFS],
+) -> None:
     writer = mounted_factory("w")
     writer.mount()
     write_checkpoint(writer)
@@ -148,8 +150,10 @@ def test_ranks_opening_their_own_shards_side_by_side_fetch_nothing_ahead(mounted
         files = [stack.enter_context(open(directory / os.fsdecode(name), "rb")) for name in SHARDS[:4]]
         for f in files:
             f.read(MiB)
+        # A DCP rank reads all of its own file: each opened one comes whole (one GET from its start).
+        wait_for(lambda: all(states(directory)[n] == "durable" for n in SHARDS[:4]), what="the opened shards")
     time.sleep(1.0)
-    assert all(state == "remote" for state in list(states(directory).values())[4:])
+    assert all(states(directory)[n] == "remote" for n in SHARDS[4:])
 
 
 @pytest.mark.fuse
