@@ -23,13 +23,15 @@ Cases, per contender, in this order (the durable cases write what the cold cases
   7. cold safetensors ``safe_open`` of ``model.safetensors`` (written with the checkpoint, not
      timed there), one tensor read: burstfs only; reported with the bytes the daemon fetched
      (allocated bytes of the reader's tier) over the bytes the reader touched (target <= 2x);
-  8. PyTorch DCP ``dcp.save`` of the state dict as ``--ranks`` files (one process,
-     ``FileSystemWriter(thread_count=ranks)``) -> durable (reference: save to tmpfs, upload the files
-     at once), and
-  9. cold ``dcp.load`` of it in one process, which reads its ``.metadata`` and then walks the
-     files one by one (reference: download the files at once, then ``dcp.load`` from tmpfs).
-     burstfs and the reference only; when this case is chosen with ``--case``, also
-     ``burstfs --no-read-plans`` (no prefetch planned from the ``.metadata``).
+  8. a sharded checkpoint of the state dict in ``--ranks`` files, saved by one process -> durable
+     (reference: save to tmpfs, upload the files at once): PyTorch DCP (``dcp.save``,
+     ``FileSystemWriter(thread_count=ranks)``) and Hugging Face style safetensors shards with a
+     ``model.safetensors.index.json``; and
+  9. cold load of each in one process, which reads the index and then walks the files one by
+     one (``dcp.load``; ``safetensors.torch.load_file`` of each shard in the index's order, as
+     ``from_pretrained`` does) (reference: download the files at once, then load from tmpfs).
+     burstfs and the reference only; when a cold sharded case is chosen with ``--case``, also
+     ``burstfs --no-read-plans`` (no prefetch planned from the index).
 Also per burstfs mount: daemon CPU seconds per GiB restored in each read case, and peak RSS.
 Ratios are to the reference.  ``--size`` preset ``issue`` = the issue's 1 GiB / 8 x 128 MiB.
 ``--py-spy DIR`` records the default burstfs mount's daemon (py-spy, raw collapsed stacks,
@@ -128,37 +130,61 @@ class Contender:
     def cold_safetensors(self) -> float:
         return float("nan")
 
-    def dcp_durable(self, sd: dict[str, Any], files: int) -> float:
+    def sharded_durable(self, fmt: str, sd: dict[str, Any], files: int) -> float:
         return float("nan")
 
-    def cold_dcp_load(self, sd: dict[str, Any]) -> float:
+    def cold_sharded_load(self, fmt: str, sd: dict[str, Any]) -> float:
         return float("nan")
 
     def close(self) -> None:
         pass
 
 
-def dcp_save(sd: dict[str, Any], path: Path, files: int) -> list[str]:
-    """One process saves ``sd`` with DCP as ``files`` files (and ``.metadata``); their names."""
+SHARDED = ("dcp", "safetensors")  # the sharded formats of cases 8 and 9
+
+
+def sharded_save(fmt: str, sd: dict[str, Any], path: Path, files: int) -> list[str]:
+    """One process saves ``sd`` into directory ``path`` as ``files`` shards and their index; the names."""
     import warnings
 
-    import torch.distributed.checkpoint as dcp
+    if fmt == "dcp":
+        import torch.distributed.checkpoint as dcp
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path), thread_count=files))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path), thread_count=files))
+    else:
+        from safetensors.torch import save_file
+
+        path.mkdir(parents=True, exist_ok=True)
+        names = list(sd)
+        weight_map: dict[str, str] = {}
+        for i in range(files):
+            shard = f"model-{i + 1:05d}-of-{files:05d}.safetensors"
+            tensors = {name: sd[name] for name in names[i::files]}
+            save_file(tensors, path / shard)
+            weight_map.update(dict.fromkeys(tensors, shard))
+        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return sorted(p.name for p in path.iterdir())
 
 
-def dcp_load(sd: dict[str, Any], path: Path) -> None:
-    """One process loads ``path`` into ``sd`` in place: ``.metadata``, then the files one by one."""
+def sharded_load(fmt: str, sd: dict[str, Any], path: Path) -> None:
+    """One process loads ``path``: the index, then the shards one by one (DCP: into ``sd`` in place)."""
     import warnings
 
-    import torch.distributed.checkpoint as dcp
+    if fmt == "dcp":
+        import torch.distributed.checkpoint as dcp
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
+        return
+    from safetensors.torch import load_file
+
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    for shard in sorted(set(weight_map.values())):  # from_pretrained's order
+        for tensor in load_file(path / shard).values():
+            tensor.sum()  # mmap-backed until touched: a model copies every tensor in
 
 
 class Reference(Contender):
@@ -172,7 +198,7 @@ class Reference(Contender):
         self.client, self.bucket, self.prefix = s3_client(endpoint), bucket, "reference"
         self.config = TransferConfig(multipart_threshold=PART, multipart_chunksize=PART, max_concurrency=THREADS)
         self.dir = fresh_base("ref")
-        self.dcp_files: list[str] = []  # what dcp_durable uploaded
+        self.sharded_files: dict[str, list[str]] = {}  # format -> what sharded_durable uploaded
 
     def _upload(self, names: list[str]) -> None:
         def one(name: str) -> None:
@@ -225,18 +251,18 @@ class Reference(Contender):
         (self.dir / "ckpt.pt").unlink()
         return seconds
 
-    def dcp_durable(self, sd: dict[str, Any], files: int) -> float:
+    def sharded_durable(self, fmt: str, sd: dict[str, Any], files: int) -> float:
         start = time.perf_counter()
-        self.dcp_files = [f"dcp/{name}" for name in dcp_save(sd, self.dir / "dcp", files)]
-        self._upload(self.dcp_files)
+        self.sharded_files[fmt] = [f"{fmt}/{name}" for name in sharded_save(fmt, sd, self.dir / fmt, files)]
+        self._upload(self.sharded_files[fmt])
         return time.perf_counter() - start
 
-    def cold_dcp_load(self, sd: dict[str, Any]) -> float:
+    def cold_sharded_load(self, fmt: str, sd: dict[str, Any]) -> float:
         start = time.perf_counter()
-        self._download(self.dcp_files)
-        dcp_load(sd, self.dir / "dcp")
+        self._download(self.sharded_files[fmt])
+        sharded_load(fmt, sd, self.dir / fmt)
         seconds = time.perf_counter() - start
-        shutil.rmtree(self.dir / "dcp")
+        shutil.rmtree(self.dir / fmt)
         return seconds
 
     def close(self) -> None:
@@ -442,19 +468,19 @@ class Burstfs(MountContender):
             with self.measured("cold safetensors: one tensor") as touched:
                 return timed(functools.partial(touch_one_tensor_safetensors, mnt / "model.safetensors", touched))
 
-    def dcp_durable(self, sd: dict[str, Any], files: int) -> float:
+    def sharded_durable(self, fmt: str, sd: dict[str, Any], files: int) -> float:
         with self.mounted() as mnt:
             start = time.perf_counter()
-            names = dcp_save(sd, mnt / "dcp", files)
+            names = sharded_save(fmt, sd, mnt / fmt, files)
             self.wait_durable(names)
             return time.perf_counter() - start
 
-    def cold_dcp_load(self, sd: dict[str, Any]) -> float:
+    def cold_sharded_load(self, fmt: str, sd: dict[str, Any]) -> float:
         with self.mounted() as mnt:
             drop_page_cache()
-            with self.profiled("cold_dcp_load"), self.measured("cold dcp.load") as touched:
-                touched.extend(p.stat().st_size for p in (mnt / "dcp").iterdir())
-                return timed(functools.partial(dcp_load, sd, mnt / "dcp"))
+            with self.profiled(f"cold_{fmt}_load"), self.measured(f"cold {fmt} shards, one process") as touched:
+                touched.extend(p.stat().st_size for p in (mnt / fmt).iterdir())
+                return timed(functools.partial(sharded_load, fmt, sd, mnt / fmt))
 
 
 ONE_TENSOR = "layer7.weight"  # in the middle of the file: neither the header nor the zip directory's chunk
@@ -578,8 +604,10 @@ CASES: list[tuple[str, Callable[[Contender, dict[str, Any], argparse.Namespace],
     ("prefetch", lambda c, sd, a: c.prefetch()),
     ("cold mmap: one tensor", lambda c, sd, a: c.cold_mmap_tensor()),
     ("cold safetensors: one tensor", lambda c, sd, a: c.cold_safetensors()),
-    ("DCP save -> durable", lambda c, sd, a: c.dcp_durable(sd, a.ranks)),
-    ("cold dcp.load", lambda c, sd, a: c.cold_dcp_load(sd)),
+    ("dcp shards -> durable", lambda c, sd, a: c.sharded_durable("dcp", sd, a.ranks)),
+    ("cold dcp shards", lambda c, sd, a: c.cold_sharded_load("dcp", sd)),
+    ("safetensors shards -> durable", lambda c, sd, a: c.sharded_durable("safetensors", sd, a.ranks)),
+    ("cold safetensors shards", lambda c, sd, a: c.cold_sharded_load("safetensors", sd)),
 ]
 
 
@@ -616,7 +644,7 @@ def contenders(endpoint: str, bucket: str, args: argparse.Namespace) -> tuple[li
         Burstfs("burstfs", "burstfs", endpoint, bucket, (), args.py_spy),
         Burstfs("burstfs --no-passthrough", "burstfs-nopt", endpoint, bucket, ("--no-passthrough",)),
     ]
-    if args.case and "cold dcp.load" in args.case:
+    if args.case and any(f"cold {fmt} shards" in args.case for fmt in SHARDED):
         found.append(Burstfs("burstfs --no-read-plans", "burstfs-noplans", endpoint, bucket, ("--no-read-plans",)))
     skipped: list[str] = []
     if args.py_spy is not None and shutil.which("py-spy", path=str(Path(sys.executable).parent)) is None:
@@ -693,8 +721,10 @@ def main() -> None:
         "prefetch": f"`burstfs-admin prefetch` {args.size_mib} MiB (reference: download_file)",
         "cold mmap: one tensor": f"cold `torch.load(mmap=True)` {args.size_mib} MiB, one tensor",
         "cold safetensors: one tensor": f"cold safetensors `safe_open` {args.size_mib} MiB, one tensor",
-        "DCP save -> durable": f"DCP save {args.size_mib} MiB as {args.ranks} files -> durable",
-        "cold dcp.load": f"cold `dcp.load` {args.size_mib} MiB, {args.ranks} files, one process",
+        "dcp shards -> durable": f"DCP save {args.size_mib} MiB as {args.ranks} files -> durable",
+        "cold dcp shards": f"cold `dcp.load` {args.size_mib} MiB, {args.ranks} files, one process",
+        "safetensors shards -> durable": f"safetensors {args.size_mib} MiB as {args.ranks} shards + index -> durable",
+        "cold safetensors shards": f"cold safetensors {args.ranks} shards + index, one process",
     }
     med = {n: {case: median(v) for case, v in t.items()} for n, t in times.items()}
     if args.json:
