@@ -76,7 +76,7 @@ def weight_map_files(data: bytes) -> list[bytes]:
     Names with a path separator are not followed."""
     try:
         weight_map = json.loads(data).get("weight_map")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):  # not JSON, not an object, nested too deep
         return []
     if not isinstance(weight_map, dict):
         return []

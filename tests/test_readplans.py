@@ -68,7 +68,9 @@ def test_a_weight_map_names_its_shards_and_nothing_outside_the_directory() -> No
     ]
 
 
-@pytest.mark.parametrize("data", [b"", b"not json", b"[1, 2]", b"{", b'{"weight_map": [1]}', b"\xff\xfe"])
+@pytest.mark.parametrize(
+    "data", [b"", b"not json", b"[1, 2]", b"{", b'{"weight_map": [1]}', b"\xff\xfe", b"[" * 100_000 + b"]" * 100_000]
+)
 def test_a_damaged_index_is_no_plan_and_no_error(data: bytes) -> None:
     assert weight_map_files(data) == []
 
