@@ -169,8 +169,8 @@ class DataPath:
             await self.ensure_local(inode)
         await self.publisher.mark_writing(inode)
         if emptying_remote and not inode.local:
-            if self.links.fetcher is not None:
-                self.links.fetcher.forget(inode.ino)
+            if self.links.fetcher is not None:  # a fetch in flight must not land on the new bytes
+                await self.links.fetcher.let_go(inode.ino)
             await trio.to_thread.run_sync(self.tier.create, inode.ino)
             inode.local, inode.listed, inode.local_prefix = True, False, 0
             log.info("event=emptied_remote_file ino=%d note=not fetched", inode.ino)
@@ -265,9 +265,15 @@ class DataPath:
         if self.links.fetcher is None:
             raise FsError(errno.EIO, "file is not on the local tier and no remote is configured")
         await self.capacity.account(inode, inode.size)  # room for the whole file: a restore usually reads all of it
-        inode.local_prefix = await self.links.fetcher.ensure_local(
-            inode.ino, offset, inode.size if size is None else size
-        )
+        try:
+            prefix = await self.links.fetcher.ensure_local(inode.ino, offset, inode.size if size is None else size)
+        except FsError as exc:
+            if exc.errno == errno.ESTALE and inode.local:
+                return  # emptied here meanwhile (O_TRUNC): what is local now is the file
+            raise
+        if inode.local:
+            return  # emptied and rewritten here meanwhile: the fetch's prefix is not this file's
+        inode.local_prefix = prefix
         if inode.local_prefix >= inode.size:
             inode.local, inode.listed = True, False
 

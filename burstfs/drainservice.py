@@ -208,6 +208,15 @@ class DrainService:
         if restore is not None:
             self.call_soon(restore.forget, ino)
 
+    async def let_go(self, ino: int) -> None:
+        restore = self.mover.restore
+        if restore is None or self.mover.loop is None:
+            return  # no mover, no fetch
+        try:
+            await self.on_mover_loop(restore.let_go(ino))
+        except FsError:
+            return  # the mover stopped meanwhile: nothing of it fetches
+
     @property
     def fetched_bytes(self) -> int:
         return self.mover.restore.fetched_bytes if self.mover.restore else 0

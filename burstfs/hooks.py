@@ -44,6 +44,10 @@ class Fetcher(Protocol):
     def forget(self, ino: int) -> None:
         """The file went away: drop any fetch state."""
 
+    async def let_go(self, ino: int) -> None:
+        """Drop any fetch state and return once no fetch can write the file's data again
+        (its bytes are about to be replaced in place); waits on no remote."""
+
 
 @dataclasses.dataclass(slots=True)
 class DrainLinks:

@@ -223,6 +223,9 @@ class ListingFetcher:
     def forget(self, ino: int) -> None:
         pass
 
+    async def let_go(self, ino: int) -> None:
+        pass
+
 
 def test_listing_does_not_resurrect_a_renamed_directory(tmp_path: Path) -> None:
     """Until the drain moves the objects of a renamed directory, the remote still

@@ -325,6 +325,9 @@ class FakeRemote:
     def forget(self, ino: int) -> None:
         pass
 
+    async def let_go(self, ino: int) -> None:
+        pass
+
 
 def rows(cache: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     db = sqlite3.connect(cache / "journal.db")

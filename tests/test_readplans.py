@@ -209,3 +209,34 @@ def test_dcp_load_in_one_process_restores_through_a_planned_walk(mounted_factory
         dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(reader.path / "dcp")))
     assert all(torch.equal(loaded[name], state[name]) for name in state)
     assert "event=read_plan " in reader.log_text() and "kind=dcp files=4" in reader.log_text()
+
+
+@pytest.mark.fuse
+def test_files_rewritten_or_unlinked_while_fetched_ahead_keep_their_new_state(
+    mounted_factory: type[MountedFS], remote: RemoteTarget
+) -> None:
+    if remote.proxy is None:
+        pytest.skip("needs the fault proxy to hold the planned fetches")
+    writer = mounted_factory("w", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    writer.mount()
+    shards = write_checkpoint(writer)
+    reader = mounted_factory("r", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    reader.mount()
+    directory = reader.path / "ckpt" / "step5"
+    (directory / ".metadata").read_bytes()
+    assert (directory / os.fsdecode(SHARDS[0])).read_bytes() == shards[SHARDS[0]]
+    rewritten, removed = SHARDS[3], SHARDS[4]
+    for name in (rewritten, removed):  # their fetches ahead wait at the proxy
+        remote.proxy.delay_next(2, 1.5, match=os.fsdecode(name))
+    with open(directory / os.fsdecode(SHARDS[1]), "rb") as walker:  # the walk step: 1-5 fetched ahead
+        time.sleep(0.3)
+        (directory / os.fsdecode(rewritten)).write_bytes(b"new bytes")  # O_TRUNC: emptied, not fetched
+        os.unlink(directory / os.fsdecode(removed))
+        assert walker.read() == shards[SHARDS[1]]
+    time.sleep(2.0)  # the held fetches come back
+    assert (directory / os.fsdecode(rewritten)).read_bytes() == b"new bytes"
+    assert not (directory / os.fsdecode(removed)).exists()
+    for name in (SHARDS[2], SHARDS[5], SHARDS[6], SHARDS[7]):
+        assert (directory / os.fsdecode(name)).read_bytes() == shards[name]
+    wait_for(lambda: states(directory, [rewritten]) == {rewritten: "durable"}, what="the rewrite drained")
+    remote.proxy.clear()

@@ -606,6 +606,49 @@ def test_aclose_ends_the_prefetches_and_closes_the_descriptors(tmp_path: Path) -
     run_async(body)
 
 
+class ManifestGate(FileRemote):
+    """A file remote whose manifest reads wait for ``release``."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(parse_remote_url(f"file://{directory}"))
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        if key.startswith(".burstfs/"):
+            self.entered.set()
+            await self.release.wait()
+        return await super().get_range(key, start, end)
+
+
+def test_let_go_revokes_an_open_waiting_on_the_remote_and_never_touches_the_new_bytes(tmp_path: Path) -> None:
+    """A remote file emptied by O_TRUNC while its fetch waits for its manifest: let_go returns at
+    once (it waits on no remote), and the late fetch neither resizes the new data file nor
+    registers, but fails its waiters with ESTALE (the core then reads what is local)."""
+    (tmp_path / "remote").mkdir()
+    remote = ManifestGate(tmp_path / "remote")
+    journal = FakeJournal()
+    svc = RestoreService(ObjectStore(remote, FAST_RETRY), journal, LocalTier(tmp_path / "cache"))  # type: ignore[arg-type]
+    content = os.urandom(3 * CHUNK)
+
+    async def body() -> None:
+        await put_with_manifest(svc.store, "e.pt", content)
+        journal.add(4, "e.pt", len(content))
+        reader = asyncio.ensure_future(svc.ensure_local(4, 0, CHUNK))
+        await remote.entered.wait()
+        await asyncio.wait_for(svc.let_go(4), 5)
+        svc.tier.create(4)  # the core's new, empty data file, then the writer's bytes
+        svc.tier.path(4).write_bytes(b"new bytes")
+        remote.release.set()
+        with pytest.raises(FsError) as info:
+            await reader
+        assert info.value.errno == errno.ESTALE
+        assert svc.tier.path(4).read_bytes() == b"new bytes" and 4 not in svc._files
+        await svc.aclose()
+
+    run_async(body)
+
+
 # -- streams: a file read from its start comes as one GET (S3 on moto, behind the fault proxy) ----------
 
 S3_CHUNK = 64 * 1024

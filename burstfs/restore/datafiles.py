@@ -50,6 +50,7 @@ class DataFiles:
         if fetch.fd is None:
             fetch.fd = self.tier.open_data(fetch.ino)  # a local open: cheap enough for the loop
         fetch.fd_users += 1
+        fetch.pwrites_idle.clear()
         self._open_fds[fetch.ino] = fetch
         self._open_fds.move_to_end(fetch.ino)
         self._trim_fds()
@@ -57,6 +58,8 @@ class DataFiles:
 
     def _release_fd(self, fetch: FileFetch) -> None:
         fetch.fd_users -= 1
+        if fetch.fd_users == 0:
+            fetch.pwrites_idle.set()
         if fetch.fd_users == 0 and fetch.closed:
             self.close_fd(fetch)
         else:

@@ -65,6 +65,11 @@ class RestoreService:
         self._slots = asyncio.Semaphore(concurrency)
         self._files: dict[int, FileFetch] = {}
         self._opening: dict[int, asyncio.Future[FileFetch]] = {}
+        # The _open in progress of an ino holds its token here; forget() revokes it, and a revoked
+        # open neither creates the data file nor registers a fetch (the file went away or was
+        # replaced meanwhile).  Its data file being created in a thread: let_go() waits for that.
+        self._open_tokens: dict[int, object] = {}
+        self._creating: dict[int, asyncio.Future[None]] = {}
         self._compressed: bool | None = None
         self.listing_retry = LISTING_RETRY
         self._tasks = OwnedTasks()  # every chunk fetch, prefetches included: aclose() ends them
@@ -199,6 +204,18 @@ class RestoreService:
             del self._opening[ino]
 
     async def _open(self, ino: int) -> FileFetch:
+        token = self._open_tokens[ino] = object()
+        try:
+            return await self._open_checked(ino, token)
+        finally:
+            if self._open_tokens.get(ino) is token:
+                del self._open_tokens[ino]
+
+    def _still_wanted(self, ino: int, token: object) -> None:
+        if self._open_tokens.get(ino) is not token:
+            raise FsError(errno.ESTALE, f"inode {ino} went away or was replaced during its fetch")
+
+    async def _open_checked(self, ino: int, token: object) -> FileFetch:
         row = await self._db(self.journal.fetch_row, ino)
         if row is None or not row.remote_key:
             raise FsError(errno.EIO, f"inode {ino} has no remote object to fetch")
@@ -221,7 +238,12 @@ class RestoreService:
             # costs a 1 MiB block, not a whole part-sized chunk.
             by_blocks = manifest.by_blocks()
             fetch = FileFetch(ino, row.remote_key, by_blocks.size, by_blocks.chunk_size, by_blocks)
-        await asyncio.to_thread(self.data_files.create, ino, fetch.size)
+        self._still_wanted(ino, token)
+        creating = asyncio.ensure_future(asyncio.to_thread(self.data_files.create, ino, fetch.size))
+        self._creating[ino] = creating
+        creating.add_done_callback(lambda done: self._creating.pop(ino) if self._creating.get(ino) is done else None)
+        await asyncio.shield(creating)  # a cancelled opener leaves the thread to let_go()'s wait
+        self._still_wanted(ino, token)
         return fetch
 
     # -- chunks -----------------------------------------------------------------------
@@ -375,8 +397,10 @@ class RestoreService:
         """Drop fetch state of a file that went away (unlinked or evicted again).
 
         In-flight chunk fetches are cancelled; a pwrite already running in a
-        thread keeps the descriptor until it returns (then it is closed).
+        thread keeps the descriptor until it returns (then it is closed).  An
+        open of its fetch in progress is revoked.
         """
+        self._open_tokens.pop(ino, None)
         fetch = self._files.pop(ino, None)
         if fetch is None:
             return
@@ -387,6 +411,19 @@ class RestoreService:
             fetch.stream.task.cancel()
         if fetch.fd_users == 0:
             self.data_files.close_fd(fetch)
+
+    async def let_go(self, ino: int) -> None:
+        """forget ``ino``, and return once no fetch of it can write its data file again: the
+        core is about to replace that file's bytes in place (a remote file emptied by
+        ``O_TRUNC``).  Waits only for local work (a data file being created, pwrites in
+        threads); an open of a fetch still waiting on the remote is revoked, not awaited."""
+        fetch = self._files.get(ino)
+        self.forget(ino)
+        creating = self._creating.get(ino)
+        if creating is not None:
+            await asyncio.wait([creating])
+        if fetch is not None and fetch.fd_users:  # a pwrite thread is still writing (milliseconds)
+            await fetch.pwrites_idle.wait()
 
     async def aclose(self) -> None:
         """End every chunk fetch (prefetches included) and close the descriptors (the mover stops).

@@ -71,6 +71,7 @@ class FileFetch:
     contiguous: int = 0  # chunks present from the start without a gap
     fd: int | None = None
     fd_users: int = 0  # pwrites in flight on fd (in threads)
+    pwrites_idle: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set while fd_users == 0
     closed: bool = False  # forgotten or finished: the fd goes once its users are done
     verifying: asyncio.Future[None] | None = None
     recorded: asyncio.Future[None] | None = None  # the journal record of the finished fetch
