@@ -562,16 +562,16 @@ def test_a_chunk_that_does_not_match_its_manifest_is_never_written_or_served(tmp
 
 
 class GatedRemote(FileRemote):
-    """A file remote whose ranged reads from ``hold_from`` on wait for ``release`` (never set here)."""
+    """A file remote whose ranged reads for which ``holds(key, start)`` wait for ``release``."""
 
-    def __init__(self, directory: Path, hold_from: int) -> None:
+    def __init__(self, directory: Path, holds: Callable[[str, int], bool]) -> None:
         super().__init__(parse_remote_url(f"file://{directory}"))
-        self.hold_from = hold_from
+        self.holds = holds
         self.entered = asyncio.Event()
         self.release = asyncio.Event()
 
     async def get_range(self, key: str, start: int, end: int) -> bytes:
-        if start >= self.hold_from and not key.startswith(".burstfs/"):
+        if self.holds(key, start):
             self.entered.set()
             await self.release.wait()
         return await super().get_range(key, start, end)
@@ -581,7 +581,9 @@ def test_aclose_ends_the_prefetches_and_closes_the_descriptors(tmp_path: Path) -
     """The mover's stop (or crash) ends every chunk fetch the restore service started, prefetches
     included, and closes its descriptors; nothing is left running on a loop that is going away."""
     (tmp_path / "remote").mkdir()
-    remote = GatedRemote(tmp_path / "remote", hold_from=2 * CHUNK)
+    remote = GatedRemote(  # chunks from 2 on never come
+        tmp_path / "remote", lambda key, start: start >= 2 * CHUNK and not key.startswith(".burstfs/")
+    )
     journal = FakeJournal()
     svc = RestoreService(ObjectStore(remote, FAST_RETRY), journal, LocalTier(tmp_path / "cache"))  # type: ignore[arg-type]
     content = os.urandom(8 * CHUNK)
@@ -606,27 +608,12 @@ def test_aclose_ends_the_prefetches_and_closes_the_descriptors(tmp_path: Path) -
     run_async(body)
 
 
-class ManifestGate(FileRemote):
-    """A file remote whose manifest reads wait for ``release``."""
-
-    def __init__(self, directory: Path) -> None:
-        super().__init__(parse_remote_url(f"file://{directory}"))
-        self.entered = asyncio.Event()
-        self.release = asyncio.Event()
-
-    async def get_range(self, key: str, start: int, end: int) -> bytes:
-        if key.startswith(".burstfs/"):
-            self.entered.set()
-            await self.release.wait()
-        return await super().get_range(key, start, end)
-
-
 def test_let_go_revokes_an_open_waiting_on_the_remote_and_never_touches_the_new_bytes(tmp_path: Path) -> None:
     """A remote file emptied by O_TRUNC while its fetch waits for its manifest: let_go returns at
     once (it waits on no remote), and the late fetch neither resizes the new data file nor
     registers, but fails its waiters with ESTALE (the core then reads what is local)."""
     (tmp_path / "remote").mkdir()
-    remote = ManifestGate(tmp_path / "remote")
+    remote = GatedRemote(tmp_path / "remote", lambda key, start: key.startswith(".burstfs/"))  # manifests wait
     journal = FakeJournal()
     svc = RestoreService(ObjectStore(remote, FAST_RETRY), journal, LocalTier(tmp_path / "cache"))  # type: ignore[arg-type]
     content = os.urandom(3 * CHUNK)
