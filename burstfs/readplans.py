@@ -241,7 +241,7 @@ class ReadPlans:
                     log.info("event=read_plan_fetch_skipped ino=%d reason=tier_has_no_room", inode.ino)
                     return
                 await self.data.ensure_local(inode)
-                log.debug("event=read_plan_fetched ino=%d bytes=%d", inode.ino, inode.size)
+                log.info("event=read_plan_fetched ino=%d bytes=%d", inode.ino, inode.size)
         except (BurstfsError, OSError) as exc:  # its reader meets the error itself, if it reads
             log.warning("event=read_plan_fetch_failed ino=%d error=%s", inode.ino, exc)
         except Exception:  # a bug here must not end the mount: plans only save time
