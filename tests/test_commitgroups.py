@@ -276,6 +276,7 @@ def test_a_close_joins_an_announced_round_at_once_and_nothing_else(tmp_path: Pat
 
     async def scenario() -> None:
         assert not groups.joined_announced(99, "ckpt", b"shard_0")  # no round yet: the long way
+        _, release_first = a.remote.hold("put", "ckpt/shard_0")  # its round stays undecided meanwhile
         first = a.write("ckpt/shard_0", b"0")
         await until(lambda: groups.intent_out("ckpt") and "ckpt" in groups.groups, "the round's intent")
         assert not groups.joined_announced(first, "ckpt", b".metadata")  # a marker: never a member
@@ -284,6 +285,7 @@ def test_a_close_joins_an_announced_round_at_once_and_nothing_else(tmp_path: Pat
         second = a.front.write("shard_1", b"1", parent)
         assert groups.joined_announced(second, "ckpt", b"shard_1")
         assert second in groups.groups["ckpt"].members
+        release_first.set()
         a.mover.wake()
         await until(entered.is_set, "shard_1 uploading")
         await asyncio.sleep(0.3)
