@@ -30,7 +30,7 @@ Cases, per contender, in this order (the durable cases write what the cold cases
   9. cold load of each in one process, which reads the index and then walks the files one by
      one (``dcp.load``; ``safetensors.torch.load_file`` of each shard in the index's order, as
      ``from_pretrained`` does) (reference: download the files at once, then load from tmpfs).
-     burstfs and the reference only; when a cold sharded case is chosen with ``--case``, also
+     Not run through rclone (its cells show "-"); when a cold sharded case is chosen with ``--case``, also
      ``burstfs --no-read-plans`` (no prefetch planned from the index).
 Also per burstfs mount: daemon CPU seconds per GiB restored in each read case, and peak RSS.
 Ratios are to the reference.  ``--size`` preset ``issue`` = the issue's 1 GiB / 8 x 128 MiB.

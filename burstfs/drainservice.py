@@ -210,12 +210,12 @@ class DrainService:
 
     async def let_go(self, ino: int) -> None:
         restore = self.mover.restore
-        if restore is None or self.mover.loop is None:
-            return  # no mover, no fetch
+        if restore is None:
+            return  # no mover yet: no fetch
         try:
             await self.on_mover_loop(restore.let_go(ino))
         except FsError:
-            return  # the mover stopped meanwhile: nothing of it fetches
+            return  # the mover is down: nothing of it fetches
 
     @property
     def fetched_bytes(self) -> int:

@@ -17,8 +17,8 @@ whole checkpoint.  Ranks of one node open their shards side by side, without
 closing one first, so they fetch nothing ahead; a walker costs at most
 ``AHEAD_FILES`` files it may not read.  A plan never makes room on the tier (it
 fetches only what fits without evicting or waiting) and never delays a request:
-opens and closes only note names; reading and parsing the index and the fetches
-run in :meth:`ReadPlans.run`, a task of the daemon's nursery.
+opens and closes only note names; planning (reading a ``weight_map`` index) and
+the fetches run in :meth:`ReadPlans.run`, a task of the daemon's nursery.
 """
 
 from __future__ import annotations

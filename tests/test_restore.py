@@ -577,15 +577,21 @@ class GatedRemote(FileRemote):
         return await super().get_range(key, start, end)
 
 
+def gated_service(tmp_path: Path, holds: Callable[[str, int], bool]) -> tuple[RestoreService, GatedRemote, FakeJournal]:
+    """A restore service over a file remote whose reads for which ``holds(key, start)`` wait."""
+    (tmp_path / "remote").mkdir()
+    remote = GatedRemote(tmp_path / "remote", holds)
+    journal = FakeJournal()
+    svc = RestoreService(ObjectStore(remote, FAST_RETRY), journal, LocalTier(tmp_path / "cache"))  # type: ignore[arg-type]
+    return svc, remote, journal
+
+
 def test_aclose_ends_the_prefetches_and_closes_the_descriptors(tmp_path: Path) -> None:
     """The mover's stop (or crash) ends every chunk fetch the restore service started, prefetches
     included, and closes its descriptors; nothing is left running on a loop that is going away."""
-    (tmp_path / "remote").mkdir()
-    remote = GatedRemote(  # chunks from 2 on never come
-        tmp_path / "remote", lambda key, start: start >= 2 * CHUNK and not key.startswith(".burstfs/")
+    svc, remote, journal = gated_service(  # chunks from 2 on never come
+        tmp_path, lambda key, start: start >= 2 * CHUNK and not key.startswith(".burstfs/")
     )
-    journal = FakeJournal()
-    svc = RestoreService(ObjectStore(remote, FAST_RETRY), journal, LocalTier(tmp_path / "cache"))  # type: ignore[arg-type]
     content = os.urandom(8 * CHUNK)
 
     async def body() -> None:
@@ -612,10 +618,7 @@ def test_let_go_revokes_an_open_waiting_on_the_remote_and_never_touches_the_new_
     """A remote file emptied by O_TRUNC while its fetch waits for its manifest: let_go returns at
     once (it waits on no remote), and the late fetch neither resizes the new data file nor
     registers, but fails its waiters with ESTALE (the core then reads what is local)."""
-    (tmp_path / "remote").mkdir()
-    remote = GatedRemote(tmp_path / "remote", lambda key, start: key.startswith(".burstfs/"))  # manifests wait
-    journal = FakeJournal()
-    svc = RestoreService(ObjectStore(remote, FAST_RETRY), journal, LocalTier(tmp_path / "cache"))  # type: ignore[arg-type]
+    svc, remote, journal = gated_service(tmp_path, lambda key, start: key.startswith(".burstfs/"))  # manifests wait
     content = os.urandom(3 * CHUNK)
 
     async def body() -> None:
