@@ -135,21 +135,39 @@ class StreamingDigests:
         self._pending_bytes = 0
 
 
-def whole_file_digest(path: str | os.PathLike[str], size: int) -> str:
-    """xxh3-128 of the first ``size`` bytes of ``path`` (blocking: run it in a thread)."""
-    whole = xxhash.xxh3_128()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        offset = 0
-        while offset < size:
-            data = pread_full(fd, min(DIGEST_READ_SIZE, size - offset), offset)
-            if not data:
-                raise CorruptDataError(f"staged file {path} shrank below {size} bytes while it was hashed")
-            whole.update(data)
-            offset += len(data)
-    finally:
-        os.close(fd)
-    return whole.hexdigest()
+class WholeFileDigest:
+    """xxh3-128 of the first ``size`` bytes of ``path``, taken one window per :meth:`step`.
+
+    Stepwise so that the caller can pause between windows: the drain's pass over
+    a file written through passthrough yields to writers like its uploads do.
+    Each step blocks (run it in a thread) and opens the file itself: a step's
+    thread can outlive a cancelled caller.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], size: int) -> None:
+        self.path = path
+        self.size = size
+        self.offset = 0
+        self._whole = xxhash.xxh3_128()
+
+    @property
+    def done(self) -> bool:
+        return self.offset >= self.size
+
+    def step(self) -> None:
+        """Hash the next window of at most DIGEST_READ_SIZE bytes."""
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            data = pread_full(fd, min(DIGEST_READ_SIZE, self.size - self.offset), self.offset)
+        finally:
+            os.close(fd)
+        if not data:
+            raise CorruptDataError(f"staged file {self.path} shrank below {self.size} bytes while it was hashed")
+        self._whole.update(data)
+        self.offset += len(data)
+
+    def hexdigest(self) -> str:
+        return self._whole.hexdigest()
 
 
 def compute_digests(path: str | os.PathLike[str], chunk_size: int) -> FileDigests:

@@ -29,7 +29,7 @@ from typing import Any
 import xxhash
 
 from . import manifest as manifest_format
-from .digests import FileDigests, StreamingDigests, chunk_count, compute_digests, whole_file_digest
+from .digests import FileDigests, StreamingDigests, WholeFileDigest, chunk_count, compute_digests
 from .errors import CorruptDataError, ManifestError, RemoteNotFound, UploadCancelled
 from .fileio import pread_full
 from .manifest import ChunkInfo, Manifest, StoredChunk, decode_chunk, encode_chunk, manifest_key
@@ -54,6 +54,10 @@ PENDING_UPLOAD = "pending-"
 #: Consecutive chunks are read by one ranged GET of up to this many bytes, each chunk verified
 #: on its own: 1 MiB blocks would otherwise cost a request each.
 RANGED_RUN_BYTES = 8 << 20
+#: Chunks of one upload read (and hashed, encoded) at once.  Reading a staged chunk is
+#: far faster than sending it, so two keep the parts in flight fed; more would only add
+#: work that a paused drain cannot take back when the next burst of writers starts.
+READS_IN_FLIGHT = 2
 
 
 class ObjectStore:
@@ -113,8 +117,9 @@ class ObjectStore:
         against: chunks of ``chunk_size`` are hashed as they are read for upload
         and the whole-file digest is taken by a concurrent pass, so the file is
         not read once more before the upload; the manifest carries both.
-        A multipart upload awaits ``pace()`` before it reads each chunk (the drain
-        yields to writers with it).
+        A multipart upload awaits ``pace()`` before it reads each chunk and before it
+        sends each part, and the whole-file pass before each window (the drain yields
+        to writers with it: only the reads and sends already started go on).
         """
         if compress not in (None, "lz4"):
             raise ValueError(f"unknown compression {compress!r}")
@@ -140,7 +145,9 @@ class ObjectStore:
             compress,
             self._block_size_for(size, chunk_size, compress),
         )
-        whole = None if expected else asyncio.ensure_future(asyncio.to_thread(whole_file_digest, reader.path, size))
+        whole = None
+        if expected is None:  # a file of one chunk (one PUT) never waits for writers
+            whole = asyncio.ensure_future(_whole_digest(reader.path, size, pace if reader.count > 1 else None))
         try:
             if reader.count <= 1:
                 chunks = await self._put_whole(key, reader, cancel_check)
@@ -201,8 +208,9 @@ class ObjectStore:
 
         A part is a run of whole chunks, long enough for the remote's minimum part
         size (lz4 chunks can be small) and its part count limit (huge files).
-        Chunks are read ahead and parts uploaded concurrently within a byte
-        budget of ``concurrency`` chunks (or one part plus one chunk if larger).
+        Chunks are read ahead (READS_IN_FLIGHT at once) and parts uploaded
+        concurrently within a byte budget of ``concurrency`` chunks (or one part
+        plus one chunk if larger).
         """
         chunk_size = reader.chunk_size
         count = reader.count
@@ -226,13 +234,22 @@ class ObjectStore:
             raise
         await self._upload_ended(placeholder)
 
+        reading = asyncio.Semaphore(READS_IN_FLIGHT)
+
+        async def read(index: int) -> tuple[ChunkInfo, bytes]:
+            try:
+                return await asyncio.to_thread(reader.read, index)
+            finally:
+                reading.release()
+
         async def read_ahead(group: asyncio.TaskGroup) -> None:
             for index in range(count):
+                await reading.acquire()
                 if pace is not None:
                     await pace()
                 await _check_cancel(cancel_check, key)
                 await budget.acquire(reader.length(index))
-                reads.put_nowait(group.create_task(asyncio.to_thread(reader.read, index)))
+                reads.put_nowait(group.create_task(read(index)))
 
         async def send(number: int, offset: int, data: bytes) -> None:
             try:
@@ -252,6 +269,8 @@ class ObjectStore:
                 buffer.append(data)
                 buffered += len(data)
                 if buffered >= target or index == count - 1:
+                    if pace is not None:
+                        await pace()
                     await upload_slots.acquire()
                     number += 1
                     group.create_task(send(number, offset, b"".join(buffer)))
@@ -450,6 +469,16 @@ def _decode_chunks(
         except CorruptDataError as exc:
             out.append(exc)
     return out
+
+
+async def _whole_digest(path: Path, size: int, pace: Callable[[], Awaitable[None]] | None) -> str:
+    """The whole-file digest of an upload, one window per thread hop, paused by ``pace``."""
+    digest = WholeFileDigest(path, size)
+    while not digest.done:
+        if pace is not None:
+            await pace()
+        await asyncio.to_thread(digest.step)
+    return digest.hexdigest()
 
 
 async def _check_cancel(cancel_check: Callable[[], Awaitable[bool]] | None, key: str) -> None:

@@ -18,6 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from s3server import fresh_bucket
 
+import burstfs.digests
+import burstfs.objects
 from burstfs.config import S3Options, parse_remote_url
 from burstfs.errors import CorruptDataError, ManifestError, RemoteError, UploadCancelled
 from burstfs.objects import FileDigests, Manifest, ObjectStore, compute_digests, manifest_key
@@ -401,6 +403,39 @@ def test_upload_without_digests_takes_them_in_the_same_pass(
     run(store, body)
     with pytest.raises(ValueError):
         run(store, lambda: upload(store, "p/x", path, None))  # no chunk size to hash with
+
+
+def test_a_paused_upload_reads_nothing(store: ObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drain yields to writers through ``pace``: while it holds, neither the parts nor the
+    whole-file digest of a file written through passthrough (no digests) read a byte of it."""
+    data = os.urandom(CHUNK * 5 + 123)
+    path, digests = staged(tmp_path, data)
+    reads: list[int] = []
+    for module in (burstfs.digests, burstfs.objects):
+        real = module.pread_full
+
+        def counted(fd: int, size: int, offset: int, real: Callable[[int, int, int], bytes] = real) -> bytes:
+            reads.append(size)
+            return real(fd, size, offset)
+
+        monkeypatch.setattr(module, "pread_full", counted)
+
+    async def body() -> None:
+        gate, paused = asyncio.Event(), asyncio.Event()
+
+        async def pace() -> None:
+            paused.set()
+            await gate.wait()
+
+        task = asyncio.ensure_future(upload(store, "p/ckpt.pt", path, None, chunk_size=CHUNK, pace=pace))
+        await paused.wait()
+        await asyncio.sleep(0.3)
+        assert not reads and not task.done()
+        gate.set()
+        assert (await task).digest == digests.digest
+        assert sum(reads) >= 2 * len(data)  # the parts and the whole-file pass, once each
+
+    run(store, body)
 
 
 @pytest.mark.parametrize("size", [0, 1, CHUNK, CHUNK + 1, CHUNK * 5 + 123])
