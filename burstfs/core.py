@@ -36,6 +36,7 @@ from .namespace import Namespace
 from .nodes import Inode, Undo
 from .publish import Publisher
 from .readplans import ReadPlans
+from .reaper import TierReaper
 from .xattrs import ExtendedAttributes
 
 
@@ -81,6 +82,7 @@ class BurstCore:
         self.inodes = self.namespace.inodes  # the one inode table
         self.publisher = Publisher(self.committer, journal.max_close_seq() + 1)
         self.capacity = TierCapacity(self.tier, journal, capacity, self.inodes)
+        self.reaper = TierReaper(self.tier, self.capacity)  # run by the daemon's nursery
         self.data = DataPath(
             self.tier,
             self.namespace,
@@ -128,10 +130,9 @@ class BurstCore:
 
     def _file_gone(self, inode: Inode) -> None:
         """A file inode was destroyed: its data, its count on the tier and any fetch go."""
-        self.capacity.release(inode.accounted)
         if not inode.local and self.links.fetcher is not None:
             self.links.fetcher.forget(inode.ino)
-        self.tier.remove(inode.ino)
+        self.reaper.remove(inode.ino, inode.size, inode.accounted)
 
     async def lookup(self, parent: int, name: bytes) -> Inode:
         try:

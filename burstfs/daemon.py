@@ -239,6 +239,7 @@ async def serve(config: MountConfig, ops: BurstOperations, on_ready: Callable[[]
         if metrics is not None:
             nursery.start_soon(metrics.run)
         await nursery.start(core.committer.run)
+        await nursery.start(core.reaper.run)
         if config.read_plans and core.links.fetcher is not None:
             await nursery.start(core.plans.run)
         await nursery.start(serve_control, config, core, drain)

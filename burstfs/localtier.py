@@ -5,13 +5,17 @@ namespace never move data and the mover can read a staged file with ordinary
 ``pread`` calls.  Open descriptors are shared per inode and reference counted.
 Data files are opened with ``O_NOFOLLOW``: a link planted in ``data/`` is never
 written through (the cache dir is 0700, so only root could plant one; still).
+Large data files go through ``trash/`` on their way out (:mod:`burstfs.reaper`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from pathlib import Path
+
+log = logging.getLogger("burstfs.tier")
 
 #: Every open of a data file: never through a symlink, never inherited by children.
 _OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -27,6 +31,9 @@ class LocalTier:
         if stat.S_IMODE(self.data_dir.stat().st_mode) != 0o700:  # made by an older burstfs, or by hand
             os.chmod(self.data_dir, 0o700)
         self._fds: dict[int, tuple[int, int]] = {}  # ino -> (fd, refcount)
+        self.trash_dir = self.cache_dir / "trash"
+        self.trash_dir.mkdir(mode=0o700, exist_ok=True)
+        self.empty_trash()  # left by a crash
 
     def path(self, ino: int) -> Path:
         return self.data_dir / f"{ino:016x}"
@@ -77,6 +84,19 @@ class LocalTier:
         except FileNotFoundError:
             pass
 
+    def to_trash(self, ino: int) -> Path | None:
+        """Move the inode's data file into the trash (its path is free at once); None if it had none."""
+        trashed = self.trash_dir / f"{ino:016x}-{os.urandom(4).hex()}"
+        try:
+            os.rename(self.path(ino), trashed)
+        except FileNotFoundError:
+            return None
+        return trashed
+
+    def empty_trash(self) -> None:
+        for entry in os.scandir(self.trash_dir):
+            unlink_trashed(Path(entry.path))
+
     def data_size(self, ino: int) -> int:
         """Length of the inode's data file (0 when it has none)."""
         try:
@@ -101,3 +121,13 @@ class LocalTier:
         for fd, _ in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def unlink_trashed(path: Path) -> None:
+    """Unlink a data file moved to the trash (blocking: large ones in a worker thread)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # the next start empties the trash
+        log.warning("event=trash_unlink_failed path=%s error=%r", path, str(exc))

@@ -282,6 +282,7 @@ class Node:
             self._stop = trio.Event()
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.core.committer.run)
+                await nursery.start(self.core.reaper.run)
                 await nursery.start(self.core.plans.run)  # a cold node's read-back walks DCP read plans
                 self._started.set()
                 await self._stop.wait()

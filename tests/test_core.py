@@ -12,13 +12,16 @@ import json
 import os
 import sqlite3
 import stat
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
+from burstfs import reaper
 from burstfs.config import TierOptions
 from burstfs.core import BurstCore
 from burstfs.errors import BurstfsError
@@ -39,6 +42,7 @@ async def open_core(
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(core.committer.run)
+            await nursery.start(core.reaper.run)
             yield core
             nursery.cancel_scope.cancel()
     finally:
@@ -428,6 +432,44 @@ def test_unlink_while_open_then_release_destroys_data(tmp_path: Path) -> None:
         assert inode.ino not in core.inodes
         await core.committer.commit([])  # the queued row deletion is applied
         assert db_rows(tmp_path, "SELECT * FROM inodes WHERE ino=?", (inode.ino,)) == []
+
+    run(tmp_path, body)
+
+
+def test_a_large_file_is_unlinked_off_the_loop_and_counted_until_then(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Freeing a large data file's pages takes long (170 ms per GiB on tmpfs): its data file is
+    moved to the trash at once (the data path is free) and unlinked in a worker thread; its
+    bytes count on the tier until it is gone, so a writer is never promised room the tier lacks."""
+    unlinking, release = threading.Event(), threading.Event()
+    real = reaper.unlink_trashed
+
+    def held(path: Path) -> None:
+        unlinking.set()
+        release.wait(10)
+        real(path)
+
+    monkeypatch.setattr(reaper, "unlink_trashed", held)
+    (tmp_path / "trash").mkdir()
+    (tmp_path / "trash" / "left-by-a-crash").write_bytes(b"x")
+
+    async def body(core: BurstCore) -> None:
+        assert not any((tmp_path / "trash").iterdir())  # emptied at start
+        small = await write_file(core, ROOT_INO, b"small", b"s" * 100)
+        big = await write_file(core, ROOT_INO, b"big", b"b" * reaper.REAP_BYTES)
+        counted = core.capacity.local_bytes
+        await core.unlink(ROOT_INO, b"small")
+        assert not core.tier.path(small).exists() and core.capacity.local_bytes == counted - 100
+        await core.unlink(ROOT_INO, b"big")
+        assert not core.tier.path(big).exists()
+        await trio.to_thread.run_sync(unlinking.wait, 10)
+        assert [p.stat().st_size for p in (tmp_path / "trash").iterdir()] == [reaper.REAP_BYTES]
+        assert core.capacity.local_bytes == counted - 100  # still on the tier
+        release.set()
+        while core.capacity.local_bytes:
+            await trio.sleep(0.01)
+        assert not any((tmp_path / "trash").iterdir())
 
     run(tmp_path, body)
 
