@@ -61,6 +61,9 @@ PUBLISH_BACKOFF_S = 0.5
 PUBLISH_BACKOFF_MAX_S = 30.0
 # Records read from the (shared) remote are bounded before they are parsed.
 MAX_RECORD_BYTES = 64 << 20
+# A round's full check (every member read) waits this many times its last duration before
+# it runs again: a quarter of the journal thread at most while small files keep coming in.
+FULL_CHECK_SPACING = 3.0
 
 
 def group_prefix(dir_key: str) -> str:
@@ -130,9 +133,11 @@ class OwnGroup:
     previous: str | None = None  # the round whose records go once this intent is out
 
     def to_json(self) -> str:
-        doc = dataclasses.asdict(self)
+        # Field by field: dataclasses.asdict deep-copies every member first (a pass journals
+        # a directory of 10,000 small files' round while they drain).
+        doc = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
         doc["members"] = sorted(self.members)
-        return json.dumps(doc)
+        return json.dumps(doc, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> OwnGroup:
@@ -202,6 +207,13 @@ class CommitGroups:
         # drained, not a scan per pass (the done itself is still decided on a full check).
         self._settled: dict[str, tuple[str, set[int]]] = {}
         self._retouched: dict[str, set[int]] = {}  # dir -> members opened or closed since (not settled)
+        # dir -> the round's touch count at the last pass: the full check runs only once it stood
+        # still for a pass (files still coming in would void it, and it reads every member: done
+        # on each pass it made a directory of small files written while draining cost O(n^2)).
+        self._touches_seen: dict[str, int] = {}
+        # dir -> not before then (monotonic) the next full check: its cost bounds how often it
+        # runs while files keep coming in (a quarter of the time at most).
+        self._full_check_after: dict[str, float] = {}
         self._retry_at: dict[str, float] = {}  # what -> earliest retry of its record
         self._failures: dict[str, int] = {}
         self._intent_events: dict[str, asyncio.Event] = {}
@@ -407,9 +419,16 @@ class CommitGroups:
         with self._lock:
             members, touches = set(group.members), group.touches
             retouched = self._retouched.pop(group.dir_key, set())
-        if not await self._db(self._all_settled, group, members, retouched):
-            return
+        quiet = self._touches_seen.get(group.dir_key) == touches
+        self._touches_seen[group.dir_key] = touches
+        if not await self._db(self._all_settled, group, members, retouched) or not quiet:
+            return  # a member not durable yet (its upload's end wakes a pass), or files still coming in
+        began = time.monotonic()
+        if began < self._full_check_after.get(group.dir_key, 0.0):
+            return  # the idle rescan (or the next wake) comes back
         rows = await self._db(self._members, members, group.dir_key)
+        ended = time.monotonic()
+        self._full_check_after[group.dir_key] = ended + FULL_CHECK_SPACING * (ended - began)
         if rows is None:  # changed without an open (a truncate by path): read each one again
             self._settled.pop(group.dir_key, None)
             return
@@ -419,6 +438,8 @@ class CommitGroups:
             group.sealed = True  # from here on, an open in this directory starts the next round
             self._dirty.add(group.dir_key)
         self._settled.pop(group.dir_key, None)
+        self._touches_seen.pop(group.dir_key, None)
+        self._full_check_after.pop(group.dir_key, None)
         paths = await self._db(self.journal.paths_of, [r.ino for r in rows])
         files = [
             {"path": path, "size": r.size, "digest": r.digest, "generation": r.generation}
