@@ -213,11 +213,13 @@ class TierCapacity:
         if not changed or inode.handles or inode.dirty:
             return 0
         inode.local, inode.local_prefix = False, 0
+        # A fetch may start (and claim room) while the old copy is unlinked: it counts from 0,
+        # and the old copy's bytes stay counted until they are freed.
+        freed, inode.accounted = inode.accounted, 0
         trashed = self.tier.to_trash(inode.ino)  # its path is free for a fetch at once
         if trashed is not None:  # unlinking 1 GiB takes 170 ms: not on the FUSE loop
             await trio.to_thread.run_sync(unlink_trashed, trashed)
-        self.release(inode.accounted)
-        inode.accounted = 0
+        self.release(freed)
         log.info("event=evicted ino=%d bytes=%d", inode.ino, inode.size)
         return inode.size
 
