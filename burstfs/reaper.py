@@ -39,18 +39,14 @@ class TierReaper:
     def remove(self, ino: int, size: int, accounted: int) -> None:
         """The data file of ``ino`` (``size`` bytes) goes, and its ``accounted`` bytes on the
         tier with it: now, or once unlinked."""
-        if self._running and max(size, accounted) >= REAP_BYTES:
-            trashed = self.tier.to_trash(ino)
-            if trashed is None:
-                self.capacity.release(accounted)
-                return
+        if not self._running or max(size, accounted) < REAP_BYTES:
+            self.tier.remove(ino)
+        elif (trashed := self.tier.to_trash(ino)) is not None:
             try:
                 self._send.send_nowait((trashed, accounted))
-                return
+                return  # released once unlinked
             except trio.WouldBlock:
                 unlink_trashed(trashed)
-        else:
-            self.tier.remove(ino)
         self.capacity.release(accounted)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

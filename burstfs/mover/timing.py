@@ -42,8 +42,8 @@ SMALL_FILE_BYTES = 1024 * 1024
 SMALL_FILES_IN_FLIGHT = 32
 # A burst buffer absorbs the next burst first: while a file opened for writing in the last
 # WRITER_YIELD_S seconds is still open, large uploads read no further chunk and send no
-# further part (polling every WRITER_POLL_S); the cores go to the writers.  A file kept open longer (a log) stops
-# holding the drain back after that.
+# further part (polling every WRITER_POLL_S); the cores go to the writers.  A file kept
+# open longer (a log) stops holding the drain back after that.
 WRITER_YIELD_S = 10.0
 WRITER_POLL_S = 0.05
 # An unexpected error in a pass of the loop: wait this long, then go on.
