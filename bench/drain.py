@@ -497,6 +497,10 @@ def issue13_moto(args: argparse.Namespace) -> None:
         make_bucket(endpoint, bucket)
         upload = boto3_reference(endpoint, args.part_mib * MiB, args.concurrency)
         small = small_files_case(args, endpoint, bucket) if args.small_files else None
+        if args.small_files_only:
+            if small is not None:
+                print_small_files(args, small)
+            return
         ckpt = moto_ckpt_case(args, endpoint, bucket, upload)
     rows: list[tuple[str, float, float, float | None]] = [
         (
@@ -523,11 +527,15 @@ def issue13_moto(args: argparse.Namespace) -> None:
         f"peak RSS {max(ckpt['rss']):.0f} MiB (target <= 300 MiB)"
     )
     if small is not None:
-        print(
-            f"{args.small_files} x 4 KiB files -> durable: {small['fs_files_per_s']:.0f} files/s "
-            f"(target >= 500), daemon CPU {small['cpu_ms_per_file']:.2f} ms/file; "
-            f"boto3 put_object x 32 threads: {small['ref_files_per_s']:.0f} files/s"
-        )
+        print_small_files(args, small)
+
+
+def print_small_files(args: argparse.Namespace, small: dict[str, float]) -> None:
+    print(
+        f"{args.small_files} x 4 KiB files -> durable: {small['fs_files_per_s']:.0f} files/s "
+        f"(target >= 500), daemon CPU {small['cpu_ms_per_file']:.2f} ms/file; "
+        f"boto3 put_object x 32 threads: {small['ref_files_per_s']:.0f} files/s"
+    )
 
 
 # -- main --------------------------------------------------------------------------------
@@ -550,6 +558,7 @@ def main() -> None:
     parser.add_argument("--moto-ranks", type=int, default=8, help="--issue13: ranks")
     parser.add_argument("--moto-rank-mib", type=int, default=128, help="--issue13: size of each rank's file")
     parser.add_argument("--small-files", type=int, default=10000, help="--issue13: 4 KiB files to durable (0: skip)")
+    parser.add_argument("--small-files-only", action="store_true", help="--issue13: only the small files case")
     args = parser.parse_args()
     if args.issue13:
         issue13_moto(args)

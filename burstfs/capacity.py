@@ -15,6 +15,7 @@ import errno
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import trio
 
@@ -193,8 +194,12 @@ class TierCapacity:
 
     async def _evict_for(self, nbytes: int) -> bool:
         """Evict durable files by policy until ``nbytes`` fit; True if they now do."""
+        return await self.evict_until(lambda: self.fits(nbytes))
+
+    async def evict_until(self, enough: Callable[[], bool]) -> bool:
+        """Evict durable files by policy until ``enough()``; True if it now is."""
         if self.policy.evict == "none":
-            return False
+            return enough()
         rows = await trio.to_thread.run_sync(self.journal.evictable)
         candidates = []
         for ino, close_seq in rows:
@@ -203,10 +208,10 @@ class TierCapacity:
                 candidates.append((inode.last_access if self.policy.evict == "lru" else close_seq, inode))
         candidates.sort(key=lambda c: c[0])
         for _, inode in candidates:
-            if self.fits(nbytes):
+            if enough():
                 break
             await self._evict(inode)
-        return self.fits(nbytes)
+        return enough()
 
     async def _evict(self, inode: Inode) -> int:
         changed = await trio.to_thread.run_sync(self.journal.evict, inode.ino, inode.generation)

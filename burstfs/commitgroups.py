@@ -17,7 +17,9 @@ Remote layout (all keys are created once, with ``If-None-Match: *`` / ``O_EXCL``
     .burstfs/commits/<dir>/<marker>@<node>@<id>.commit  {"dir", "marker": {file}, "files": [...], "rounds": [...]}
 
 Round ids start with the time in milliseconds and end with random hex, so a
-node's records never collide with another's, even with a duplicate node id.
+node's records never collide with another's, even with a duplicate node id; a
+commit record's id starts with the time its marker was written (``latest``
+orders checkpoints by it).
 Everything remote runs on the mover's loop; the FUSE thread only calls
 :meth:`CommitGroups.writing_in` (a dict update) and waits for an intent at most
 the short remote bound.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -37,7 +40,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .errors import CorruptDataError, RemoteError
+from .errors import CorruptDataError, FsError, RemoteError
 from .journal import DONE, INCOMPLETE, WRITING, InodeRow, Journal
 from .journal.thread import JournalCall
 from .remote import INTERNAL_DIR, Remote, RetryPolicy
@@ -88,7 +91,19 @@ def parse_record_key(key: str) -> tuple[str, str, str, str] | None:
 
 
 def new_round_id() -> str:
-    return f"{time.time_ns() // 1_000_000:013d}-{secrets.token_hex(4)}"
+    return record_id(time.time_ns())
+
+
+def record_id(time_ns: int) -> str:
+    """An id that sorts by ``time_ns`` (in ms) and never collides: ``<ms>-<random hex>``."""
+    return f"{time_ns // 1_000_000:013d}-{secrets.token_hex(4)}"
+
+
+def commit_written_ms(key: str) -> int | None:
+    """When the marker of the commit record at ``key`` was written (ms; see ``_publish_commit``),
+    or None for a key of another form."""
+    stamp = key.rpartition("@")[2].partition("-")[0]
+    return int(stamp) if len(stamp) == 13 and stamp.isdigit() else None
 
 
 def dir_of(key: str) -> str:
@@ -396,7 +411,8 @@ class CommitGroups:
     def _members(self, members: set[int], dir_key: str) -> list[InodeRow] | None:
         """The closed member files still in ``dir_key``, or None while one is not durable.
 
-        Files unlinked or renamed away are no longer part of the round, nor are
+        Files unlinked or renamed away are no longer part of the round (a file renamed into
+        the directory joins it, and waits for its object to move), nor are
         files renamed to a marker's name (DCP writes ``.metadata`` as a temp file).
         A file still open for writing (or left open by a crash: ``incomplete``) is
         not waited for: a checkpoint's files are closed before its marker is
@@ -412,6 +428,8 @@ class CommitGroups:
                 continue
             if row.state not in DONE or row.durable_generation != row.generation:
                 return None
+            if row.remote_key is not None and row.remote_key != path:
+                return None  # renamed: settled once its object is moved to its new key
             rows.append(row)
         return rows
 
@@ -570,7 +588,10 @@ class CommitGroups:
     async def _publish_commit(self, remote: Remote, marker: InodeRow, key: str, doc: dict[str, Any]) -> None:
         dir_key, name = dir_of(key), key.rpartition("/")[2]
         prefix = f"{COMMITS_PREFIX}{dir_key + '/' if dir_key else ''}{name}@{self.node_id}@"
-        commit_key = f"{prefix}{new_round_id()}.commit"
+        # Named by when the marker was written, not when it got out: ``latest`` orders checkpoints
+        # by it (an older step whose node came back late is not the newest; the remote's
+        # modification times have one-second resolution).
+        commit_key = f"{prefix}{record_id(marker.mtime_ns)}.commit"
         await self._create(remote, commit_key, doc)
         log.info("event=commit_published key=%s files=%d", commit_key, len(doc["files"]))
         async for info in remote.list_all(prefix):  # our older commits of this marker: superseded
@@ -582,7 +603,15 @@ class CommitGroups:
 
     async def abandon(self, remote: Remote, dir_key: str) -> list[Waiting]:
         """Give up the checkpoint in ``dir_key``: its held marker is never published, and the
-        intents it waited for no longer hold later rounds there.  Returns those intents."""
+        intents it waited for no longer hold later rounds there.  Returns those intents.
+        Only a marker of this node that waits there can be given up: abandoning a directory
+        whose nodes are still writing would let its marker out without their shards."""
+        if dir_key not in self._wanted:
+            raise FsError(
+                errno.ENOENT,
+                f"no marker of this node waits in {dir_key or '/'}: nothing to abandon (run it on the node "
+                "whose marker waits, once it does: burstfs-admin status shows 'checkpoint ... waiting for node')",
+            )
         verdict = await self.look(remote, dir_key)
         for waiting in verdict.waiting:
             key = record_key(waiting.dir_key, waiting.node, waiting.round, ABANDONED)

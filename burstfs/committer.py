@@ -16,6 +16,7 @@ and every waiter gets the error as an errno (ENOSPC for a full disk).
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Callable, Sequence
 
@@ -51,8 +52,11 @@ class _Batch:
 class GroupCommitter:
     """Applies journal records in batches; ``commit`` returns once they are durable."""
 
-    def __init__(self, journal: Journal) -> None:
+    def __init__(self, journal: Journal, on_disk_full: Callable[[], bool] | None = None) -> None:
+        """``on_disk_full()`` frees room for the journal (blocking; True if it did): a batch that
+        failed on a full disk is tried once more after it."""
         self._journal = journal
+        self._on_disk_full = on_disk_full
         self._batch = _Batch()
         self._wakeup = trio.Event()
         self.commits = 0  # number of transactions, for tests and metrics
@@ -98,6 +102,18 @@ class GroupCommitter:
                 if self._batch.ops:
                     await self._flush()
 
+    async def _apply(self, ops: list[Op]) -> None:
+        """One transaction; on a full disk, once more after ``on_disk_full`` freed room (an
+        unlink that frees the tier must not fail for want of the room it frees)."""
+        try:
+            await trio.to_thread.run_sync(self._journal.apply, ops)
+        except Exception as exc:
+            if to_errno(exc) != errno.ENOSPC or self._on_disk_full is None:
+                raise
+            if not await trio.to_thread.run_sync(self._on_disk_full):
+                raise
+            await trio.to_thread.run_sync(self._journal.apply, ops)
+
     async def _flush(self) -> None:
         self._wakeup = trio.Event()
         batch, self._batch = self._batch, _Batch()
@@ -105,7 +121,7 @@ class GroupCommitter:
             # Shielded: once taken off the queue, a batch is committed or failed, never
             # dropped by a cancellation (trio checks for one before the thread starts).
             with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(self._journal.apply, batch.ops)
+                await self._apply(batch.ops)
         except Exception as exc:
             self.failures += 1
             # The batch that filled meanwhile may build on this one (a file created in

@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import stat
 from pathlib import Path
@@ -27,6 +28,7 @@ from .config import TierOptions
 from .datapath import FILE_MODE_DROPPED, DataPath
 from .digests import StreamingDigests
 from .errors import FsError
+from .headroom import TierHeadroom, release_reserve
 from .hooks import DrainHooks, DrainLinks, Fetcher
 from .iopath import BackingFiles, IOPaths
 from .journal import WRITING, Journal, set_meta_op
@@ -62,7 +64,9 @@ class BurstCore:
         self.cache_dir = Path(cache_dir)
         self.journal = journal
         self.tier = LocalTier(self.cache_dir)
-        self.committer = GroupCommitter(journal)
+        self.committer = GroupCommitter(
+            journal, functools.partial(release_reserve, self.tier.cache_dir, "journal full")
+        )
         self.links = DrainLinks(drain, fetcher)  # shared with the data path and the listings
         tombstones = Tombstones()
         self.io_paths = IOPaths(self.tier, backing)
@@ -83,6 +87,7 @@ class BurstCore:
         self.publisher = Publisher(self.committer, journal.max_close_seq() + 1)
         self.capacity = TierCapacity(self.tier, journal, capacity, self.inodes)
         self.reaper = TierReaper(self.tier, self.capacity)  # run by the daemon's nursery
+        self.headroom = TierHeadroom(self.tier.cache_dir, self.capacity)  # run by the daemon's nursery
         self.data = DataPath(
             self.tier,
             self.namespace,
@@ -127,6 +132,25 @@ class BurstCore:
     ) -> None:
         if await self.namespace.rename(old_parent_ino, old_name, new_parent_ino, new_name, flags):
             self.links.namespace_changed()
+            await self._join_rounds(self.namespace.child(new_parent_ino, new_name))
+
+    async def _join_rounds(self, moved: Inode) -> None:
+        """Files renamed into a directory (a file, or every file of a directory) join this node's
+        round there as a close there would: a checkpoint's shards moved into place from a
+        staging directory, or a temp directory renamed to the step's name, hold its marker back
+        until their objects are at their new keys (docs/SEMANTICS.md "Many nodes")."""
+        drain = self.links.drain
+        if drain is None:
+            return
+        pending = [moved]
+        while pending:
+            inode = pending.pop()
+            if inode.kind == "dir":
+                pending += [self.inodes[ino] for ino in (inode.children or {}).values()]
+            elif (
+                inode.kind == "file" and inode.parent and (dir_key := self.namespace.path_of(self.inodes[inode.parent]))
+            ):
+                await drain.closed_in(inode.ino, dir_key, inode.name)  # bounded (--remote-wait); never fails
 
     def _file_gone(self, inode: Inode) -> None:
         """A file inode was destroyed: its data, its count on the tier and any fetch go."""

@@ -33,10 +33,12 @@ from .core import BurstCore
 from .drainservice import DrainService
 from .errors import BurstfsError, ConfigError, RemoteError
 from .fuse_ops import BurstOperations
+from .headroom import drop_reserve_if_full
 from .journal import Journal
+from .localtier import holds_data
 from .log import setup_logging
 from .metrics import parse_metrics_addr, start_metrics
-from .mountinfo import FSNAME_PREFIX, device_of, find_burstfs_mount, is_mounted
+from .mountinfo import FSNAME_PREFIX, device_of, find_burstfs_mount, mounts
 from .mover import Mover
 from .remote import open_remote
 from .sdnotify import SystemdNotifier
@@ -47,7 +49,9 @@ log = logging.getLogger("burstfs.daemon")
 def preflight(config: MountConfig) -> None:
     """Refuse bad input before touching anything (tenet 5)."""
     mnt = config.mountpoint
-    if is_mounted(mnt):  # asked of /proc first: stat() of a dead FUSE mount fails
+    # Asked of /proc first: stat() of a dead FUSE mount fails.  Other mounts there (a bind
+    # mount, a Kubernetes volume, a tmpfs) are mounted over, as any FUSE file system does.
+    if any(point == mnt and fstype.startswith("fuse") for point, fstype, *_ in mounts()):
         try:
             os.stat(mnt)
         except OSError as exc:
@@ -91,6 +95,12 @@ def preflight(config: MountConfig) -> None:
                 f"(uid {os.geteuid()}); use a cache dir of your own"
             )
         _check_cache_owner(config)
+
+
+def _mounted_here(config: MountConfig) -> bool:
+    """Whether this cache's mount is still at the mount point (not just another mount under it)."""
+    source = f"{FSNAME_PREFIX}{os.path.realpath(config.cache_dir)}"
+    return any(point == config.mountpoint and src == source for point, _, src, _ in mounts())
 
 
 def _nested(a: Path, b: Path) -> bool:
@@ -142,7 +152,8 @@ def _check_cache_owner(config: MountConfig) -> None:
     owner = CacheLock(cache).owner_pid()
     if owner is not None:
         raise ConfigError(f"cache dir {cache} is in use by another burstfs process (pid {owner})")
-    if not (cache / "journal.db").exists():
+    if not _journal_present(cache):
+        _refuse_data_without_journal(cache)
         return
     try:
         journal = Journal(cache, readonly=True)
@@ -154,6 +165,26 @@ def _check_cache_owner(config: MountConfig) -> None:
         return
     if recorded is not None and recorded != str(config.remote):
         raise _other_remote(config, recorded)
+
+
+def _journal_present(cache: Path) -> bool:
+    """Whether the cache has a journal: an empty ``journal.db`` is none (SQLite would make a fresh one)."""
+    try:
+        return (cache / "journal.db").stat().st_size > 0
+    except FileNotFoundError:
+        return False
+
+
+def _refuse_data_without_journal(cache: Path) -> None:
+    """A tier with data but no journal lost its journal: a mount would start a fresh journal and
+    remove every data file it does not know as a crash's leftover, closed files not yet durable
+    among them.  Refuse, and say what the files are."""
+    if holds_data(cache):
+        raise ConfigError(
+            f"cache dir {cache} holds file data ({cache / 'data'}) but no journal (journal.db is missing "
+            "or empty): burstfs cannot tell which files they are, and a mount would remove them; copy "
+            "what you need out of data/ (each file there is one file's bytes) and move the cache dir aside"
+        )
 
 
 def _other_remote(config: MountConfig, recorded: str) -> ConfigError:
@@ -187,6 +218,9 @@ def open_cache(config: MountConfig) -> tuple[CacheLock, Journal]:
     lock = CacheLock(config.cache_dir)
     lock.acquire()
     try:
+        if not _journal_present(config.cache_dir):
+            _refuse_data_without_journal(config.cache_dir)
+        drop_reserve_if_full(config.cache_dir)
         journal = Journal(config.cache_dir)
         recorded = journal.get_meta("remote")
         if recorded is not None and recorded != str(config.remote):
@@ -240,6 +274,7 @@ async def serve(config: MountConfig, ops: BurstOperations, on_ready: Callable[[]
             nursery.start_soon(metrics.run)
         await nursery.start(core.committer.run)
         await nursery.start(core.reaper.run)
+        await nursery.start(core.headroom.run)
         if config.read_plans and core.links.fetcher is not None:
             await nursery.start(core.plans.run)
         await nursery.start(serve_control, config, core, drain)
@@ -307,7 +342,7 @@ def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
             trio.run(serve, config, ops, on_ready)
             unmounted = True
         finally:
-            pyfuse3.close(unmount=not unmounted or is_mounted(config.mountpoint))
+            pyfuse3.close(unmount=not unmounted or _mounted_here(config))
             core.close()
         pending = journal.undrained().values()
         log.info(

@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 from typing import Any
 
-from .commitgroups import COMMITS_PREFIX, dir_of, parse_record, record_files
+from .commitgroups import COMMITS_PREFIX, commit_written_ms, dir_of, parse_record, record_files
 from .errors import CorruptDataError, RemoteError
 from .objects import Manifest, manifest_key
 from .remote import Remote, RetryPolicy
@@ -74,15 +74,17 @@ async def find_latest(remote: Remote, subdir: str = "") -> tuple[Checkpoint | No
     newer ones skipped (dir, why).  One listing of the commit records, then newest first:
     only the checkpoints it must look at are read."""
     prefix = f"{COMMITS_PREFIX}{subdir}/" if subdir else COMMITS_PREFIX
-    newest: dict[str, tuple[float, str]] = {}
+    newest: dict[str, tuple[float, float, str]] = {}  # dir -> (marker written, record's mtime, key)
     async for info in remote.list_all(prefix):
         if not info.key.endswith(".commit"):
             continue
         dir_key = dir_of(info.key)[len(COMMITS_PREFIX) :]
-        if dir_key not in newest or (info.mtime, info.key) > newest[dir_key]:
-            newest[dir_key] = (info.mtime, info.key)
+        written = commit_written_ms(info.key.removesuffix(".commit"))
+        order = (info.mtime if written is None else written / 1000, info.mtime, info.key)
+        if dir_key not in newest or order > newest[dir_key]:
+            newest[dir_key] = order
     skipped: list[tuple[str, str]] = []
-    for dir_key, (mtime, key) in sorted(newest.items(), key=lambda item: item[1], reverse=True):
+    for dir_key, (_, mtime, key) in sorted(newest.items(), key=lambda item: item[1], reverse=True):
         try:
             doc = parse_record(await LATEST_RETRY.call(remote, remote.get_object, key, what=f"get {key}"))
             problem = await verify_commit(remote, doc)

@@ -21,6 +21,15 @@ log = logging.getLogger("burstfs.tier")
 _OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+def holds_data(cache_dir: Path) -> bool:
+    """Whether ``cache_dir`` has file data on its tier (read-only: a refused mount changes nothing)."""
+    try:
+        with os.scandir(Path(cache_dir) / "data") as entries:
+            return any(True for _ in entries)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
 class LocalTier:
     """Data files of the cache directory, and the descriptors open on them."""
 

@@ -29,12 +29,6 @@ def mounts() -> list[tuple[Path, str, str, str]]:
     return found
 
 
-def is_mounted(mountpoint: Path) -> bool:
-    """Whether something is mounted at ``mountpoint`` (a resolved path; never stat-ed,
-    so the daemon can ask about its own mount while it is not serving)."""
-    return any(point == mountpoint for point, *_ in mounts())
-
-
 def device_of(mountpoint: Path) -> str | None:
     """ "major:minor" of the file system mounted at ``mountpoint`` (a resolved path).
 

@@ -114,6 +114,8 @@ def _closed_at(journal: Journal, ino: int, fallback: float) -> float:
 #: Error kinds that say the remote cannot be reached or is not answering (vs. a refusal
 #: or a per-file problem): temporary failures after retries, a failed start-up probe.
 UNREACHABLE_KINDS = frozenset({"unavailable", "unreachable"})
+#: The error kind of a drain stopped by its own journal (a full or damaged local tier), not the remote.
+LOCAL_TIER_KIND = "local_tier"
 #: An outage is reported while its latest error is at most this old.
 OUTAGE_FRESH_S = 300.0
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -296,3 +298,31 @@ def test_a_close_joins_an_announced_round_at_once_and_nothing_else(tmp_path: Pat
         assert not groups.joined_announced(second, "ckpt", b"shard_1")  # done decided: a new round
 
     run_nodes([a], scenario)
+
+
+def test_latest_orders_checkpoints_by_when_their_marker_was_written(tmp_path: Path) -> None:
+    """Commit records that land in the same second (the remote's mtime resolution), or an older
+    step whose commit got out last (its node came back late): ``latest`` is still the step whose
+    marker was written last."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    node = Node(tmp_path, "a", remote_dir)
+
+    async def scenario() -> None:
+        for step in ("step_9", "step_10"):  # step_9 sorts after step_10 as a string
+            node.write(f"run/{step}/shard", step.encode())
+            meta = node.write(f"run/{step}/.metadata", b"m")
+            await until(lambda meta=meta: node.durable(meta), f"{step}'s marker")
+        await until(lambda: len(keys(remote_dir, COMMITS_PREFIX)) == 2, "both commits")
+        records = {k.split("/")[-2]: remote_dir / k for k in keys(remote_dir, COMMITS_PREFIX)}
+        remote = FileRemote(parse_remote_url(f"file://{remote_dir}"))
+        same_second = int(time.time()) - 60
+        for record in records.values():
+            os.utime(record, (same_second, same_second))
+        latest, _ = await find_latest(remote, "run")
+        assert latest is not None and latest.dir == "run/step_10"
+        os.utime(records["step_9"], (same_second + 30, same_second + 30))  # step_9's node came back late
+        latest, _ = await find_latest(remote, "run")
+        assert latest is not None and latest.dir == "run/step_10"
+
+    run_nodes([node], scenario)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import MountedFS, force_unmount
+from conftest import MountedFS, burstfs, force_unmount
 
 pytestmark = pytest.mark.fuse
 
@@ -196,3 +196,32 @@ def test_kill_9_with_unlinked_open_file_and_replaced_target(burst: MountedFS) ->
     # Only the live file's data remains on the local tier.
     data_files = sorted(p.read_bytes() for p in (burst.cache / "data").iterdir())
     assert data_files == [b"new"]
+
+
+@pytest.mark.parametrize("damage", ["removed", "emptied"])
+def test_a_cache_that_lost_its_journal_is_refused_and_its_data_kept(
+    mounted_factory: type[MountedFS], damage: str
+) -> None:
+    """A journal lost (deleted, or emptied by a full disk) while the tier holds closed files
+    not yet durable: a mount would start a fresh journal and remove those data files as a
+    crash's leftovers.  It is refused (exit 2, one line), and the data files stay."""
+    fs = mounted_factory(extra_args=("--drain-delay", "3600"))  # type: ignore[call-arg]
+    fs.mount()
+    (fs.path / "ckpt.pt").write_bytes(b"only copy" * 1000)
+    fs.unmount()
+    for name in ("journal.db-wal", "journal.db-shm"):
+        (fs.cache / name).unlink(missing_ok=True)
+    journal = fs.cache / "journal.db"
+    if damage == "removed":
+        journal.unlink()
+    else:
+        journal.write_bytes(b"")
+    data = sorted(os.listdir(fs.cache / "data"))
+    assert data
+    result = burstfs(
+        "mount", str(fs.path), "--cache", str(fs.cache), "--remote", fs.remote_url, *fs.extra_args, check=False
+    )
+    assert result.returncode == 2, result.stderr
+    assert "no journal" in result.stderr and "Traceback" not in result.stderr
+    assert sorted(os.listdir(fs.cache / "data")) == data
+    assert [(fs.cache / "data" / name).read_bytes() for name in data] == [b"only copy" * 1000]

@@ -135,6 +135,49 @@ def test_marker_appears_only_after_every_node_shards_are_durable(
     assert client.latest("other", remote=bucket.url, endpoint_url=bucket.endpoint) is None
 
 
+@pytest.mark.parametrize("moved", ["file", "directory"])
+def test_shards_renamed_into_the_checkpoint_hold_its_marker_back(
+    mounted_factory: type[MountedFS], bucket: Bucket, moved: str
+) -> None:
+    """The atomic-write pattern: n1 writes its shard elsewhere and renames it into the step
+    (a file from a staging directory, or its temp directory renamed to the step's name).
+    The moved shard joins n1's round in the step: n0's marker waits for it."""
+    n0 = node(mounted_factory, bucket, "n0")
+    n1 = node(mounted_factory, bucket, "n1", *HELD)
+    step = "ckpt/step_200"
+    mine = shard(200, 1)
+    if moved == "file":
+        write(n1, "staging/__1_0.distcp", mine)
+        (n1.path / step).mkdir(parents=True)
+        os.rename(n1.path / "staging/__1_0.distcp", n1.path / step / "__1_0.distcp")
+    else:
+        write(n1, "ckpt/tmp_step_200/__1_0.distcp", mine)
+        os.rename(n1.path / "ckpt/tmp_step_200", n1.path / step)
+    write(n0, f"{step}/__0_0.distcp", shard(200, 0))
+    admin("wait", n0.path / step / "__0_0.distcp")
+    write(n0, f"{step}/.metadata", b"metadata of step 200")
+    status = wait_for(
+        lambda: json.loads(admin("status", n0.path, "--json").stdout).get("checkpoints_waiting"),
+        what="n0's marker to wait for n1",
+    )
+    assert [w["node"] for w in status[0]["waiting"]] == ["n1"]
+    assert f"{step}/.metadata" not in bucket.keys()
+    assert bucket.latest("ckpt", expect=1)["dir"] is None
+
+    admin("drain", n1.path, "--now")
+
+    def check_and_find_marker() -> bool:
+        keys = bucket.keys()
+        if f"{step}/.metadata" in keys:
+            assert f"{step}/__1_0.distcp" in keys, sorted(keys)
+            return True
+        return False
+
+    wait_for(check_and_find_marker, interval=0.01, what="the marker on the remote")
+    assert wait_for(lambda: bucket.latest("ckpt", expect=None).get("dir"), what="latest") == step
+    assert bucket.client.get_object(Bucket=bucket.name, Key=f"job/{step}/__1_0.distcp")["Body"].read() == mine
+
+
 def test_a_killed_node_holds_its_checkpoint_back_and_latest_returns_the_previous(
     mounted_factory: type[MountedFS], bucket: Bucket
 ) -> None:
@@ -172,6 +215,9 @@ def test_a_killed_node_holds_its_checkpoint_back_and_latest_returns_the_previous
     assert (fresh.path / "ckpt/step_100/.metadata").read_bytes() == b"metadata 100"
 
     admin("abandon", n0.path / "ckpt/step_200", expect=2)  # without --yes: refused
+    (n0.path / "ckpt/step_300").mkdir()  # no marker waits there: nothing to give up
+    refused = admin("abandon", n0.path / "ckpt/step_300", "--yes", expect=None)
+    assert refused.returncode != 0 and "no marker of this node waits" in refused.stdout + refused.stderr
     out = admin("abandon", n0.path / "ckpt/step_200", "--yes").stdout
     assert "n1" in out
     wait_for(lambda: "abandoned" in admin("status", n0.path).stdout, what="status to say abandoned")

@@ -450,6 +450,27 @@ def test_daemonset_commands_start_probe_restart_and_stop_a_real_mount(mounted_fa
             daemon.wait()
 
 
+@needs_fuse
+@pytest.mark.fuse
+def test_mounts_over_a_volume_mount_point_as_in_a_pod(mounted_factory: type[MountedFS]) -> None:
+    """In a pod every volumeMount path is itself a (bind) mount: burstfs mounts over it, and
+    unmounting leaves the volume as it was."""
+    fs = mounted_factory()
+    subprocess.run(["mount", "--bind", str(fs.path), str(fs.path)], check=True)
+    try:
+        fs.mount()
+        (fs.path / "model.pt").write_bytes(b"weights")
+        assert is_mounted(fs.path)
+        fs.unmount("--wait")
+        assert (fs.remote_dir / "model.pt").read_bytes() == b"weights"
+        assert is_mounted(fs.path) and not (fs.path / "model.pt").exists()  # the volume, empty as before
+        fs.mount()  # and again over it
+        assert (fs.path / "model.pt").read_bytes() == b"weights"
+        fs.unmount()
+    finally:
+        subprocess.run(["umount", "-l", str(fs.path)], check=False)
+
+
 def test_unmount_needs_a_mountpoint_or_a_config_file_with_one(tmp_path: Path) -> None:
     result = burstfs("unmount", check=False)
     assert result.returncode == 2 and "give MOUNTPOINT, or --config FILE" in result.stderr

@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from ..localtier import LocalTier
 from ..objects import ObjectStore
 from ..remote import Remote, open_remote
 from ..restore import LAYOUT_KEY, RestoreService
+from ..status import LOCAL_TIER_KIND
 from . import timing
 from .keymoves import KeyMoves
 from .stats import MoverStats
@@ -216,7 +218,10 @@ class Mover:
                 except Exception as exc:  # never the end of the drain: log, back off, go on
                     failures += 1
                     log.exception("event=mover_pass_failed failures=%d", failures)
-                    self.stats.error("internal", f"mover pass failed: {exc!r}")
+                    if isinstance(exc, sqlite3.Error):  # the journal, on the tier: not the remote's fault
+                        self.stats.error(LOCAL_TIER_KIND, f"journal on the local tier: {exc}")
+                    else:
+                        self.stats.error("internal", f"mover pass failed: {exc!r}")
                     if until_idle and failures >= 10:
                         raise
                     await self._sleep(timing.PASS_ERROR_BACKOFF_S)

@@ -1,0 +1,108 @@
+"""A tier on a file system of its own that fills up (docs/OPERATIONS.md "A full tier").
+
+The layout OPERATIONS recommends: the cache dir alone on a small tmpfs, no byte
+limit, FUSE passthrough on (the kernel writes the tier, unseen by the daemon).
+Durable copies must be evicted ahead of the writers, and a tier full of data not
+yet durable must still let files be removed (the journal lives on the same file
+system: it keeps a reserve for that).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import BIN, DATA_PATHS, FUSE_OK, MountedFS, wait_for
+
+from burstfs.headroom import headroom_bytes
+
+pytestmark = pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse, fusermount3 and root")
+
+MiB = 1 << 20
+TIER_MIB = 24
+
+
+@pytest.fixture
+def small_tier(tmp_path: Path) -> Iterator[Path]:
+    """A 24 MiB tmpfs for the cache dir (and the mount point)."""
+    tier = tmp_path / "tier"
+    tier.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TIER_MIB}m", "tmpfs", str(tier)], check=True)
+    try:
+        yield tier
+    finally:
+        subprocess.run(["umount", "-l", str(tier)], check=False)
+
+
+def _on_tier(factory: type[MountedFS], tier: Path, tmp_path: Path, *args: str) -> MountedFS:
+    """A mount whose root (mount point, cache dir) is the small tier; its remote is not on it."""
+    (tmp_path / "remote").mkdir(exist_ok=True)
+    return factory(tier.name, f"file://{tmp_path / 'remote'}", args)  # type: ignore[call-arg]
+
+
+def _free(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _wait_durable(fs: MountedFS) -> None:
+    result = subprocess.run(
+        [str(BIN / "burstfs-admin"), "wait", str(fs.path), "--timeout", "60"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("data_path", sorted(DATA_PATHS))
+def test_durable_copies_are_evicted_ahead_of_the_writers(
+    small_tier: Path, mounted_factory: type[MountedFS], tmp_path: Path, data_path: str
+) -> None:
+    """Twice the tier's size in 4 MiB files, each waited durable: every write succeeds (the
+    old copies are evicted to keep the headroom free), and every file reads back."""
+    fs = _on_tier(mounted_factory, small_tier, tmp_path, *DATA_PATHS[data_path])
+    fs.mount()
+    headroom = headroom_bytes(os.statvfs(small_tier).f_blocks * os.statvfs(small_tier).f_frsize)
+    contents = {}
+    for i in range(2 * TIER_MIB // 4):
+        data = os.urandom(4 * MiB)
+        (fs.path / f"step{i}.pt").write_bytes(data)
+        contents[f"step{i}.pt"] = data
+        _wait_durable(fs)
+        wait_for(lambda: _free(small_tier) >= headroom, timeout=30, what="the headroom freed")
+    assert (fs.cache / "reserve").exists()
+    for name, data in contents.items():
+        assert (fs.path / name).read_bytes() == data, name
+        wait_for(lambda: _free(small_tier) >= headroom, timeout=30, what="the headroom freed")
+
+
+@pytest.mark.parametrize("data_path", sorted(DATA_PATHS))
+def test_a_tier_full_of_undrained_data_still_removes_files(
+    small_tier: Path, mounted_factory: type[MountedFS], tmp_path: Path, data_path: str
+) -> None:
+    """Nothing can drain (the delay), the writes fill the file system: the next write fails
+    with ENOSPC, and then rm still works (the journal's reserve), frees the room, and the
+    write goes through again."""
+    fs = _on_tier(mounted_factory, small_tier, tmp_path, *DATA_PATHS[data_path], "--drain-delay", "3600")
+    fs.expect_log("event=tier_full")
+    fs.expect_log("event=commit_failed")
+    fs.mount()
+    wait_for(lambda: (fs.cache / "reserve").exists(), timeout=30, what="the journal's reserve")
+    written = []
+    with pytest.raises(OSError) as full:
+        for i in range(TIER_MIB):
+            (fs.path / f"f{i}").write_bytes(os.urandom(4 * MiB))
+            written.append(f"f{i}")
+    assert full.value.errno == errno.ENOSPC
+    assert written
+    for name in [*written, f"f{len(written)}"]:  # the last one: what its writes left of it
+        os.unlink(fs.path / name)
+    data = os.urandom(4 * MiB)
+    (fs.path / "after.pt").write_bytes(data)
+    assert (fs.path / "after.pt").read_bytes() == data
+    fs.unmount()
+    fs.mount()  # the journal is intact
+    assert sorted(p.name for p in fs.path.iterdir() if not p.name.startswith(".")) == ["after.pt"]
+    assert (fs.path / "after.pt").read_bytes() == data
