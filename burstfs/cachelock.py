@@ -32,14 +32,16 @@ def secure_cache_dir(cache_dir: Path, *, create: bool = True) -> None:
     if create:
         try:
             cache_dir.mkdir(mode=0o700)
-        except FileExistsError:
+        except FileExistsError:  # a directory (fine), a file or a link: checked below
             pass
+        except OSError as exc:  # e.g. /proc/x, a read-only file system
+            raise ConfigError(f"cannot create cache dir {cache_dir}: {exc.strerror}") from None
     try:
         st = os.stat(cache_dir, follow_symlinks=False)
     except FileNotFoundError:
         raise ConfigError(f"cache dir {cache_dir} does not exist") from None
     if stat.S_ISLNK(st.st_mode):
-        st = os.stat(cache_dir)  # a link to the real cache (the operator's choice): check its target
+        st = _link_target_stat(cache_dir)  # a link to the real cache (the operator's choice): check its target
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"cache dir {cache_dir} is not a directory")
     if st.st_uid != os.geteuid():
@@ -59,6 +61,20 @@ def secure_cache_dir(cache_dir: Path, *, create: bool = True) -> None:
                 os.fchmod(fd, 0o600)
         finally:
             os.close(fd)
+
+
+def _link_target_stat(link: Path) -> os.stat_result:
+    """The stat of what the cache dir link points to; a dangling link is a ConfigError that
+    names its target (typically a local NVMe that is not mounted yet)."""
+    try:
+        return os.stat(link)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"cannot use cache dir {link}: it is a symbolic link to {os.readlink(link)}, which does not exist "
+            "(is its file system mounted?)"
+        ) from None
+    except OSError as exc:  # a loop of links, a target we may not search
+        raise ConfigError(f"cannot use cache dir {link}: {exc.strerror}") from None
 
 
 class CacheLock:

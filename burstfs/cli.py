@@ -19,7 +19,7 @@ from click.core import ParameterSource
 
 from . import configfile
 from .cachelock import CacheLock
-from .config import DEFAULT_COMMIT_MARKERS, config_from_meta
+from .config import DEFAULT_COMMIT_MARKERS, check_seconds, config_from_meta
 from .errors import BurstfsError, ConfigError
 from .mountinfo import find_burstfs_mount
 
@@ -239,6 +239,12 @@ def unmount(
     mount (or `burstfs drain --cache DIR`) drains them.  With --wait, unmount
     only once everything closed is durable (exit 1 if that times out).
     """
+    try:
+        check_seconds(timeout, "timeout")
+        if wait_timeout is not None:
+            check_seconds(wait_timeout, "wait-timeout")
+    except ConfigError as exc:
+        _fail(exc)
     if mountpoint is None:
         try:
             mountpoint = configfile.load(config_file, mount).values.get("mountpoint") if config_file else None

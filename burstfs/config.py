@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import ipaddress
 import json
+import math
+import os
 import re
 import socket
 import urllib.parse
@@ -106,6 +109,64 @@ def check_node_id(node_id: str) -> str:
     return node_id
 
 
+def check_seconds(value: float, option: str, maximum: float | None = None) -> float:
+    """``value`` if it is a finite number of seconds from 0 to ``maximum``; ConfigError naming
+    ``--option`` otherwise.  The one check of every duration option: a NaN compares false
+    with everything, so it would pass a plain range check and then never expire."""
+    if not math.isfinite(value) or value < 0 or (maximum is not None and value > maximum):
+        limit = f"from 0 to {maximum:g}" if maximum is not None else "that is finite and at least 0"
+        raise ConfigError(f"--{option} must be a number of seconds {limit}, not {value}", option)
+    return value
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit to print: its password, if any, is replaced by ***."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
+def check_endpoint_url(url: str, source: str = "--endpoint-url") -> str:
+    """``url`` if it is an http(s) URL with a host (and a valid port); ConfigError otherwise.
+
+    botocore only fails at the first request, with a traceback that names neither
+    the option nor ``source`` (where the value came from).
+    """
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        port_ok = False
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+        raise ConfigError(
+            f"{source} {redact_url(url)!r}: not an S3 endpoint; expected http://HOST[:PORT] or https://HOST[:PORT] "
+            "(e.g. http://127.0.0.1:9000)",
+            "endpoint-url" if source == "--endpoint-url" else None,
+        )
+    return url
+
+
+def parse_metrics_addr(text: str) -> tuple[str, int]:
+    """'127.0.0.1:9100' or '[::1]:9100' -> (host, port); ConfigError naming what is wrong otherwise."""
+    host, sep, port = text.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    usage = f"--metrics-addr {text!r}: expected HOST:PORT, e.g. 127.0.0.1:9100"
+    if not sep:
+        raise ConfigError(f"{usage} (the port is missing)", "metrics-addr")
+    if not host:
+        raise ConfigError(f"{usage} (a host is required)", "metrics-addr")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{usage}; the port must be a number from 1 to 65535", "metrics-addr")
+    if host != "localhost":
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ConfigError(f"{usage}; {host!r} is not an IP address", "metrics-addr") from None
+    return host, int(port)
+
+
 def default_node_id() -> str:
     """The host name (its first label), made key-safe: the node id when --node-id is not given."""
     name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname().split(".")[0]).lstrip("._-")[:63]
@@ -124,6 +185,18 @@ class S3Options:
     endpoint_url: str | None = None
     region: str | None = None
     path_style: bool = True
+
+    def __post_init__(self) -> None:
+        if self.endpoint_url is not None:
+            check_endpoint_url(self.endpoint_url)
+
+    def endpoint(self) -> str | None:
+        """The endpoint to use: ``endpoint_url``, else ``$AWS_ENDPOINT_URL`` (checked, and said to
+        come from there), else None (AWS).  Read when a client is made, never journaled."""
+        from_env = os.environ.get("AWS_ENDPOINT_URL")
+        if self.endpoint_url or not from_env:
+            return self.endpoint_url
+        return check_endpoint_url(from_env, "AWS_ENDPOINT_URL")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,8 +232,7 @@ class DrainOptions:
             raise ConfigError(f"--max-files must be at least 1, not {self.max_files}", "max-files")
         if self.compress not in (None, "lz4"):
             raise ConfigError(f"unknown compression {self.compress!r}; supported: lz4", "compress")
-        if self.delay < 0:
-            raise ConfigError(f"--drain-delay must not be negative, not {self.delay}", "drain-delay")
+        check_seconds(self.delay, "drain-delay")
 
 
 EVICT_POLICIES = ("lru", "fifo", "none")
@@ -190,8 +262,7 @@ class TierOptions:
             raise ConfigError(f"--min-free must not be negative, not {self.min_free}", "min-free")
         if self.evict not in EVICT_POLICIES:
             raise ConfigError(f"--evict must be one of {', '.join(EVICT_POLICIES)}, not {self.evict!r}", "evict")
-        if self.full_timeout < 0:
-            raise ConfigError(f"--full-timeout must not be negative, not {self.full_timeout}", "full-timeout")
+        check_seconds(self.full_timeout, "full-timeout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,12 +299,12 @@ class MountConfig:
     remote_wait: float = 1.0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.remote_wait <= 60:
-            raise ConfigError(f"--remote-wait must be between 0 and 60 seconds, not {self.remote_wait}", "remote-wait")
-        if self.list_ttl < 0:
-            raise ConfigError(f"--list-ttl must not be negative, not {self.list_ttl}", "list-ttl")
+        check_seconds(self.remote_wait, "remote-wait", maximum=60)
+        check_seconds(self.list_ttl, "list-ttl")
         if self.read_ahead < 0:
             raise ConfigError(f"--read-ahead must not be negative, not {self.read_ahead}", "read-ahead")
+        if self.metrics_addr is not None:
+            parse_metrics_addr(self.metrics_addr)
 
     def to_json(self) -> str:
         """The whole tree as JSON, for the journal (``burstfs drain`` and ``burstfs-admin`` read it back)."""

@@ -15,14 +15,22 @@ import json
 import os
 import re
 import tomllib
-import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import click
 
-from .config import DrainOptions, MountConfig, S3Options, TierOptions, default_node_id, parse_remote_url, parse_size
+from .config import (
+    DrainOptions,
+    MountConfig,
+    S3Options,
+    TierOptions,
+    default_node_id,
+    parse_remote_url,
+    parse_size,
+    redact_url,
+)
 from .errors import ConfigError
 
 MOUNTPOINT = "mountpoint"
@@ -30,6 +38,8 @@ MOUNTPOINT = "mountpoint"
 NOT_IN_FILE = frozenset({"config_file"})
 #: Options whose values are never printed (a URL's user:password).
 URL_OPTIONS = frozenset({"endpoint_url"})
+#: String options that a file may also give as a whole number of bytes.
+SIZE_OPTIONS = frozenset({"cache_size", "min_free", "part_size", "read_ahead"})
 
 
 def file_key(param: click.Parameter) -> str:
@@ -121,6 +131,10 @@ def load(path: Path, command: click.Command) -> ConfigFile:
             value = [value]
         if isinstance(value, list) and not param.multiple:
             raise ConfigError(f"{at}: a list; this option takes one value")
+        for item in value if param.multiple else [value]:
+            expected = _expected_type(param, item)
+            if expected is not None:
+                raise ConfigError(f"{at}: expected {expected}, not {_toml(item)}")
         try:
             converted = param.type_cast_value(ctx, value)
         except click.BadParameter as exc:
@@ -131,6 +145,29 @@ def load(path: Path, command: click.Command) -> ConfigFile:
         values[param.name] = converted
         where[param.name] = at
     return ConfigFile(path, values, where)
+
+
+def _expected_type(param: click.Parameter, value: Any) -> str | None:
+    """What ``param`` takes, when one TOML ``value`` is not of that type (None when it is).
+
+    Checked before click converts it: click would coerce a wrong type
+    (8.7 -> 8, [1, 2] -> ["1", "2"], "yes" -> true) or fail with a TypeError.
+    """
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(param.type, click.types.BoolParamType):
+        ok, expected = isinstance(value, bool), "true or false"
+    elif isinstance(param.type, click.types.IntParamType):
+        ok, expected = number and isinstance(value, int), "a whole number"
+    elif isinstance(param.type, click.types.FloatParamType):
+        ok, expected = number, "a number"
+    elif param.name in SIZE_OPTIONS:
+        ok = isinstance(value, str) or (number and isinstance(value, int))
+        expected = 'a size: a string with a unit ("20G") or a whole number of bytes'
+    else:
+        ok, expected = isinstance(value, str), "a string"
+    if param.multiple:
+        expected += " (or a list of them)"
+    return None if ok else expected
 
 
 def defaults(command: click.Command) -> dict[str, Any]:
@@ -167,11 +204,14 @@ def build_config(values: dict[str, Any]) -> MountConfig:
     except ConfigError as exc:
         raise ConfigError(str(exc), "remote") from None
     compress = values["compress"]
+    s3 = S3Options(endpoint_url=values["endpoint_url"], region=values["region"])
+    if remote.scheme == "s3":
+        s3.endpoint()  # a bad $AWS_ENDPOINT_URL is refused here, not by botocore at the first request
     return MountConfig(
         mountpoint=Path(os.path.realpath(values["mountpoint"])),  # as /proc/self/mountinfo will show it
         cache_dir=Path(values["cache_dir"]).absolute(),
         remote=remote,
-        s3=S3Options(endpoint_url=values["endpoint_url"], region=values["region"]),
+        s3=s3,
         drain=DrainOptions(
             part_size=size("part_size", "part-size"),
             concurrency=values["concurrency"],
@@ -207,9 +247,15 @@ def build_with_file(values: dict[str, Any], file: ConfigFile | None, command: cl
         return build_config(values)
     except ConfigError as exc:
         name = _param_name(command, exc.option)
-        if file is not None and name is not None and name in file.where and values.get(name) == file.values.get(name):
+        if file is not None and name is not None and name in file.where and _from_file(values, file, name):
             raise ConfigError(f"{file.where[name]}: {exc}", exc.option) from None
         raise
+
+
+def _from_file(values: dict[str, Any], file: ConfigFile, name: str) -> bool:
+    """Whether the value of ``name`` is the file's (identity first: a NaN is not equal to itself)."""
+    value, in_file = values.get(name), file.values.get(name)
+    return value is in_file or value == in_file
 
 
 def _param_name(command: click.Command, option: str | None) -> str | None:
@@ -221,12 +267,7 @@ def _param_name(command: click.Command, option: str | None) -> str | None:
 
 def redact(name: str, value: Any) -> Any:
     """``value`` fit to print: a URL's password is replaced by ***."""
-    if name in URL_OPTIONS and isinstance(value, str):
-        parts = urllib.parse.urlsplit(value)
-        if parts.password is not None:
-            netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-            return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-    return value
+    return redact_url(value) if name in URL_OPTIONS and isinstance(value, str) else value
 
 
 def format_settings(values: dict[str, Any], command: click.Command) -> list[str]:

@@ -27,7 +27,7 @@ import pyfuse3
 import trio
 
 from .cachelock import PRIVATE_UMASK, CacheLock, secure_cache_dir
-from .config import MountConfig
+from .config import MountConfig, parse_metrics_addr
 from .control import serve_control
 from .core import BurstCore
 from .drainservice import DrainService
@@ -37,7 +37,7 @@ from .headroom import drop_reserve_if_full
 from .journal import Journal
 from .localtier import holds_data
 from .log import setup_logging
-from .metrics import parse_metrics_addr, start_metrics
+from .metrics import start_metrics
 from .mountinfo import FSNAME_PREFIX, device_of, find_burstfs_mount, mounts
 from .mover import Mover
 from .remote import open_remote

@@ -9,7 +9,6 @@ so the mover reports each durable file through ``Mover.on_durable``.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .config import MountConfig
+from .config import MountConfig, parse_metrics_addr
 from .core import BurstCore
 from .drainservice import DrainService
 from .errors import ConfigError
@@ -31,21 +30,6 @@ log = logging.getLogger("burstfs.metrics")
 # Checkpoint files range from kilobytes (metadata) to tens of GiB (shards), so
 # drain latency spans milliseconds to many minutes.
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
-
-
-def parse_metrics_addr(text: str) -> tuple[str, int]:
-    """'127.0.0.1:9100' or '[::1]:9100' -> (host, port); ConfigError otherwise."""
-    host, sep, port = text.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    usage = f"--metrics-addr {text!r}: expected HOST:PORT, e.g. 127.0.0.1:9100 (a host is required)"
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(usage)
-    if host != "localhost":
-        try:
-            ipaddress.ip_address(host)
-        except ValueError:
-            raise ConfigError(f"{usage}; {host!r} is not an IP address") from None
-    return host, int(port)
 
 
 class BurstCollector(Collector):

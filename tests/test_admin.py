@@ -300,7 +300,7 @@ def test_evict_and_prefetch(burst: MountedFS) -> None:
     with open(burst.path / "ck" / "a", "rb"):
         doc = admin_json("evict", burst.path / "ck" / "a", expect=1)
     assert doc["files"][0]["errno"] == errno.EBUSY
-    assert "evict" in admin("evict", burst.path / "nope", expect=1).stderr
+    assert "nope: No such file or directory" in admin("evict", burst.path / "nope", expect=1).stderr
 
 
 # -- a stopped mount, nothing mounted ------------------------------------------------------------------
@@ -326,6 +326,28 @@ def test_stopped_mount_reads_the_journal(burst: MountedFS) -> None:
     result = admin("drain", burst.path, "--cache", burst.cache, "--now", expect=1)
     assert f"burstfs drain --cache {burst.cache}" in result.stderr
     assert "burstfs mount" in admin("retry", burst.cache, expect=1).stderr
+
+
+def test_a_path_that_does_not_exist_is_exit_1(burst: MountedFS) -> None:
+    """docs/ADMIN.md: exit 1 when a path does not exist, live or stopped: no command reports
+    on nothing (status) or claims to have steered it (abandon)."""
+    checkpoint(burst, {"ck/a": b"abc"})
+    missing = burst.path / "nonexist"
+    for args in (("status", missing), ("ls", missing), ("wait", missing), ("abandon", missing, "--yes")):
+        result = admin(*args, expect=1)
+        assert f"{missing}: No such file or directory (in the burstfs mount {burst.path})" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and not result.stdout
+    admin("status", burst.path / "ck")
+    burst.unmount()
+    result = admin("status", missing, "--cache", burst.cache, expect=1)
+    assert f"No such file or directory (in the journal of cache {burst.cache})" in result.stderr
+    admin("status", burst.path / "ck", "--cache", burst.cache)
+
+
+def test_journal_limit_must_be_at_least_1(burst: MountedFS) -> None:
+    assert "--limit" in admin("journal", burst.path, "--limit", "-1", expect=2).stderr
+    assert "--limit" in admin("journal", burst.path, "--limit", "0", expect=2).stderr
+    assert admin_json("journal", burst.path, "--limit", "1")["events"] is not None
 
 
 # -- the control socket ----------------------------------------------------------------------------------

@@ -9,11 +9,13 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import FUSE_OK, MountedFS, burstfs, force_unmount, is_mounted, wait_for
+from conftest import BIN, FUSE_OK, MountedFS, burstfs, force_unmount, is_mounted, wait_for
 
+from burstfs.cachelock import secure_cache_dir
 from burstfs.config import MountConfig, parse_remote_url
 from burstfs.daemon import preflight
 from burstfs.errors import ConfigError
@@ -106,6 +108,128 @@ def test_bad_option_values(dirs: tuple[Path, Path, str]) -> None:
     assert "Missing option '--remote'" in refused("mount", str(mnt), "--cache", str(cache))
     assert "--fsync" in refused(*base, "--fsync", "sometimes")
     assert not cache.exists() and not is_mounted(mnt)
+
+
+def one_line(err: str) -> str:
+    """``err`` when it is exactly one line (SEMANTICS.md "Command-line errors")."""
+    assert len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def admin(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the ``burstfs-admin`` CLI of this environment."""
+    return subprocess.run([str(BIN / "burstfs-admin"), *args], capture_output=True, text=True, timeout=60, env=env)
+
+
+@pytest.mark.parametrize("url", ["notaurl", "ftp://host", "http://", "http://host:99999"])
+def test_a_bad_endpoint_url_is_refused_in_one_line(dirs: tuple[Path, Path, str], url: str) -> None:
+    mnt, cache, _ = dirs
+    err = one_line(refused("mount", str(mnt), "--cache", str(cache), "--remote", "s3://bkt/p", "--endpoint-url", url))
+    assert f"--endpoint-url {url!r}: not an S3 endpoint" in err
+    result = admin("latest", "--remote", "s3://bkt/p", "--endpoint-url", url)
+    assert result.returncode == USAGE and "Traceback" not in result.stderr, result.stderr
+    assert f"--endpoint-url {url!r}" in one_line(result.stderr)
+    assert not cache.exists() and not is_mounted(mnt)
+
+
+def test_a_bad_aws_endpoint_url_is_refused_and_named(dirs: tuple[Path, Path, str]) -> None:
+    mnt, cache, _ = dirs
+    env = {**os.environ, "AWS_ENDPOINT_URL": "garbage"}
+    result = burstfs("mount", str(mnt), "--cache", str(cache), "--remote", "s3://bkt/p", check=False, env=env)
+    assert result.returncode == USAGE and "AWS_ENDPOINT_URL 'garbage'" in one_line(result.stderr), result.stderr
+    result = admin("latest", "--remote", "s3://bkt/p", env=env)
+    assert result.returncode == USAGE and "AWS_ENDPOINT_URL 'garbage'" in one_line(result.stderr), result.stderr
+    assert not cache.exists() and not is_mounted(mnt)
+
+
+def test_a_bad_endpoint_url_does_not_show_its_password(dirs: tuple[Path, Path, str]) -> None:
+    mnt, cache, _ = dirs
+    url = "ftp://admin:hunter2@host:9000"
+    err = refused("mount", str(mnt), "--cache", str(cache), "--remote", "s3://bkt/p", "--endpoint-url", url)
+    assert "hunter2" not in err and "admin:***@host:9000" in err
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--drain-delay", "nan"),
+        ("--drain-delay", "inf"),
+        ("--full-timeout", "nan"),
+        ("--full-timeout", "-1"),
+        ("--list-ttl", "inf"),
+        ("--remote-wait", "nan"),
+        ("--remote-wait", "61"),
+    ],
+)
+def test_durations_must_be_finite_and_in_range(dirs: tuple[Path, Path, str], option: str, value: str) -> None:
+    mnt, cache, remote = dirs
+    try:
+        err = one_line(refused("mount", str(mnt), "--cache", str(cache), "--remote", remote, option, value))
+    finally:
+        force_unmount(mnt)  # a regression mounts with the value: leave nothing behind
+    assert f"{option} must be a number of seconds" in err and f"not {float(value)}" in err
+    assert not cache.exists()
+
+
+@pytest.mark.parametrize("option", ["--timeout", "--wait-timeout"])
+def test_unmount_timeouts_must_be_finite(tmp_path: Path, option: str) -> None:
+    err = one_line(refused("unmount", str(tmp_path), "--wait", option, "nan"))
+    assert f"{option} must be a number of seconds" in err
+
+
+def test_admin_wait_timeout_must_be_finite(tmp_path: Path) -> None:
+    for value in ("nan", "inf", "-1"):
+        result = admin("wait", str(tmp_path), "--timeout", value)
+        assert result.returncode == USAGE, result.stderr
+        assert "--timeout must be a number of seconds" in one_line(result.stderr)
+
+
+def test_admin_journal_limit_must_be_positive(tmp_path: Path) -> None:
+    result = admin("journal", str(tmp_path), "--limit", "-1")
+    assert result.returncode == USAGE and "--limit" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_metrics_port_out_of_range_says_so(dirs: tuple[Path, Path, str]) -> None:
+    mnt, cache, remote = dirs
+    base = ("mount", str(mnt), "--cache", str(cache), "--remote", remote, "--metrics-addr")
+    err = one_line(refused(*base, "127.0.0.1:99999"))
+    assert "the port must be a number from 1 to 65535" in err and "host is required" not in err
+    assert "a host is required" in refused(*base, ":9100")
+
+
+def test_admin_latest_of_a_missing_remote_says_it_is_missing(tmp_path: Path) -> None:
+    result = admin("latest", "--remote", f"file://{tmp_path / 'gone'}")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"remote directory {tmp_path / 'gone'} does not exist" in one_line(result.stderr), result.stderr
+    assert "no complete checkpoint" not in result.stderr
+
+
+def test_a_cache_dir_that_cannot_be_created_is_refused(tmp_path: Path) -> None:
+    """A dangling link (an NVMe not mounted yet) or a place no directory can be made: one line."""
+    link = tmp_path / "dangling"
+    link.symlink_to(tmp_path / "nowhere" / "x")
+    with pytest.raises(ConfigError, match=r"symbolic link to .*nowhere/x, which does not exist"):
+        secure_cache_dir(link)
+    with pytest.raises(ConfigError, match="cannot create cache dir /proc/burstfs-test"):
+        secure_cache_dir(Path("/proc/burstfs-test"))
+    assert not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.fuse
+@pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse, fusermount3 and root")
+@pytest.mark.parametrize("foreground", [False, True])
+def test_mount_on_a_cache_dir_that_cannot_be_created(
+    dirs: tuple[Path, Path, str], tmp_path: Path, foreground: bool
+) -> None:
+    mnt, _, remote = dirs
+    link = tmp_path / "dangling"
+    link.symlink_to(tmp_path / "nowhere" / "x")
+    flags = ("--foreground",) if foreground else ()
+    err = one_line(refused("mount", str(mnt), "--cache", str(link), "--remote", remote, *flags))
+    assert f"cannot use cache dir {link}" in err and "does not exist" in err
+    err = one_line(refused("mount", str(mnt), "--cache", "/proc/burstfs-test", "--remote", remote, *flags))
+    assert "cannot create cache dir /proc/burstfs-test" in err
+    assert not is_mounted(mnt) and not (tmp_path / "nowhere").exists()
 
 
 def test_remote_directory_missing_is_a_clean_failure(dirs: tuple[Path, Path, str], tmp_path: Path) -> None:

@@ -39,6 +39,10 @@ SAMPLES: dict[str, Any] = {
 }
 
 
+#: The keys every mount needs, so that an error about a value is the file's first.
+REQUIRED = 'mountpoint = "/m"\ncache = "/c"\nremote = "file:///r"\n'
+
+
 def file_options() -> list[click.Parameter]:
     return list(configfile.file_params(mount_command).values())
 
@@ -115,7 +119,7 @@ def test_a_minimal_file_and_the_command_line_build_the_same_tree(tmp_path: Path)
     "text, line, key, message",
     [
         ('mountpoint = "/m"\n\ncache_sise = "2G"\n', 3, "cache_sise", "unknown key"),
-        ('# a comment\nconcurrency = "many"\n', 2, "concurrency", "not a valid integer"),
+        ('# a comment\nconcurrency = "many"\n', 2, "concurrency", 'expected a whole number, not "many"'),
         (
             'mountpoint = "/m"\npart-size = "1M"\ncache = "/c"\nremote = "file:///r"\n',
             2,
@@ -138,6 +142,26 @@ def test_a_minimal_file_and_the_command_line_build_the_same_tree(tmp_path: Path)
             "not a size",
         ),
         ('min-free = ["1G"]\n', 1, "min-free", "a list"),
+        ('mountpoint = "m"\ncache = 5\nremote = "file:///r"\n', 2, "cache", "expected a string, not 5"),
+        ('cache = "/c"\nmountpoint = 5\n', 2, "mountpoint", "expected a string, not 5"),
+        ("concurrency = 8.7\n", 1, "concurrency", "expected a whole number, not 8.7"),
+        ("max-files = true\n", 1, "max-files", "expected a whole number, not true"),
+        ("commit-marker = [1, 2]\n", 1, "commit-marker", "expected a string (or a list of them), not 1"),
+        ('foreground = "yes"\n', 1, "foreground", 'expected true or false, not "yes"'),
+        ('list-ttl = "5"\n', 1, "list-ttl", 'expected a number, not "5"'),
+        ("part-size = 8.5\n", 1, "part-size", "expected a size"),
+        ("endpoint-url = 5\n", 1, "endpoint-url", "expected a string, not 5"),
+        ("metrics-addr = 5\n", 1, "metrics-addr", "expected a string, not 5"),
+        (REQUIRED + "full-timeout = nan\n", 4, "full-timeout", "must be a number of seconds"),
+        (REQUIRED + "drain-delay = inf\n", 4, "drain-delay", "must be a number of seconds"),
+        (REQUIRED + "remote-wait = -inf\n", 4, "remote-wait", "from 0 to 60"),
+        (REQUIRED + 'metrics-addr = "127.0.0.1:99999"\n', 4, "metrics-addr", "the port must be a number from 1 to"),
+        (
+            'mountpoint = "/m"\ncache = "/c"\nremote = "s3://bucket/p"\nendpoint-url = "notaurl"\n',
+            4,
+            "endpoint-url",
+            "'notaurl': not an S3 endpoint",
+        ),
     ],
 )
 def test_bad_files_name_the_line_and_the_key_and_exit_2(
@@ -149,6 +173,15 @@ def test_bad_files_name_the_line_and_the_key_and_exit_2(
     assert f"{path}:{line}: key '{key}'" in result.stderr and message in result.stderr, result.stderr
     mounted = burstfs("mount", "--config", str(path), check=False)
     assert mounted.returncode == 2 and f"{path}:{line}: key '{key}'" in mounted.stderr, mounted.stderr
+
+
+def test_sizes_take_whole_numbers_and_durations_integers(tmp_path: Path) -> None:
+    """The documented alternatives to the command line's spelling are no wrong types."""
+    path = write(tmp_path, REQUIRED + "cache-size = 1073741824\nlist-ttl = 5\nfull-timeout = 0\n")
+    loaded = configfile.load(path, mount_command)
+    values = configfile.merge(configfile.defaults(mount_command), loaded, set())
+    config = configfile.build_with_file(values, loaded, mount_command)
+    assert config.tier.cache_size == 1 << 30 and config.list_ttl == 5.0 and config.tier.full_timeout == 0.0
 
 
 def test_not_toml_and_missing_required_options_exit_2(tmp_path: Path) -> None:

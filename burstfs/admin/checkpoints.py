@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from ..config import S3Options, parse_remote_url
-from ..errors import BurstfsError
+from ..errors import BurstfsError, ConfigError
 from ..status import SCHEMA
 from .common import (
     EXIT_ERROR,
@@ -87,20 +87,25 @@ def latest_checkpoint(
     from ..latest import find_latest
     from ..remote import open_remote
 
-    if remote_url is not None:
-        try:
+    try:
+        if remote_url is not None:
             url, s3 = parse_remote_url(remote_url), S3Options(endpoint_url=endpoint_url, region=region)
-        except BurstfsError as exc:
-            raise AdminError(str(exc), EXIT_USAGE) from None
-        subdir, root = str(path or "").strip("/"), None
-    else:
-        if path is None:
-            raise AdminError("give a PATH inside a mount, or --remote URL", EXIT_USAGE)
-        target = resolve([Path(path)], None)
-        with target.journal() as journal:
-            url, s3 = remote_of(journal, target.cache_dir)
-        s3 = dataclasses.replace(s3, endpoint_url=endpoint_url or s3.endpoint_url, region=region or s3.region)
-        subdir, root = target.rels[0], target.mountpoint
+            subdir, root = str(path or "").strip("/"), None
+        else:
+            if path is None:
+                raise AdminError("give a PATH inside a mount, or --remote URL", EXIT_USAGE)
+            target = resolve([Path(path)], None)
+            with target.journal() as journal:
+                url, s3 = remote_of(journal, target.cache_dir)
+            s3 = dataclasses.replace(s3, endpoint_url=endpoint_url or s3.endpoint_url, region=region or s3.region)
+            subdir, root = target.rels[0], target.mountpoint
+        if url.scheme == "s3":
+            s3.endpoint()  # a bad $AWS_ENDPOINT_URL, said as such (botocore raises a bare ValueError)
+    except ConfigError as exc:
+        raise AdminError(str(exc), EXIT_USAGE) from None
+    if url.scheme == "file" and not os.path.isdir(url.prefix):  # else it would list as empty: "no checkpoint"
+        problem = "is not a directory" if os.path.exists(url.prefix) else "does not exist"
+        raise AdminError(f"{url}: remote directory {url.prefix} {problem}")
 
     async def look() -> Any:
         remote = open_remote(url, s3)

@@ -18,12 +18,12 @@ from typing import Any
 
 import click
 
-from ..config import RemoteURL, S3Options, config_from_meta
+from ..config import RemoteURL, S3Options, check_seconds, config_from_meta
 from ..control import SOCKET_NAME, socket_address
-from ..errors import BurstfsError
+from ..errors import BurstfsError, ConfigError
 from ..journal import FileState, Journal
 from ..mountinfo import FSNAME_PREFIX, find_burstfs_mount, mounts
-from ..status import Durability
+from ..status import Durability, lookup
 from ..status import wait_durable as wait_in_journal
 
 EXIT_ERROR = 1
@@ -206,7 +206,32 @@ def resolve(paths: Sequence[Path], cache: Path | None) -> Target:
             where = f"mounted at {root}" if mountpoint else f"last mounted at {root}" if root else "never mounted"
             raise AdminError(f"{path} is not in the file system of cache {cache_dir} ({where})", EXIT_USAGE)
     daemon = Daemon.find(cache_dir) if mountpoint is not None else None
+    _check_paths_exist(paths, rels, cache_dir, mountpoint if daemon is not None else None)
     return Target(cache_dir, mountpoint, rels, daemon)
+
+
+def seconds_option(value: float | None, option: str) -> float | None:
+    """``value`` of ``--option`` checked as config.check_seconds does (a NaN timeout never
+    expires); a bad one is bad usage, said in one line."""
+    try:
+        return None if value is None else check_seconds(value, option)
+    except ConfigError as exc:
+        raise AdminError(str(exc), EXIT_USAGE) from None
+
+
+def _check_paths_exist(paths: Sequence[Path], rels: list[str], cache_dir: Path, live: Path | None) -> None:
+    """Refuse (exit 1) a path that does not exist, so that no command reports on or steers
+    nothing as if it succeeded.  A live mount answers for its paths (it also knows files only
+    on the remote); a stopped one, or one whose daemon is gone, by its journal."""
+    if live is not None:
+        missing = [path for path in paths if not os.path.lexists(path)]
+        where = f"in the burstfs mount {live}"
+    else:
+        with read_journal(cache_dir) as journal:
+            missing = [path for path, rel in zip(paths, rels, strict=True) if lookup(journal, rel) is None]
+        where = f"in the journal of cache {cache_dir}"
+    if missing:
+        raise AdminError(f"{missing[0]}: {os.strerror(errno.ENOENT)} ({where})")
 
 
 def journal_call(target: Target, fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:

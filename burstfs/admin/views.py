@@ -15,7 +15,7 @@ import click
 from ..cachelock import CacheLock
 from ..journal import FILE_STATES
 from ..progress import Progress, fmt_bytes, fmt_duration
-from ..status import SCHEMA, Durability, journal_events, journal_status, list_files, short_reason
+from ..status import LOCAL_TIER_KIND, SCHEMA, Durability, journal_events, journal_status, list_files, short_reason
 from .common import (
     EXIT_FAILED,
     EXIT_TIMEOUT,
@@ -26,6 +26,7 @@ from .common import (
     journal_call,
     path_command,
     resolve,
+    seconds_option,
     table,
     wait_durable,
 )
@@ -61,9 +62,12 @@ def _print_status(doc: dict[str, Any]) -> None:
     drain = doc["drain"]
     outage = drain.get("outage")  # absent from an older daemon's document
     if outage:
+        if outage.get("kind") == LOCAL_TIER_KIND:
+            headline = "LOCAL TIER FAILING"  # the journal on the tier (full, damaged): not the remote
+        else:
+            headline = f"REMOTE {'UNREACHABLE' if outage['unreachable'] else 'FAILING'}"
         click.echo(
-            f"REMOTE {'UNREACHABLE' if outage['unreachable'] else 'FAILING'} since "
-            f"{fmt_time(outage['since'])}: {outage['reason']}  (nothing drained since; "
+            f"{headline} since {fmt_time(outage['since'])}: {outage['reason']}  (nothing drained since; "
             f"{outage['errors']} errors)"
         )
     if doc["live"]:
@@ -163,6 +167,7 @@ def wait(paths: tuple[Path, ...], cache: Path | None, as_json: bool, timeout: fl
     Exit 0 when all are durable, 3 on timeout, 4 when one failed, is incomplete,
     or the drain is halted.  Polls the journal read-only.
     """
+    timeout = seconds_option(timeout, "timeout")
     target = resolve(paths, cache)
     bar = None if as_json else Progress("durable")
 
@@ -229,7 +234,9 @@ class Since(click.ParamType):
 @click.option(
     "--since", type=Since(), default=0.0, help="Only events newer than this: 10m, 2h, 1d ago, or an ISO time."
 )
-@click.option("--limit", default=200, show_default=True, help="At most this many (the newest).")
+@click.option(
+    "--limit", type=click.IntRange(min=1), default=200, show_default=True, help="At most this many (the newest)."
+)
 def journal_command(path: Path, cache: Path | None, as_json: bool, since: float, limit: int) -> None:
     """Recent journal events (closes, durable, renames, failures...) of files under PATH."""
     target = resolve([path], cache)

@@ -217,10 +217,11 @@ class Mover:
                     failures = 0
                 except Exception as exc:  # never the end of the drain: log, back off, go on
                     failures += 1
-                    log.exception("event=mover_pass_failed failures=%d", failures)
-                    if isinstance(exc, sqlite3.Error):  # the journal, on the tier: not the remote's fault
+                    if isinstance(exc, sqlite3.Error):  # the journal, on the tier (full): not a bug, not the remote
+                        log.error("event=mover_pass_failed failures=%d kind=local_tier error=%s", failures, exc)
                         self.stats.error(LOCAL_TIER_KIND, f"journal on the local tier: {exc}")
                     else:
+                        log.exception("event=mover_pass_failed failures=%d", failures)
                         self.stats.error("internal", f"mover pass failed: {exc!r}")
                     if until_idle and failures >= 10:
                         raise

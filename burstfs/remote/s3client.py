@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from typing import Any
 
 import aiohttp
@@ -96,7 +95,7 @@ class S3Session:
     ) -> None:
         self.url = url
         self.options = options
-        self.endpoint_url = options.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
+        self.endpoint_url = options.endpoint()
         self.bucket = url.bucket
         self.prefix = f"{url.prefix}/" if url.prefix else ""
         self._config = AioConfig(
