@@ -23,13 +23,14 @@ def fmt_bytes(n: float | None) -> str:
 def fmt_duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"
-    if seconds < 1:
+    if seconds < 0.9995:
         return f"{seconds * 1000:.0f}ms"
-    if seconds < 60:
-        return f"{seconds:.0f}s"
-    if seconds < 3600:
-        return f"{seconds // 60:.0f}m{seconds % 60:02.0f}s"
-    return f"{seconds // 3600:.0f}h{seconds % 3600 // 60:02.0f}m"
+    whole = round(seconds)  # rounded once, so 59.6 s is 1m00s, never 60s (nor 10m60s)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
 
 
 class Progress:

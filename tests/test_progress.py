@@ -97,3 +97,13 @@ def test_prefetch_plain_lines_have_rate_and_eta(delayed: MountedFS) -> None:
     )
     assert {line.rsplit("] ", 1)[1] for line in lines[:2]} == {"fetched ck/a", "fetched ck/b"}
     assert all("B/s" in line for line in lines[:2])
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [(0.25, "250ms"), (59.4, "59s"), (59.6, "1m00s"), (119.5, "2m00s"), (659.7, "11m00s"), (3599.6, "1h00m")],
+)
+def test_durations_round_once_and_never_show_60(seconds: float, shown: str) -> None:
+    from burstfs.progress import fmt_duration
+
+    assert fmt_duration(seconds) == shown
