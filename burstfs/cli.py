@@ -203,13 +203,32 @@ def _left_behind(cache_dir: Path) -> dict[str, tuple[int, int]]:
         journal.close()
 
 
+#: How often ``unmount --wait`` says what it still waits for.
+WAIT_NOTE_S = 30.0
+
+
 def _wait_durable(point: Path, timeout: float | None) -> None:
     """Block until every file of the mount is durable, as ``burstfs-admin wait`` does;
     incomplete files never drain, so they are left out (unmount reports them)."""
     from .admin.common import resolve, wait_durable
     from .journal import INCOMPLETE
+    from .status import Durability
 
-    outcome = wait_durable(resolve([point], None), timeout, ignore=frozenset({INCOMPLETE}))
+    said = [time.monotonic()]
+
+    def say_what_it_waits_for(outcome: Durability) -> None:
+        """Every WAIT_NOTE_S, one line on stderr: a wait never runs silent (a lost node's marker)."""
+        if time.monotonic() - said[0] < WAIT_NOTE_S or not outcome.pending:
+            return
+        said[0] = time.monotonic()
+        path, row = outcome.pending[0]
+        click.echo(
+            f"burstfs: waiting for {len(outcome.pending)} files to be durable (first: {path}, {row.state}); "
+            f"burstfs-admin status {point} says why",
+            err=True,
+        )
+
+    outcome = wait_durable(resolve([point], None), timeout, say_what_it_waits_for, ignore=frozenset({INCOMPLETE}))
     if outcome.result == "failed":
         why = (
             f"the drain is halted ({outcome.halted})"

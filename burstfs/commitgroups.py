@@ -90,6 +90,10 @@ def parse_record_key(key: str) -> tuple[str, str, str, str] | None:
     return dir_key, node, round_id, kind
 
 
+#: Seconds one attempt at a commit-group record (a few hundred bytes) may take.
+RECORD_ATTEMPT_TIMEOUT_S = 10.0
+
+
 def new_round_id() -> str:
     return record_id(time.time_ns())
 
@@ -241,7 +245,9 @@ class CommitGroups:
         self._commits: list[tuple[InodeRow, str, dict[str, Any]]] = []  # markers durable, commit record due
         self._poke: asyncio.Event | None = None
         self.remote: Remote | None = None
-        self.retry = RetryPolicy(attempts=3, base_delay=0.05, max_delay=0.5)
+        # Records are small: an attempt not answered within RECORD_ATTEMPT_TIMEOUT_S is on a
+        # connection gone silent (a black-holed remote that healed), not a slow transfer.
+        self.retry = RetryPolicy(attempts=3, base_delay=0.05, max_delay=0.5, attempt_timeout=RECORD_ATTEMPT_TIMEOUT_S)
 
     # -- the FUSE thread -------------------------------------------------------------
 
@@ -474,12 +480,19 @@ class CommitGroups:
 
     # -- the marker gate ---------------------------------------------------------------
 
+    def is_abandoned(self, marker: InodeRow, marker_key: str) -> bool:
+        """True if an operator gave up ``marker``'s checkpoint after it was written."""
+        dir_key = dir_of(marker_key)
+        if self.abandoned.get(dir_key, -1.0) >= marker.updated:
+            self._given_up[dir_key] = time.monotonic()
+            return True
+        return False
+
     def holds(self, marker: InodeRow, marker_key: str) -> bool:
         """True while ``marker`` must wait for other nodes (or was abandoned).  Only reads
         what the poller found; asks it to look at the marker's directory."""
         dir_key = dir_of(marker_key)
-        if self.abandoned.get(dir_key, -1.0) >= marker.updated:
-            self._given_up[dir_key] = time.monotonic()
+        if self.is_abandoned(marker, marker_key):
             return True
         self._wanted[dir_key] = time.monotonic()
         if self._poke is not None and dir_key not in self.verdicts:

@@ -11,6 +11,7 @@ Sits between a client and moto::
         proxy.blackhole()    # accept every connection, read it, never answer
         proxy.pause()        # hold every request until resume(), then forward it
         proxy.resume()       # end either mode: held requests go on, black-holed ones are reset
+        proxy.resume(silently=True)  # ... black-holed ones stay silent until their client gives up
 
 Note that aiohttp itself resends an idempotent request (GET, PUT, HEAD, DELETE)
 once after a reset connection, so ``reset_next(1)`` on a PUT is absorbed below
@@ -80,6 +81,7 @@ class FaultProxy:
         #: "blackhole" | "pause" | None: what happens to every new request (see blackhole()).
         self._mode: str | None = None
         self._mode_changed = threading.Condition(self._lock)
+        self._silent_heal = False  # see resume()
         #: Connections held by the current mode (black-holed or paused), for tests to wait on.
         self.held = 0
 
@@ -119,8 +121,11 @@ class FaultProxy:
         (a server stalled by a long GC pause or a failover)."""
         self._set_mode("pause")
 
-    def resume(self) -> None:
-        """End ``blackhole()`` or ``pause()``."""
+    def resume(self, *, silently: bool = False) -> None:
+        """End ``blackhole()`` or ``pause()``.  ``silently``: connections black-holed so far stay
+        silent until their client gives up (a middlebox that lost their state); new ones pass."""
+        with self._lock:
+            self._silent_heal = silently
         self._set_mode(None)
 
     def _set_mode(self, mode: str | None) -> None:
@@ -256,7 +261,7 @@ class FaultProxy:
             self.held += 1
             self.requests.append(f"({mode})")
         try:
-            while self._held_mode() == mode:
+            while self._held_mode() == mode or (mode == "blackhole" and self._silent_heal):
                 if mode == "blackhole":
                     try:
                         chunk = await asyncio.wait_for(reader.read(1 << 16), 0.05)

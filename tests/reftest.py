@@ -274,6 +274,7 @@ class Node:
         self.drain.wait_ready(10)
         assert self.mover.store is not None
         self.mover.store.retry = FAST_RETRY
+        self.mover.restore.store.retry = FAST_RETRY  # reads have a store (and retry budget) of their own
         self._reader = sqlite3.connect(f"file:{cache / 'journal.db'}?mode=ro", uri=True, check_same_thread=False)
 
     def _trio_main(self) -> None:

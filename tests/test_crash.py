@@ -225,3 +225,22 @@ def test_a_cache_that_lost_its_journal_is_refused_and_its_data_kept(
     assert "no journal" in result.stderr and "Traceback" not in result.stderr
     assert sorted(os.listdir(fs.cache / "data")) == data
     assert [(fs.cache / "data" / name).read_bytes() for name in data] == [b"only copy" * 1000]
+
+
+def test_a_damaged_journal_is_one_line_saying_what_to_do(mounted_factory: type[MountedFS]) -> None:
+    """A journal damaged on disk: `burstfs drain` and `burstfs mount` say so in one line and how
+    to go on (they printed a sqlite traceback); nothing is mounted."""
+    fs = mounted_factory()  # type: ignore[call-arg]
+    fs.expect_log("event=daemon_failed error=journal")
+    fs.mount()
+    (fs.path / "a.pt").write_bytes(b"a")
+    fs.unmount()
+    with open(fs.cache / "journal.db", "r+b") as journal:
+        journal.seek(100)
+        journal.write(b"\xff" * 3000)
+    drained = burstfs("drain", "--cache", str(fs.cache), check=False)
+    mounted = burstfs("mount", str(fs.path), "--cache", str(fs.cache), "--remote", fs.remote_url, check=False)
+    for result in (drained, mounted):
+        assert result.returncode == 1, result.stderr
+        assert "damaged; move the cache dir aside" in result.stderr and "Traceback" not in result.stderr
+    assert not os.path.ismount(fs.path)

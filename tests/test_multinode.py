@@ -222,9 +222,16 @@ def test_a_killed_node_holds_its_checkpoint_back_and_latest_returns_the_previous
     assert "n1" in out
     wait_for(lambda: "abandoned" in admin("status", n0.path).stdout, what="status to say abandoned")
     admin("drain", n0.path, "--now")
-    assert state(n0, "ckpt/step_200/.metadata") == "staged"
+    # Never published, and failed: waiting for it ends (it stayed staged, and wait and
+    # unmount --wait waited their whole timeout for it).
+    wait_for(lambda: state(n0, "ckpt/step_200/.metadata") == "failed", what="the abandoned marker failed")
+    assert "abandoned" in os.getxattr(n0.path / "ckpt/step_200/.metadata", "user.burstfs.error").decode()
+    assert admin("wait", n0.path / "ckpt/step_200", "--timeout", "30", expect=None).returncode == 4
     assert "ckpt/step_200/.metadata" not in bucket.keys()
     assert bucket.latest("ckpt")["dir"] == "ckpt/step_100"
+    admin("retry", n0.path)  # retried, it is given up again
+    wait_for(lambda: state(n0, "ckpt/step_200/.metadata") == "failed", what="the abandoned marker failed again")
+    assert "ckpt/step_200/.metadata" not in bucket.keys()
 
 
 SAVE_LOOP = textwrap.dedent(

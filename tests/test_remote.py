@@ -466,6 +466,35 @@ def test_retrying_retries_temp_failures(tmp_path: Path, caplog: pytest.LogCaptur
     assert len(lines) == 2 and lines[0].startswith("remote retry what='get k' attempt=1 delay=")
 
 
+def test_retrying_gives_up_a_silent_attempt_and_stops_at_its_budget(tmp_path: Path) -> None:
+    """A connection gone silent (a black-holed remote) is not waited for the whole read timeout
+    when an attempt timeout is given: the attempt is retried; and no retry starts once the
+    budget is spent, however many attempts are left."""
+    remote = FileRemote(parse_remote_url(f"file://{tmp_path}"))
+    calls = 0
+
+    async def silent_then_ok() -> str:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await asyncio.sleep(3600)
+        return "ok"
+
+    assert asyncio.run(retrying(remote, silent_then_ok, what="create rec", attempt_timeout=0.05)) == "ok"
+    assert calls == 2
+
+    async def always_failing() -> None:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.05)
+        raise OSError(errno.ESTALE, "stale file handle")
+
+    calls = 0
+    with pytest.raises(RemoteError) as failed:
+        asyncio.run(retrying(remote, always_failing, what="get k", attempts=100, base_delay=0.001, budget=0.3))
+    assert failed.value.kind == "unavailable" and 3 <= calls <= 7, calls
+
+
 def test_open_remote(tmp_path: Path) -> None:
     assert isinstance(open_remote(parse_remote_url(f"file://{tmp_path}")), FileRemote)
     assert isinstance(open_remote(parse_remote_url("s3://bucket/p"), S3Options(endpoint_url="http://h:1")), S3Remote)

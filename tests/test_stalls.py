@@ -8,6 +8,7 @@ completion timeouts, never timing ratios.
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import DATA_PATHS, FUSE_OK, MountedFS, wait_for
+from conftest import BIN, DATA_PATHS, FUSE_OK, MountedFS, wait_for
 from faultproxy import FaultProxy
 from s3server import fresh_bucket
 
@@ -127,6 +128,37 @@ def test_full_timeout_bounds_the_stall_of_one_writer(
     vfs = os.statvfs(fs.path)
     assert vfs.f_bavail * vfs.f_frsize >= 19 << 20, vfs
     (fs.path / "e.pt").write_bytes(b"e" * (15 << 20))  # fits by evicting d.pt: no wait, no ENOSPC
+
+
+def test_a_healed_black_hole_drains_without_a_restart_and_reads_fail_in_bounded_time(
+    mounted_factory: type[MountedFS], s3_proxy: tuple[FaultProxy, str]
+) -> None:
+    """Files written into new directories while the remote is black-holed: their intents and
+    uploads hang on connections that stay silent after the remote heals (a middlebox that lost
+    their state). The drain gives those up and finishes without a restart (it waited up to 60 s
+    per attempt of each, on every pass). Then, black-holed again, a read of an evicted file
+    fails with EIO within the read budget (it was 8 attempts of 60 s per request)."""
+    proxy, url = s3_proxy
+    fs = _mount(mounted_factory, proxy, url, "passthrough")
+    fs.expect_log("remote retry")
+    fs.expect_log("event=request_failed")
+    proxy.blackhole()
+    names = [f"ckpt/step_{step}/shard.pt" for step in range(3)]
+    for name in names:
+        (fs.path / name).parent.mkdir(parents=True)
+        (fs.path / name).write_bytes(name.encode() * 4096)
+    wait_for(lambda: proxy.held >= 2, what="requests stuck in the black hole")
+    proxy.resume(silently=True)
+    _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "45", *(str(fs.path / n) for n in names)], "the drain")
+
+    _bounded([str(BIN / "burstfs-admin"), "evict", str(fs.path / names[0])], "evict")
+    proxy.blackhole()
+    started = time.monotonic()
+    with pytest.raises(OSError) as failed:
+        (fs.path / names[0]).read_bytes()
+    assert failed.value.errno == errno.EIO
+    assert time.monotonic() - started < 90, "a read waited longer than its budget"
+    proxy.resume()
 
 
 def test_status_counts_a_sparse_file_by_its_allocated_bytes(mounted_factory: type[MountedFS]) -> None:

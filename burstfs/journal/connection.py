@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..errors import BurstfsError
 from .rows import ROOT_INO, Op
 from .schema import check_readable, migrate
 
@@ -28,6 +29,15 @@ class Database:
 
     def __init__(self, cache_dir: Path, *, readonly: bool = False) -> None:
         self.path = Path(cache_dir) / "journal.db"
+        if readonly:
+            self._open(readonly=True)
+            return
+        try:
+            self._open(readonly=False)
+        except sqlite3.DatabaseError as exc:  # a mount or `burstfs drain`: one line, and what to do
+            raise BurstfsError(_unusable(self.path, exc)) from exc
+
+    def _open(self, *, readonly: bool) -> None:
         if readonly:
             uri = f"file:{self.path}?mode=ro"
             self.connection = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
@@ -124,3 +134,13 @@ class Database:
                 "SELECT ino, name FROM inodes WHERE parent=? AND ino!=?", (ROOT_INO, ROOT_INO)
             )
         ]
+
+
+def _unusable(path: Path, exc: sqlite3.DatabaseError) -> str:
+    """Why the journal at ``path`` cannot be opened for writing, and what to do."""
+    if "full" in str(exc):
+        return f"journal {path}: {exc}: the cache's file system is full; make room on it (or grow it) and try again"
+    return (
+        f"journal {path} cannot be used ({exc}): it is damaged; move the cache dir aside and mount with a new "
+        "one (files that were durable are on the remote; each file in its data/ holds one file's bytes)"
+    )

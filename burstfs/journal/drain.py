@@ -185,6 +185,18 @@ class DrainQueue:
                 db.execute(*event_op(ino, "failed", error))
             return bool(failed)
 
+    def give_up(self, ino: int, generation: int, error: str) -> bool:
+        """Mark this staged generation ``failed`` with ``error`` without draining it (a marker
+        whose checkpoint was abandoned); False if the file changed meanwhile."""
+        with self._db.transaction() as db:
+            failed = db.execute(
+                "UPDATE inodes SET state=?, error=? WHERE ino=? AND generation=? AND state=?",
+                (FAILED, error, ino, generation, STAGED),
+            ).rowcount
+            if failed:
+                db.execute(*event_op(ino, "failed", error))
+            return bool(failed)
+
     def retry_failed(self) -> int:
         """Every failed file staged again with a fresh retry budget; returns how many."""
         return self._db.execute("UPDATE inodes SET state=?, attempts=0, error=NULL WHERE state=?", (STAGED, FAILED))

@@ -26,7 +26,7 @@ from ..journal.thread import JournalThread
 from ..localtier import LocalTier
 from ..objects import ObjectStore
 from ..remote import Remote, open_remote
-from ..restore import LAYOUT_KEY, RestoreService
+from ..restore import LAYOUT_KEY, READ_RETRY, RestoreService
 from ..status import LOCAL_TIER_KIND
 from . import timing
 from .keymoves import KeyMoves
@@ -37,6 +37,10 @@ log = logging.getLogger("burstfs.mover")
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+
+#: The error of a commit marker whose checkpoint was given up (``burstfs-admin abandon``).
+ABANDONED_MARKER = "checkpoint abandoned (burstfs-admin abandon): this marker is never published"
 
 
 class Mover:
@@ -173,7 +177,8 @@ class Mover:
             self.remote, on_upload_started=self._upload_started, on_upload_ended=self._upload_ended
         )
         log.info("event=drain_budget bytes=%d", self.drain_memory())
-        self.restore = RestoreService(self.store, self.journal, self.tier_paths, db=self.db)
+        # Reads answer requests: their own store, with a bounded retry budget (restore/state.py).
+        self.restore = RestoreService(ObjectStore(self.remote, READ_RETRY), self.journal, self.tier_paths, db=self.db)
         self.restore.warm()
         self.groups.journal = self.journal
         await self.groups.load()
@@ -371,6 +376,10 @@ class Mover:
             if row.ino in self.in_flight or self.not_before.get(row.ino, 0) > now:
                 continue
             if is_marker(row):
+                if candidate.marker_key is not None and self.groups.is_abandoned(row, candidate.marker_key):
+                    # Never published: failed, so that wait and unmount --wait stop waiting for it.
+                    await self.db(self.journal.drain.give_up, row.ino, row.generation, ABANDONED_MARKER)
+                    continue
                 # A marker waits for every node with an intent under its directory (docs/SEMANTICS.md "Many nodes").
                 if candidate.marker_key is not None and self.groups.holds(row, candidate.marker_key):
                     continue

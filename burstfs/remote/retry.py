@@ -39,6 +39,8 @@ async def retrying(
     attempts: int = 8,
     base_delay: float = 0.1,
     max_delay: float = 10.0,
+    attempt_timeout: float | None = None,
+    budget: float | None = None,
     **kw: Any,
 ) -> T:
     """``await fn(*args, **kw)``, retrying temporary failures of ``remote``.
@@ -47,23 +49,34 @@ async def retrying(
     ``RemoteError(kind='unavailable')`` chained to the last one is raised.  The
     delay before retry n is uniform in [0, min(max_delay, base_delay * 2**(n-1))]
     ("full jitter"), which spreads out many clients hitting one throttled prefix.
+    ``attempt_timeout``: an attempt taking longer is cancelled and counts as a
+    temporary failure (for small requests: a connection that went silent is not
+    waited for the whole read timeout).  ``budget``: no retry starts after this
+    many seconds in all (a black-holed remote costs a read timeout per attempt).
     """
     if attempts < 1:
         raise ValueError(f"attempts must be at least 1, not {attempts}")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     attempt = 0
     while True:
         attempt += 1
         try:
-            return await fn(*args, **kw)
+            if attempt_timeout is None:
+                return await fn(*args, **kw)
+            return await asyncio.wait_for(fn(*args, **kw), attempt_timeout)
         except Exception as exc:
-            if not remote.is_temp_failure(exc):
+            timed_out = attempt_timeout is not None and isinstance(exc, TimeoutError)
+            if not timed_out and not remote.is_temp_failure(exc):
                 raise
-            if attempt >= attempts:
+            delay = backoff(attempt, base_delay, max_delay)
+            spent = budget is not None and loop.time() - started + delay >= budget
+            if attempt >= attempts or spent:
+                tries = f"{attempt} attempts in {loop.time() - started:.0f}s"
                 raise RemoteError(
-                    f"{what}: remote {remote.url} unavailable after {attempts} attempts: {describe_error(exc)}",
+                    f"{what}: remote {remote.url} unavailable after {tries}: {describe_error(exc)}",
                     kind="unavailable",
                 ) from exc
-            delay = backoff(attempt, base_delay, max_delay)
             log.warning(
                 "remote retry what=%r attempt=%d delay=%.2f error=%r", what, attempt, delay, describe_error(exc)
             )
@@ -86,6 +99,8 @@ class RetryPolicy:
     attempts: int = 8
     base_delay: float = 0.1
     max_delay: float = 10.0
+    attempt_timeout: float | None = None  # see retrying()
+    budget: float | None = None  # see retrying()
 
     def backoff(self, attempt: int) -> float:
         """The delay before retry ``attempt`` (1-based) of a caller that retries on its own."""
@@ -101,5 +116,7 @@ class RetryPolicy:
             attempts=self.attempts,
             base_delay=self.base_delay,
             max_delay=self.max_delay,
+            attempt_timeout=self.attempt_timeout,
+            budget=self.budget,
             **kw,
         )

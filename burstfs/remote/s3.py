@@ -114,7 +114,7 @@ class S3Remote(Remote):
         *,
         max_connections: int = 64,
         connect_timeout: float = 10.0,
-        read_timeout: float = 60.0,
+        read_timeout: float = 20.0,
         retry: RetryPolicy | None = None,
     ) -> None:
         if url.scheme != "s3":

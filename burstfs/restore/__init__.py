@@ -42,6 +42,7 @@ from .state import (
     MAX_OPEN_FDS,
     MAX_STREAMS,
     MAX_WINDOW_BYTES,
+    READ_RETRY,
     OwnedTasks,
 )
 
@@ -51,6 +52,7 @@ __all__ = [
     "MAX_OPEN_FDS",
     "MAX_STREAMS",
     "MAX_WINDOW_BYTES",
+    "READ_RETRY",
     "OwnedTasks",
     "RestoreService",
 ]

@@ -27,6 +27,7 @@ from .state import (
     MAX_OPEN_FDS,
     MAX_STREAM_LEAD,
     MAX_WINDOW_BYTES,
+    UNANSWERED_MEMO_S,
     FileFetch,
     OwnedTasks,
 )
@@ -65,6 +66,10 @@ class RestoreService:
         self._slots = asyncio.Semaphore(concurrency)
         self._files: dict[int, FileFetch] = {}
         self._opening: dict[int, asyncio.Future[FileFetch]] = {}
+        # Opens of a fetch the remote did not answer (within READ_RETRY's budget), and when: the
+        # kernel asks again at once (a failed readahead, then the read itself), and each ask
+        # would wait the whole budget again.
+        self._unanswered: dict[int, tuple[float, RemoteError]] = {}
         # The _open in progress of an ino holds its token here; forget() revokes it, and a revoked
         # open neither creates the data file nor registers a fetch (the file went away or was
         # replaced meanwhile).  Its data file being created in a thread: let_go() waits for that.
@@ -189,7 +194,12 @@ class RestoreService:
             return self._files[ino]
         if ino in self._opening:
             return await asyncio.shield(self._opening[ino])
-        future: asyncio.Future[FileFetch] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        unanswered = self._unanswered.pop(ino, None)
+        if unanswered is not None and loop.time() - unanswered[0] < UNANSWERED_MEMO_S:
+            self._unanswered[ino] = unanswered
+            raise unanswered[1]
+        future: asyncio.Future[FileFetch] = loop.create_future()
         self._opening[ino] = future
         try:
             fetch = await self._open(ino)
@@ -197,6 +207,10 @@ class RestoreService:
             future.set_result(fetch)
             return fetch
         except BaseException as exc:
+            if isinstance(exc, RemoteError) and exc.kind == "unavailable":
+                if len(self._unanswered) >= MAX_OPEN_FDS:  # bounded: the oldest go first
+                    del self._unanswered[next(iter(self._unanswered))]
+                self._unanswered[ino] = (loop.time(), exc)
             future.set_exception(exc)
             future.exception()  # retrieved: waiters re-raise it
             raise
@@ -401,6 +415,7 @@ class RestoreService:
         open of its fetch in progress is revoked.
         """
         self._open_tokens.pop(ino, None)
+        self._unanswered.pop(ino, None)
         fetch = self._files.pop(ino, None)
         if fetch is None:
             return

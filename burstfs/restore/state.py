@@ -47,6 +47,13 @@ LAYOUT_KEY = ".burstfs/layout.json"
 #: the drain's retry budget (8 attempts of up to 60 s each).  A failed listing is
 #: tried again by the core after its backoff; the drain keeps its own retries.
 LISTING_RETRY = RetryPolicy(attempts=1)
+#: Reads answer requests too (a read of a file that is not local waits for them): retried
+#: while the remote refuses or drops them (503s, resets), but not for longer than this in all,
+#: then EIO (a black-holed remote costs the S3 read timeout per attempt).
+READ_RETRY = RetryPolicy(budget=30.0)
+#: For this long after the remote left the open of a file's fetch unanswered, reads of that
+#: file fail at once with the same error (the kernel retries a failed readahead right away).
+UNANSWERED_MEMO_S = 10.0
 #: A listing attempt (with the manifests a compressed layout needs) gives up after this.
 LISTING_ATTEMPT_TIMEOUT_S = 20.0
 

@@ -101,6 +101,8 @@ class Streams:
         """Land the stream's chunks, resuming after temporary failures from the first byte not landed."""
         remote, retry = self.store.remote, self.store.retry
         failures, landed_at_failure = 0, -1
+        loop = asyncio.get_running_loop()
+        stalled_since = loop.time()
         while stream.next_chunk < stream.end_chunk:
             position = fetch.chunk_start(stream.next_chunk) + stream.landed_bytes
             try:
@@ -111,14 +113,17 @@ class Streams:
                     raise
                 here = fetch.chunk_start(stream.next_chunk) + stream.landed_bytes
                 failures = 1 if here != landed_at_failure else failures + 1  # progress restarts the count
+                if failures == 1:
+                    stalled_since = loop.time()
                 landed_at_failure = here
                 what = f"get {fetch.key} bytes {here}-{fetch.chunk_start(stream.end_chunk)}"
-                if failures >= retry.attempts:
+                delay = retry.backoff(failures)
+                spent = retry.budget is not None and loop.time() - stalled_since + delay >= retry.budget
+                if failures >= retry.attempts or spent:
                     raise RemoteError(
                         f"{what}: remote {remote.url} unavailable after {failures} attempts: {describe_error(exc)}",
                         kind="unavailable",
                     ) from exc
-                delay = retry.backoff(failures)
                 log.warning(
                     "event=stream_resumed key=%s offset=%d attempt=%d delay=%.2f error=%r",
                     fetch.key,
