@@ -206,12 +206,15 @@ class ControlServer:
             raise ValueError("'paths' must be a non-empty list of paths relative to the mount root")
         return [p.strip("/") for p in paths]
 
-    async def _inodes_under(self, rel: str) -> list[tuple[str, Inode]]:
+    async def _inodes_under(self, rel: str, *, listed: bool = True) -> list[tuple[str, Inode]]:
         """Files at or below ``rel`` in the live namespace, remote listings merged first
-        (a restore on a fresh node prefetches directories nobody has listed yet)."""
+        (a restore on a fresh node prefetches directories nobody has listed yet).
+        ``listed=False``: no listing is waited for (evict acts on local copies only, and
+        is what frees a full tier during an outage)."""
         inode = self.core.namespace.inode(ROOT_INO)
         for part in filter(None, rel.split("/")):
-            await self.core.listings.refresh(inode)
+            if listed:
+                await self.core.listings.refresh(inode)
             try:
                 inode = self.core.namespace.child(inode.ino, os.fsencode(part))
             except FsError as exc:
@@ -223,16 +226,16 @@ class ControlServer:
             if node.kind == "file":
                 found.append((path, node))
                 continue
-            if node.kind == "dir":
+            if node.kind == "dir" and listed:
                 await self.core.listings.refresh(node)
             for name, child in self.core.namespace.entries(node):
                 stack.append((f"{path}/{os.fsdecode(name)}" if path else os.fsdecode(name), child))
         return found
 
-    async def _files(self, request: dict[str, Any]) -> list[tuple[str, Inode]]:
+    async def _files(self, request: dict[str, Any], *, listed: bool = True) -> list[tuple[str, Inode]]:
         seen: dict[int, tuple[str, Inode]] = {}
         for rel in self._rels(request):
-            for path, inode in await self._inodes_under(rel):
+            for path, inode in await self._inodes_under(rel, listed=listed):
                 seen.setdefault(inode.ino, (path, inode))
         return sorted(seen.values(), key=lambda item: item[0])
 
@@ -306,7 +309,7 @@ class ControlServer:
 
     async def _evict(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:
         results: list[dict[str, Any]] = []
-        for path, inode in await self._files(request):
+        for path, inode in await self._files(request, listed=False):
             try:
                 freed = await self.core.evict(inode.ino)
                 results.append({"path": path, "ok": True, "bytes_freed": freed})

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sqlite3
 import sys
 import traceback
@@ -76,7 +77,7 @@ def preflight(config: MountConfig) -> None:
     if shutil.which("fusermount3") is None:
         raise ConfigError("fusermount3 not found: install fuse3 (apt-get install fuse3)")
     if config.metrics_addr is not None:
-        parse_metrics_addr(config.metrics_addr)
+        _check_port_free(*parse_metrics_addr(config.metrics_addr))
     cache = config.cache_dir
     if cache.exists() and not cache.is_dir():
         raise ConfigError(f"cache dir {cache} is not a directory")
@@ -95,6 +96,17 @@ def preflight(config: MountConfig) -> None:
                 f"(uid {os.geteuid()}); use a cache dir of your own"
             )
         _check_cache_owner(config)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Refuse a metrics port in use before the cache dir is made (the server binds it later)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc.strerror}", "metrics-addr") from None
 
 
 def _mounted_here(config: MountConfig) -> bool:

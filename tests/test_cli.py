@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -195,6 +196,19 @@ def test_a_metrics_port_out_of_range_says_so(dirs: tuple[Path, Path, str]) -> No
     err = one_line(refused(*base, "127.0.0.1:99999"))
     assert "the port must be a number from 1 to 65535" in err and "host is required" not in err
     assert "a host is required" in refused(*base, ":9100")
+
+
+def test_a_metrics_port_in_use_is_refused_before_the_cache_is_made(dirs: tuple[Path, Path, str]) -> None:
+    mnt, cache, remote = dirs
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        err = one_line(
+            refused("mount", str(mnt), "--cache", str(cache), "--remote", remote, "--metrics-addr", f"127.0.0.1:{port}")
+        )
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in err
+    assert not cache.exists()  # README: a refused mount creates nothing
 
 
 def test_admin_latest_of_a_missing_remote_says_it_is_missing(tmp_path: Path) -> None:
