@@ -269,6 +269,14 @@ def prefetch(
     return result
 
 
+def refresh_listings(path: PathLike | Sequence[PathLike]) -> None:
+    """List the directories at or below ``path`` from the remote now, whatever ``--list-ttl``:
+    what other nodes drained there since this node last listed them shows up (before a
+    checkpoint is deleted, see ``retention.prune_checkpoints``)."""
+    target = _live(_paths(path))
+    _call(target, "refresh_listings", paths=target.rels, timeout=None)
+
+
 def is_durable(path: PathLike | Sequence[PathLike]) -> bool:
     """Whether the file at ``path``, or everything under the directory, is on the remote
     now (no waiting).  Raises DrainFailedError when a file failed or is incomplete."""

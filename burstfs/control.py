@@ -97,6 +97,7 @@ class ControlServer:
             "drain_now": self._drain_now,
             "retry": self._retry,
             "evict": self._evict,
+            "refresh_listings": self._refresh_listings,
             "prefetch": self._prefetch,
             "verify": self._verify,
             "journal": self._journal,
@@ -206,11 +207,8 @@ class ControlServer:
             raise ValueError("'paths' must be a non-empty list of paths relative to the mount root")
         return [p.strip("/") for p in paths]
 
-    async def _inodes_under(self, rel: str, *, listed: bool = True) -> list[tuple[str, Inode]]:
-        """Files at or below ``rel`` in the live namespace, remote listings merged first
-        (a restore on a fresh node prefetches directories nobody has listed yet).
-        ``listed=False``: no listing is waited for (evict acts on local copies only, and
-        is what frees a full tier during an outage)."""
+    async def _inode_at(self, rel: str, *, listed: bool = True) -> Inode:
+        """The inode at ``rel``, each directory on the way listed first if ``listed``."""
         inode = self.core.namespace.inode(ROOT_INO)
         for part in filter(None, rel.split("/")):
             if listed:
@@ -219,8 +217,15 @@ class ControlServer:
                 inode = self.core.namespace.child(inode.ino, os.fsencode(part))
             except FsError as exc:
                 raise FsError(exc.errno, f"/{rel}: {os.strerror(exc.errno)}") from None
+        return inode
+
+    async def _inodes_under(self, rel: str, *, listed: bool = True) -> list[tuple[str, Inode]]:
+        """Files at or below ``rel`` in the live namespace, remote listings merged first
+        (a restore on a fresh node prefetches directories nobody has listed yet).
+        ``listed=False``: no listing is waited for (evict acts on local copies only, and
+        is what frees a full tier during an outage)."""
         found: list[tuple[str, Inode]] = []
-        stack = [(rel, inode)]
+        stack = [(rel, await self._inode_at(rel, listed=listed))]
         while stack:
             path, node = stack.pop()
             if node.kind == "file":
@@ -306,6 +311,22 @@ class ControlServer:
         requeued = await self._drain().retry_failed()
         log.info("event=control_retry requeued=%d", requeued)
         return {"schema": SCHEMA, "requeued": requeued}
+
+    async def _refresh_listings(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:
+        """List every directory at or below the paths from the remote now, whatever the TTL:
+        ``retention.prune_checkpoints`` deletes what other nodes drained since this node last
+        listed a checkpoint (they would be left on the remote, and the step come back)."""
+        listed = 0
+        for rel in self._rels(request):
+            stack = [await self._inode_at(rel, listed=False)]
+            while stack:
+                directory = stack.pop()
+                if directory.kind != "dir":
+                    continue
+                await self.core.listings.refresh(directory, force=True)
+                listed += 1
+                stack += [child for _, child in self.core.namespace.entries(directory) if child.kind == "dir"]
+        return {"schema": SCHEMA, "listed": listed}
 
     async def _evict(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:
         results: list[dict[str, Any]] = []

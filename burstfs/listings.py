@@ -158,8 +158,8 @@ class RemoteListings:
             self._in_flight.pop(directory.ino, None)
             done.set()
 
-    async def refresh(self, directory: Inode) -> bool:
-        """Merge the remote listing of ``directory`` if it is older than the TTL.
+    async def refresh(self, directory: Inode, *, force: bool = False) -> bool:
+        """Merge the remote listing of ``directory`` if it is older than the TTL (``force``: now).
 
         Returns True if a listing was merged.  A remote that cannot be listed
         does not block local work: the failure is logged and retried after the TTL.
@@ -173,7 +173,7 @@ class RemoteListings:
         node's new one.  The merge is one commit, applied to memory with it.
         """
         now = time.monotonic()
-        if self.links.fetcher is None or now - directory.listed_at < self.ttl:
+        if self.links.fetcher is None or (now - directory.listed_at < self.ttl and not force):
             return False
         directory.listed_at = now
         dir_key = self.namespace.path_of(directory)

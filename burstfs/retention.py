@@ -39,6 +39,7 @@ def prune_checkpoints(checkpoints: Sequence[Path], keep_last: int) -> list[Path]
     for checkpoint in reversed(checkpoints):
         if durable >= keep_last:
             if checkpoint.is_dir():
+                _list_afresh(checkpoint)
                 shutil.rmtree(checkpoint)
             else:
                 checkpoint.unlink()
@@ -50,3 +51,12 @@ def prune_checkpoints(checkpoints: Sequence[Path], keep_last: int) -> list[Path]
         except client.DrainFailedError as exc:  # kept, and not counted: burstfs-admin retry may still save it
             log.warning("event=checkpoint_not_durable path=%s error=%s", checkpoint, exc)
     return deleted
+
+
+def _list_afresh(checkpoint: Path) -> None:
+    """Merge the remote's listing of ``checkpoint`` first: the shards other nodes drained since
+    this node listed it are deleted with it (left behind, they would bring the step back)."""
+    try:
+        client.refresh_listings(checkpoint)
+    except client.ClientError as exc:  # no daemon to ask (or not allowed): what is listed goes
+        log.warning("event=checkpoint_listing_not_refreshed path=%s error=%s", checkpoint, exc)

@@ -178,6 +178,30 @@ def test_shards_renamed_into_the_checkpoint_hold_its_marker_back(
     assert bucket.client.get_object(Bucket=bucket.name, Key=f"job/{step}/__1_0.distcp")["Body"].read() == mine
 
 
+def test_pruning_a_checkpoint_deletes_the_shards_other_nodes_drained_since_it_was_listed(
+    mounted_factory: type[MountedFS], bucket: Bucket
+) -> None:
+    """Rank 0 prunes step 1 seconds after writing it: n1's shard landed after n0 last listed
+    step 1 (well within --list-ttl). It goes too: left on the remote, it would bring the
+    deleted step back on every node."""
+    from burstfs.retention import checkpoints_in, prune_checkpoints
+
+    n0 = node(mounted_factory, bucket, "n0")
+    n1 = node(mounted_factory, bucket, "n1", *HELD)
+    for step in (1, 2, 3):
+        write(n1, f"run/step_{step}/__1_0.distcp", shard(step, 1))
+        write(n0, f"run/step_{step}/__0_0.distcp", shard(step, 0))
+        admin("wait", n0.path / f"run/step_{step}/__0_0.distcp")
+        write(n0, f"run/step_{step}/.metadata", b"metadata")
+        admin("drain", n1.path, "--now")
+        wait_for(lambda step=step: bucket.latest("run", expect=None).get("dir") == f"run/step_{step}", what="commit")
+    assert "run/step_1/__1_0.distcp" in bucket.keys()
+    deleted = prune_checkpoints(checkpoints_in(n0.path / "run", "step_*"), keep_last=2)
+    assert deleted == [n0.path / "run/step_1"]
+    wait_for(lambda: not any(k.startswith("run/step_1/") for k in bucket.keys()), what="step 1 gone from the remote")
+    assert {k for k in bucket.keys() if k.startswith("run/step_3/")} >= {"run/step_3/__1_0.distcp"}
+
+
 def test_a_killed_node_holds_its_checkpoint_back_and_latest_returns_the_previous(
     mounted_factory: type[MountedFS], bucket: Bucket
 ) -> None:
