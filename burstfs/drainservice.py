@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from .errors import FsError
+from .errors import CorruptDataError, FsError
 from .journal import BROKEN, DONE, Journal
 from .mover import Mover
 
@@ -197,7 +197,11 @@ class DrainService:
 
     async def ensure_local(self, ino: int, offset: int, size: int) -> int:
         assert self.mover.restore is not None
-        return await self.on_mover_loop(self.mover.restore.ensure_local(ino, offset, size))
+        try:
+            return await self.on_mover_loop(self.mover.restore.ensure_local(ino, offset, size))
+        except CorruptDataError as exc:  # status lists it (the log has event=corrupt_data)
+            self.mover.stats.read_error(str(exc))
+            raise
 
     async def list_dir(self, dir_key: str) -> tuple[list[tuple[str, int, float]], list[str]]:
         assert self.mover.restore is not None

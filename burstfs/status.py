@@ -116,6 +116,9 @@ def _closed_at(journal: Journal, ino: int, fallback: float) -> float:
 UNREACHABLE_KINDS = frozenset({"unavailable", "unreachable"})
 #: The error kind of a drain stopped by its own journal (a full or damaged local tier), not the remote.
 LOCAL_TIER_KIND = "local_tier"
+#: The error kind of a read that failed on a remote object not matching its digests: listed by
+#: status, but not a drain in trouble (no outage headline).
+CORRUPT_READ_KIND = "corrupt_read"
 #: An outage is reported while its latest error is at most this old.
 OUTAGE_FRESH_S = 300.0
 
@@ -137,7 +140,7 @@ def outage_of(stats: Any, now: float | None = None) -> dict[str, Any] | None:
     """
     now = time.time() if now is None else now
     last_progress = max((t for t, _ in list(stats.bytes_drained_recent)), default=0.0)
-    errors = [(t, k, m) for t, k, m in list(stats.recent_errors) if t > last_progress]
+    errors = [(t, k, m) for t, k, m in list(stats.recent_errors) if t > last_progress and k != CORRUPT_READ_KIND]
     if not errors or now - errors[-1][0] > OUTAGE_FRESH_S:
         return None
     _, kind, reason = errors[-1]

@@ -11,12 +11,14 @@ import contextlib
 import errno
 import json
 import os
+import subprocess
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import MountedFS, RemoteTarget, wait_for
+from conftest import BIN, MountedFS, RemoteTarget, wait_for
 
 from burstfs.nodes import Inode
 from burstfs.readplans import AHEAD_FILES, Plan, dcp_files, index_kind, weight_map_files
@@ -184,6 +186,16 @@ def test_a_corrupt_shard_fetched_ahead_fails_only_its_own_read(mounted_factory: 
     assert err.value.errno == errno.EIO
     for name in SHARDS[4:]:  # the mount and the walk go on
         assert (directory / os.fsdecode(name)).read_bytes() == shards[name]
+
+    # status lists the failed read (it was only in the log), and calls it no outage of the remote
+    def listed() -> dict[str, Any] | None:
+        result = subprocess.run([str(BIN / "burstfs-admin"), "status", str(reader.path), "--json"], capture_output=True)
+        drain = dict(json.loads(result.stdout)["drain"])
+        return drain if any(e["kind"] == "corrupt_read" for e in drain["recent_errors"]) else None
+
+    drain = wait_for(listed, timeout=10, what="the failed read in status")
+    assert any(os.fsdecode(bad) in e["message"] for e in drain["recent_errors"]), drain
+    assert drain["outage"] is None, drain
 
 
 @pytest.mark.fuse

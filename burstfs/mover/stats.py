@@ -6,6 +6,8 @@ import collections
 import dataclasses
 import time
 
+from ..status import CORRUPT_READ_KIND
+
 
 @dataclasses.dataclass
 class MoverStats:
@@ -37,6 +39,12 @@ class MoverStats:
         if not recent:
             return 0.0
         return sum(n for _, n in recent) / max(window if len(recent) > 1 else 1.0, now - recent[0][0], 1.0)
+
+    def read_error(self, message: str) -> None:
+        """Record a read that failed on a corrupt object (status lists it; the drain is not in
+        trouble for it, so it starts no outage).  Any thread."""
+        self.errors_by_kind[CORRUPT_READ_KIND] += 1
+        self.recent_errors.append((time.time(), CORRUPT_READ_KIND, message))
 
     def error(self, kind: str, message: str, *, first_attempt: float | None = None) -> None:
         """Record a failure of ``kind``.  ``first_attempt``: when the failing request
