@@ -146,9 +146,11 @@ class BurstCore:
         while pending:
             inode = pending.pop()
             if inode.kind == "dir":
-                pending += [self.inodes[ino] for ino in (inode.children or {}).values()]
+                pending += [child for ino in (inode.children or {}).values() if (child := self.inodes.get(ino))]
             elif (
-                inode.kind == "file" and inode.parent and (dir_key := self.namespace.path_of(self.inodes[inode.parent]))
+                inode.kind == "file"
+                and (parent := self.inodes.get(inode.parent)) is not None
+                and (dir_key := self.namespace.path_of(parent)) is not None
             ):
                 await drain.closed_in(inode.ino, dir_key, inode.name)  # bounded (--remote-wait); never fails
 

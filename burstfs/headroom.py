@@ -78,7 +78,10 @@ class TierHeadroom:
         """Look at the free space every CHECK_INTERVAL_S until cancelled."""
         task_status.started()
         while True:
-            await self.check()
+            try:
+                await self.check()
+            except Exception as exc:  # a full or failing tier must not end the mount: look again
+                log.error("event=headroom_check_failed error=%r", exc)
             await trio.sleep(CHECK_INTERVAL_S)
 
     async def check(self) -> None:
