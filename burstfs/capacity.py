@@ -54,14 +54,13 @@ class TierCapacity:
         self._full_waited: dict[int, float] = {}  # ino -> seconds its writes waited on a full tier
 
     def fits(self, nbytes: int) -> bool:
-        """``nbytes`` more fit on the tier now, without evicting anything."""
+        """``nbytes`` more fit on the tier now, without evicting anything: within the byte
+        limit, and in the file system itself (less ``--min-free``), whoever else fills it."""
         limit = self.policy.cache_size
         if limit is not None and self.local_bytes + nbytes > limit:
             return False
-        if self.policy.min_free:
-            st = self.tier.statvfs()
-            return st.f_bavail * st.f_frsize - nbytes >= self.policy.min_free
-        return True
+        st = self.tier.statvfs()
+        return st.f_bavail * st.f_frsize - nbytes >= self.policy.min_free
 
     async def _reserve(self, nbytes: int, inode: Inode | None = None) -> None:
         """Count ``nbytes`` more on the local tier, making room first if needed.
