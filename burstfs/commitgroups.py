@@ -489,11 +489,10 @@ class CommitGroups:
         return False
 
     def holds(self, marker: InodeRow, marker_key: str) -> bool:
-        """True while ``marker`` must wait for other nodes (or was abandoned).  Only reads
-        what the poller found; asks it to look at the marker's directory."""
+        """True while ``marker`` must wait for other nodes (an abandoned one is the caller's:
+        :meth:`is_abandoned`).  Only reads what the poller found; asks it to look at the
+        marker's directory."""
         dir_key = dir_of(marker_key)
-        if self.is_abandoned(marker, marker_key):
-            return True
         self._wanted[dir_key] = time.monotonic()
         if self._poke is not None and dir_key not in self.verdicts:
             self._poke.set()

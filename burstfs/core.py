@@ -147,11 +147,7 @@ class BurstCore:
             inode = pending.pop()
             if inode.kind == "dir":
                 pending += [child for ino in (inode.children or {}).values() if (child := self.inodes.get(ino))]
-            elif (
-                inode.kind == "file"
-                and (parent := self.inodes.get(inode.parent)) is not None
-                and (dir_key := self.namespace.path_of(parent)) is not None
-            ):
+            elif inode.kind == "file" and (dir_key := self.namespace.dir_key_of(inode)) is not None:
                 await drain.closed_in(inode.ino, dir_key, inode.name)  # bounded (--remote-wait); never fails
 
     def _file_gone(self, inode: Inode) -> None:

@@ -195,7 +195,7 @@ class DataPath:
     # -- open files -----------------------------------------------------------------
 
     def _open_handle(self, inode: Inode, writable: bool) -> int:
-        if writable and self.links.drain is not None and (dir_key := self._dir_key(inode)) is not None:
+        if writable and self.links.drain is not None and (dir_key := self.namespace.dir_key_of(inode)) is not None:
             self.links.drain.writing_in(inode.ino, dir_key, inode.name)
         self.tier.acquire(inode.ino)
         inode.handles += 1
@@ -351,10 +351,6 @@ class DataPath:
                 inode.digests = None  # zeros nobody wrote: the drain hashes the staged bytes
         inode.last_access = time.monotonic()
 
-    def _dir_key(self, inode: Inode) -> str | None:
-        """The remote key of ``inode``'s directory (None once unlinked)."""
-        return self.namespace.path_of(self.namespace.inodes[inode.parent]) if inode.parent else None
-
     async def flush(self, fh: int) -> None:
         """close(2): a changed or new file is journaled before close returns (tenet 1).
 
@@ -374,7 +370,7 @@ class DataPath:
         ops = self.publisher.publish_ops(inode, undo, writer_left=self._has_writer(inode))
         await self.committer.commit(ops, undo=undo)
         self.links.file_closed()
-        if self.links.drain is not None and (dir_key := self._dir_key(inode)) is not None:
+        if self.links.drain is not None and (dir_key := self.namespace.dir_key_of(inode)) is not None:
             await self.links.drain.closed_in(inode.ino, dir_key, inode.name)  # bounded (--remote-wait); never fails
 
     async def release(self, fh: int) -> None:

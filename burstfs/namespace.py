@@ -117,6 +117,10 @@ class Namespace:
         inode.lookups = max(0, inode.lookups - count)
         self.maybe_destroy(inode)
 
+    def dir_key_of(self, inode: Inode) -> str | None:
+        """The remote key of ``inode``'s directory (None once unlinked)."""
+        return self.path_of(self.inodes[inode.parent]) if inode.parent else None
+
     def path_of(self, inode: Inode) -> str | None:
         parts = []
         while inode.ino != ROOT_INO:
