@@ -368,8 +368,10 @@ class DataPath:
             return
         undo = Undo()
         ops = self.publisher.publish_ops(inode, undo, writer_left=self._has_writer(inode))
+        # Held until RELEASE (which wakes the drain): a dup'd descriptor of this open file
+        # (``cmd > file``) or another open may still be writing.
+        self.links.hold_drain(inode.ino, inode.generation)
         await self.committer.commit(ops, undo=undo)
-        self.links.file_closed()
         if self.links.drain is not None and (dir_key := self.namespace.dir_key_of(inode)) is not None:
             await self.links.drain.closed_in(inode.ino, dir_key, inode.name)  # bounded (--remote-wait); never fails
 
@@ -378,16 +380,19 @@ class DataPath:
         if handle is None:
             return
         inode = handle.inode
+        last_writer = handle.writable and not self._has_writer(inode)
         try:
             self.adopt_direct_writes(inode)
             self.io_paths.close(inode, handle)
-            if handle.writable and not self._has_writer(inode):
+            if last_writer:
                 if self.publisher.unpublished(inode) and inode.named:
                     undo = Undo()
                     await self.committer.commit(self.publisher.publish_ops(inode, undo, writer_left=False), undo=undo)
                     self.links.file_closed()
                 inode.digests = None  # the last writer is gone (kept if the commit failed)
         finally:
+            if last_writer:
+                self.links.release_drain(inode.ino)  # what its closes journaled drains now
             inode.handles -= 1
             self.tier.release(inode.ino)
             self.namespace.maybe_destroy(inode)
@@ -407,6 +412,7 @@ class DataPath:
         await self.committer.commit(ops, sync=True, undo=undo)
         if ops:
             self.links.file_closed()
+        self.links.release_drain(inode.ino)  # fsync asks for this version: it drains while still open
         if self.fsync_remote and self.links.drain is not None and inode.named:
             await self.links.drain.wait_durable(inode.ino, inode.generation)
 

@@ -139,6 +139,12 @@ class DrainService:
     def writing_in(self, ino: int, dir_key: str, name: bytes) -> None:
         self.call_soon(self.mover.groups.writing_in, ino, dir_key, name)
 
+    def hold_drain(self, ino: int, generation: int) -> None:
+        self.call_soon(self.mover.hold_drain, ino, generation)
+
+    def release_drain(self, ino: int) -> None:
+        self.call_soon(self.mover.release_drain, ino)
+
     async def closed_in(self, ino: int, dir_key: str, name: bytes) -> None:
         """close(2) of ``ino`` in ``dir_key``: it joins this node's round there, and the close
         gives the round's intent record up to ``intent_wait`` to land, so that a marker written

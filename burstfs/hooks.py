@@ -26,6 +26,13 @@ class DrainHooks(Protocol):
         """``ino`` (named ``name``) is opened for writing in ``dir_key``: this node takes part
         in the checkpoint there (a cross-node commit round)."""
 
+    def hold_drain(self, ino: int, generation: int) -> None:
+        """``generation`` of ``ino`` was journaled by a close(2) (FLUSH): other descriptors of
+        the open file may still write, so it drains only after :meth:`release_drain`."""
+
+    def release_drain(self, ino: int) -> None:
+        """No writable open of ``ino`` is left (RELEASE), or it was fsync'd: a held generation drains."""
+
     async def closed_in(self, ino: int, dir_key: str, name: bytes) -> None:
         """``ino`` was closed in ``dir_key``: it joins this node's round there; return once
         this node's part in the checkpoint is announced, or after a short bound."""
@@ -63,3 +70,11 @@ class DrainLinks:
     def namespace_changed(self) -> None:
         if self.drain is not None:
             self.drain.namespace_changed()
+
+    def hold_drain(self, ino: int, generation: int) -> None:
+        if self.drain is not None:
+            self.drain.hold_drain(ino, generation)
+
+    def release_drain(self, ino: int) -> None:
+        if self.drain is not None:
+            self.drain.release_drain(ino)

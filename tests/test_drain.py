@@ -121,6 +121,31 @@ def test_file_renamed_or_deleted_before_upload_leaves_no_stray_object(
     assert remote.multipart_uploads() == []
 
 
+def test_a_file_still_written_through_a_dup_drains_only_once_released(burst: MountedFS) -> None:
+    """``cmd > file``: the shell closes its descriptor (a FLUSH) while the command's copy still
+    writes.  The drain must not upload a snapshot taken mid-write nor call the file durable."""
+    target = burst.path / "out.log"
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    dup = os.dup(fd)
+    os.write(fd, b"a" * (1 << 20))
+    os.close(fd)  # FLUSH: journaled; the open file lives on in `dup`
+    try:
+        os.write(dup, b"b" * (3 << 20))
+        (burst.path / "sentinel").write_bytes(b"closed after out.log")
+        wait_for(lambda: durable(burst, "sentinel"), what="the drain ran past out.log")
+        os.write(dup, b"c" * (1 << 20))
+        assert not (burst.remote_dir / "out.log").exists()
+        assert os.getxattr(target, "user.burstfs.state") in (b"staged", b"writing")
+        waited = subprocess.run(
+            [str(BIN / "burstfs-admin"), "wait", str(target), "--timeout", "1"], capture_output=True, text=True
+        )
+        assert waited.returncode != 0, waited.stdout
+    finally:
+        os.close(dup)  # RELEASE: now it drains, whole
+    wait_for(lambda: durable(burst, "out.log"), what="out.log after its release")
+    assert (burst.remote_dir / "out.log").read_bytes() == b"a" * (1 << 20) + b"b" * (3 << 20) + b"c" * (1 << 20)
+
+
 def test_temporary_faults_retry_and_bytes_stay_identical(remote_mount: MountedFS, remote: RemoteTarget) -> None:
     if remote.proxy is None:
         pytest.skip("faults come from the S3 proxy")

@@ -75,6 +75,7 @@ class Mover:
         self._stopping = False
         self.in_flight: dict[int, str] = {}  # ino -> key its upload holds
         self.not_before: dict[int, float] = {}  # ino -> earliest retry time
+        self.held_open: dict[int, int] = {}  # ino -> generation closed while another writer stays open
         self._skip_delay = False
         self._next_prune = 0.0
         self._next_stale_abort = 0.0
@@ -104,6 +105,19 @@ class Mover:
     def namespace_changed(self) -> None:
         self.key_moves.changed()
         self.wake()
+
+    def hold_drain(self, ino: int, generation: int) -> None:
+        """``generation`` of ``ino`` was journaled by a close(2) whose file may still be open
+        for writing (a dup'd descriptor: ``cmd > file`` in a shell, a forked child; another
+        open): it drains only after :meth:`release_drain`.  Uploading it sooner would send a
+        snapshot taken mid-write and call the file durable while bytes still land.  Kept in
+        memory only: after a crash no writer is left and the generation drains."""
+        self.held_open[ino] = generation
+
+    def release_drain(self, ino: int) -> None:
+        """The last writable open of ``ino`` was released, or it was fsync'd: it may drain."""
+        if self.held_open.pop(ino, None) is not None:
+            self.wake()
 
     def drain_now(self) -> None:
         """Skip any configured delay and retry backoff."""
@@ -374,6 +388,8 @@ class Mover:
         ):
             row = candidate.row
             if row.ino in self.in_flight or self.not_before.get(row.ino, 0) > now:
+                continue
+            if self.held_open.get(row.ino) == row.generation:
                 continue
             if is_marker(row):
                 if candidate.marker_key is not None and self.groups.is_abandoned(row, candidate.marker_key):
