@@ -111,7 +111,9 @@ def report(files: list[tuple[str, InodeRow]], local: list[Verdict], remote: list
         if remote is not None:
             checks["remote"] = remote[index]
         verdicts = [verdict for verdict, _ in checks.values()]
-        result = "MISMATCH" if "mismatch" in verdicts else "OK" if "ok" in verdicts else "SKIPPED"
+        # With --remote the question is the remote copy: a file not drained yet is not OK.
+        asked = checks["remote" if remote is not None else "local"][0]
+        result = "MISMATCH" if "mismatch" in verdicts else "OK" if asked == "ok" else "SKIPPED"
         entry: dict[str, Any] = {"path": path, "result": result}
         for name, (verdict, detail) in checks.items():
             entry[name] = {"result": verdict, "detail": detail}

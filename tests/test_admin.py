@@ -267,6 +267,18 @@ def test_verify_local_and_remote(burst: MountedFS) -> None:
     assert entry["remote"]["result"] == "mismatch" and "do not match their checksum" in entry["remote"]["detail"]
 
 
+def test_verify_remote_of_a_file_not_drained_yet_is_skipped_not_ok(mounted_factory: type[MountedFS]) -> None:
+    fs = mounted_factory("held", extra_args=("--drain-delay", "3600", "--no-passthrough"))  # type: ignore[call-arg]
+    # (through the daemon the close journals digests: the local check passes)
+    fs.mount()
+    (fs.path / "w.pt").write_bytes(os.urandom(100_000))
+    doc = admin_json("verify", fs.path / "w.pt", "--remote", expect=1)
+    (entry,) = doc["files"]
+    assert (entry["result"], entry["local"]["result"], entry["remote"]["result"]) == ("SKIPPED", "ok", "skipped")
+    assert entry["remote"]["detail"] == "not on the remote yet" and doc["skipped"] == 1
+    assert admin_json("verify", fs.path / "w.pt")["files"][0]["result"] == "OK"  # the local check alone
+
+
 # -- journal ----------------------------------------------------------------------------------------
 
 
