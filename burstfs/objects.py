@@ -24,13 +24,13 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import xxhash
 
 from . import manifest as manifest_format
 from .digests import FileDigests, StreamingDigests, WholeFileDigest, chunk_count, compute_digests
-from .errors import CorruptDataError, ManifestError, RemoteNotFound, UploadCancelled
+from .errors import CorruptDataError, ManifestError, RemoteError, RemoteNotFound, UploadCancelled
 from .fileio import pread_full
 from .manifest import ChunkInfo, Manifest, StoredChunk, decode_chunk, encode_chunk, manifest_key
 from .remote import Remote, RetryPolicy, UploadedPart, fail_fast_group, run_workers
@@ -60,6 +60,16 @@ RANGED_RUN_BYTES = 8 << 20
 READS_IN_FLIGHT = 2
 
 
+class RequestHealth(Protocol):
+    """Hears how the remote answers an ObjectStore's requests (MoverStats)."""
+
+    def retried(self, reason: str, first_attempt: float) -> None:
+        """A request failed for now and is tried again (``first_attempt``: epoch seconds)."""
+
+    def answered(self) -> None:
+        """A request succeeded (possibly after retries)."""
+
+
 class ObjectStore:
     """Files as verified objects on ``remote``; every remote call is retried by ``retry``."""
 
@@ -70,18 +80,30 @@ class ObjectStore:
         *,
         on_upload_started: Callable[[str, str], Awaitable[None]] | None = None,
         on_upload_ended: Callable[[str], Awaitable[None]] | None = None,
+        health: RequestHealth | None = None,
     ) -> None:
         """``on_upload_started(key, upload_id)`` runs before the first part of a multipart upload
         goes up and ``on_upload_ended(upload_id)`` once it is completed or aborted, so that a
-        restart aborts exactly the uploads this cache left (never another node's)."""
+        restart aborts exactly the uploads this cache left (never another node's).
+        ``health`` hears of every retry and every answered request (the status headline)."""
         self.remote = remote
         self.retry = retry or RetryPolicy()
         self.on_upload_started = on_upload_started
         self.on_upload_ended = on_upload_ended
+        self.health = health
         self.block_size = manifest_format.BLOCK_SIZE  # of the block digests manifests list
 
     async def _call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
-        return await self.retry.call(self.remote, fn, *args, what=what)
+        if self.health is None:
+            return await self.retry.call(self.remote, fn, *args, what=what)
+        try:
+            result = await self.retry.call(self.remote, fn, *args, what=what, on_retry=self.health.retried)
+        except RemoteError as exc:
+            if exc.kind != "unavailable":  # a refusal (missing, denied) is an answer too
+                self.health.answered()
+            raise
+        self.health.answered()
+        return result
 
     # -- upload ---------------------------------------------------------------------
 

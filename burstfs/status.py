@@ -119,6 +119,8 @@ LOCAL_TIER_KIND = "local_tier"
 #: The error kind of a read that failed on a remote object not matching its digests: listed by
 #: status, but not a drain in trouble (no outage headline).
 CORRUPT_READ_KIND = "corrupt_read"
+#: The outage kind of requests still being retried (none has spent its retries yet).
+RETRYING_KIND = "retrying"
 #: An outage is reported while its latest error is at most this old.
 OUTAGE_FRESH_S = 300.0
 
@@ -142,17 +144,35 @@ def outage_of(stats: Any, now: float | None = None) -> dict[str, Any] | None:
     last_progress = max((t for t, _ in list(stats.bytes_drained_recent)), default=0.0)
     errors = [(t, k, m) for t, k, m in list(stats.recent_errors) if t > last_progress and k != CORRUPT_READ_KIND]
     if not errors or now - errors[-1][0] > OUTAGE_FRESH_S:
-        return None
+        return _retrying(stats, last_progress, now)
     _, kind, reason = errors[-1]
     since = getattr(stats, "trouble_since", None)
     if since is None or since <= last_progress or since > errors[0][0]:
         since = errors[0][0]
+    retrying_since = getattr(stats, "retrying_since", None)
+    if retrying_since is not None and last_progress < retrying_since < since:
+        since = retrying_since  # the outage began with the retries that preceded these errors
     return {
         "since": since,
         "reason": short_reason(reason),
         "kind": kind,
         "errors": len(errors),
         "unreachable": kind in UNREACHABLE_KINDS,
+    }
+
+
+def _retrying(stats: Any, last_progress: float, now: float) -> dict[str, Any] | None:
+    """Requests being retried with none answered since, and no file durable since they began:
+    the outage before any request has spent its retries (``kind`` RETRYING_KIND)."""
+    since, last = getattr(stats, "retrying_since", None), getattr(stats, "last_retry", None)
+    if since is None or last is None or since <= last_progress or now - last[0] > OUTAGE_FRESH_S:
+        return None
+    return {
+        "since": since,
+        "reason": short_reason(last[1]),
+        "kind": RETRYING_KIND,
+        "errors": stats.retries,
+        "unreachable": False,
     }
 
 

@@ -211,8 +211,28 @@ def test_status_during_an_outage_has_a_headline_and_no_stale_rate(
         )
         return doc if doc["drain"]["outage"] else None
 
-    doc = wait_for(outage, timeout=120, interval=0.5, what="an outage in status")
+    kinds_seen: list[str] = []
+    texts: list[str] = []
+    first_since: list[float] = []
+
+    def spent() -> dict | None:  # type: ignore[type-arg]
+        doc = outage()
+        if doc is not None:
+            kinds_seen.append(doc["drain"]["outage"]["kind"])
+            if kinds_seen == ["retrying"]:
+                first_since.append(doc["drain"]["outage"]["since"])
+                texts.append(
+                    subprocess.run([admin, "status", str(fs.path)], capture_output=True, text=True, check=True).stdout
+                )
+        return doc if kinds_seen and kinds_seen[-1] != "retrying" else None
+
+    doc = wait_for(spent, timeout=120, interval=0.3, what="an outage in status")
+    # While the first request is still retried, status already says so (a silent remote
+    # costs a read timeout per attempt: minutes before the retries are spent).
+    assert kinds_seen[0] == "retrying", kinds_seen
+    assert "REMOTE RETRYING since" in texts[0] or "REMOTE UNREACHABLE since" in texts[0], texts[0]
     assert doc["drain"]["outage"]["unreachable"], doc["drain"]
+    assert doc["drain"]["outage"]["since"] <= first_since[0], (doc["drain"]["outage"], first_since)  # one outage
     assert doc["drain"]["throughput_bps"] == 0 and doc["drain"]["eta_s"] is None, doc["drain"]
     text = subprocess.run([admin, "status", str(fs.path)], capture_output=True, text=True, timeout=BOUND_S).stdout
     print(text)
@@ -248,3 +268,26 @@ def test_outage_headline_uses_the_error_kind_and_the_first_failed_attempt() -> N
     stats.error("unavailable", "later")
     outage = outage_of(stats)
     assert outage is not None and outage["since"] > first, outage
+
+
+def test_outage_headline_comes_while_requests_are_still_retried() -> None:
+    """A remote that never answers costs a read timeout per attempt: the headline comes with the
+    first retry, says how many, and goes once any request is answered."""
+    from burstfs.mover import MoverStats
+    from burstfs.status import outage_of
+
+    stats = MoverStats()
+    stats.bytes_drained_recent.append((time.time() - 100, 1 << 20))
+    assert outage_of(stats) is None
+    first = time.time() - 20
+    stats.retried("put ckpt/a.pt: ReadTimeoutError: Read timeout on endpoint URL", first)
+    stats.retried("put ckpt/b.pt: ReadTimeoutError: Read timeout on endpoint URL", time.time() - 20)
+    outage = outage_of(stats)
+    assert outage is not None and outage["kind"] == "retrying" and outage["since"] == first, outage
+    assert outage["errors"] == 2 and "b.pt" in outage["reason"], outage
+    stats.answered()
+    assert outage_of(stats) is None
+    # Retries from before the last file became durable are no outage either.
+    stats.retried("put ckpt/c.pt: slow", time.time() - 1)
+    stats.bytes_drained_recent.append((time.time(), 1))
+    assert outage_of(stats) is None

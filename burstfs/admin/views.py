@@ -15,7 +15,16 @@ import click
 from ..cachelock import CacheLock
 from ..journal import FILE_STATES
 from ..progress import Progress, fmt_bytes, fmt_duration
-from ..status import LOCAL_TIER_KIND, SCHEMA, Durability, journal_events, journal_status, list_files, short_reason
+from ..status import (
+    LOCAL_TIER_KIND,
+    RETRYING_KIND,
+    SCHEMA,
+    Durability,
+    journal_events,
+    journal_status,
+    list_files,
+    short_reason,
+)
 from .common import (
     EXIT_FAILED,
     EXIT_TIMEOUT,
@@ -62,13 +71,15 @@ def _print_status(doc: dict[str, Any]) -> None:
     drain = doc["drain"]
     outage = drain.get("outage")  # absent from an older daemon's document
     if outage:
+        count = f"{outage['errors']} errors"
         if outage.get("kind") == LOCAL_TIER_KIND:
             headline = "LOCAL TIER FAILING"  # the journal on the tier (full, damaged): not the remote
+        elif outage.get("kind") == RETRYING_KIND:
+            headline, count = "REMOTE RETRYING", f"{outage['errors']} retries, no request succeeded since"
         else:
             headline = f"REMOTE {'UNREACHABLE' if outage['unreachable'] else 'FAILING'}"
         click.echo(
-            f"{headline} since {fmt_time(outage['since'])}: {outage['reason']}  (nothing drained since; "
-            f"{outage['errors']} errors)"
+            f"{headline} since {fmt_time(outage['since'])}: {outage['reason']}  (nothing drained since; {count})"
         )
     if doc["live"]:
         eta = "nothing to drain" if drain["eta_s"] == 0 else f"ETA {fmt_duration(drain['eta_s'])}"

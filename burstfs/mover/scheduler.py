@@ -188,7 +188,10 @@ class Mover:
             )
         self._hook_uploads(self.remote)
         self.store = ObjectStore(
-            self.remote, on_upload_started=self._upload_started, on_upload_ended=self._upload_ended
+            self.remote,
+            on_upload_started=self._upload_started,
+            on_upload_ended=self._upload_ended,
+            health=self.stats,
         )
         log.info("event=drain_budget bytes=%d", self.drain_memory())
         # Reads answer requests: their own store, with a bounded retry budget (restore/state.py).

@@ -27,6 +27,11 @@ class MoverStats:
     #: When the current run of failures began: the first failed attempt of the first
     #: error recorded since the drain last made progress (None: no failure since).
     trouble_since: float | None = None
+    #: Retries of requests since the remote last answered one: the epoch time their first
+    #: attempt started, how many, and the latest reason (None: it answered the last one).
+    retrying_since: float | None = None
+    retries: int = 0
+    last_retry: tuple[float, str] | None = None
     drain_latencies: collections.deque[float] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=1024)
     )
@@ -58,3 +63,16 @@ class MoverStats:
             self.trouble_since = started
         else:
             self.trouble_since = min(self.trouble_since, started)
+
+    def retried(self, reason: str, first_attempt: float) -> None:
+        """A drain request failed for now and is tried again: status says so at once, not only
+        once its retries are spent (a silent remote costs a read timeout per attempt)."""
+        if self.retrying_since is None:
+            self.retrying_since = first_attempt
+        self.retries += 1
+        self.last_retry = (time.time(), reason)
+
+    def answered(self) -> None:
+        """A drain request got its answer: the remote is not silent."""
+        self.retrying_since = None
+        self.retries = 0

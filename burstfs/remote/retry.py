@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -41,6 +42,7 @@ async def retrying(
     max_delay: float = 10.0,
     attempt_timeout: float | None = None,
     budget: float | None = None,
+    on_retry: Callable[[str, float], None] | None = None,
     **kw: Any,
 ) -> T:
     """``await fn(*args, **kw)``, retrying temporary failures of ``remote``.
@@ -53,6 +55,8 @@ async def retrying(
     temporary failure (for small requests: a connection that went silent is not
     waited for the whole read timeout).  ``budget``: no retry starts after this
     many seconds in all (a black-holed remote costs a read timeout per attempt).
+    ``on_retry(reason, first_attempt)``: called before each retry, with the epoch time
+    the first attempt started (status reports trouble before the retries are spent).
     """
     if attempts < 1:
         raise ValueError(f"attempts must be at least 1, not {attempts}")
@@ -80,6 +84,8 @@ async def retrying(
             log.warning(
                 "remote retry what=%r attempt=%d delay=%.2f error=%r", what, attempt, delay, describe_error(exc)
             )
+            if on_retry is not None:
+                on_retry(f"{what}: {describe_error(exc)}", time.time() - (loop.time() - started))
             await asyncio.sleep(delay)
 
 
@@ -106,7 +112,15 @@ class RetryPolicy:
         """The delay before retry ``attempt`` (1-based) of a caller that retries on its own."""
         return backoff(attempt, self.base_delay, self.max_delay)
 
-    async def call(self, remote: Remote, fn: Callable[..., Awaitable[T]], *args: Any, what: str, **kw: Any) -> T:
+    async def call(
+        self,
+        remote: Remote,
+        fn: Callable[..., Awaitable[T]],
+        *args: Any,
+        what: str,
+        on_retry: Callable[[str, float], None] | None = None,
+        **kw: Any,
+    ) -> T:
         """:func:`retrying` with this policy."""
         return await retrying(
             remote,
@@ -118,5 +132,6 @@ class RetryPolicy:
             max_delay=self.max_delay,
             attempt_timeout=self.attempt_timeout,
             budget=self.budget,
+            on_retry=on_retry,
             **kw,
         )

@@ -311,7 +311,7 @@ class S3Remote(Remote):
 
     async def list_all(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
         # Each page is retried here: a caller cannot restart a half-consumed iterator.
-        token: dict[str, str] = {}
+        token: dict[str, Any] = {}
         while True:
             page = await self.retry.call(
                 self,
