@@ -597,19 +597,36 @@ class CommitGroups:
         self._commits.append((marker, key, doc))
         self._wake()
 
-    async def _publish_commit(self, remote: Remote, marker: InodeRow, key: str, doc: dict[str, Any]) -> None:
+    def _commits_of(self, key: str) -> str:
+        """The key prefix of this node's commit records of the marker at ``key``."""
         dir_key, name = dir_of(key), key.rpartition("/")[2]
-        prefix = f"{COMMITS_PREFIX}{dir_key + '/' if dir_key else ''}{name}@{self.node_id}@"
+        return f"{COMMITS_PREFIX}{dir_key + '/' if dir_key else ''}{name}@{self.node_id}@"
+
+    async def _publish_commit(self, remote: Remote, marker: InodeRow, key: str, doc: dict[str, Any]) -> None:
+        prefix = self._commits_of(key)
         # Named by when the marker was written, not when it got out: ``latest`` orders checkpoints
         # by it (an older step whose node came back late is not the newest; the remote's
         # modification times have one-second resolution).
         commit_key = f"{prefix}{record_id(marker.mtime_ns)}.commit"
         await self._create(remote, commit_key, doc)
         log.info("event=commit_published key=%s files=%d", commit_key, len(doc["files"]))
-        async for info in remote.list_all(prefix):  # our older commits of this marker: superseded
-            if info.key != commit_key and info.key.endswith(".commit") and "/" not in info.key[len(prefix) :]:
-                with contextlib.suppress(RemoteError):
-                    await self.retry.call(remote, remote.delete, info.key, what=f"delete {info.key}")
+        await self._delete_commits(remote, prefix, keep=commit_key)  # our older commits of this marker
+
+    async def marker_deleted(self, remote: Remote, key: str) -> None:
+        """The marker object at ``key`` was deleted (no file of this node has that name any
+        more): this node's commit records of it name a checkpoint that is gone.  Without this a
+        long run's records pile up under ``.burstfs/commits/`` and ``latest`` lists them all."""
+        await self._delete_commits(remote, self._commits_of(key), keep=None)
+
+    async def _delete_commits(self, remote: Remote, prefix: str, keep: str | None) -> None:
+        """Delete the commit records under ``prefix`` but ``keep`` (best effort: a failure leaves
+        a record that ``latest`` checks and skips)."""
+        with contextlib.suppress(RemoteError):
+            async for info in remote.list_all(prefix):
+                if info.key != keep and info.key.endswith(".commit") and "/" not in info.key[len(prefix) :]:
+                    with contextlib.suppress(RemoteError):
+                        await self.retry.call(remote, remote.delete, info.key, what=f"delete {info.key}")
+                        log.info("event=commit_deleted key=%s", info.key)
 
     # -- operators -------------------------------------------------------------------------
 

@@ -326,3 +326,29 @@ def test_latest_orders_checkpoints_by_when_their_marker_was_written(tmp_path: Pa
         assert latest is not None and latest.dir == "run/step_10"
 
     run_nodes([node], scenario)
+
+
+def test_a_deleted_checkpoint_takes_its_commit_record_with_it(tmp_path: Path) -> None:
+    """Keep-last-N over a long run: the commit records of deleted steps go with their marker,
+    so ``.burstfs/commits/`` (what ``latest`` lists) does not grow with every step ever written."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    node = Node(tmp_path, "a", remote_dir)
+    remote = FileRemote(parse_remote_url(f"file://{remote_dir}"))
+
+    async def scenario() -> None:
+        inos = {}
+        for step in ("step_1", "step_2"):
+            shard = node.write(f"run/{step}/shard", step.encode())
+            inos[step] = (shard, node.write(f"run/{step}/.metadata", b"m"))
+            await until(lambda meta=inos[step][1]: node.durable(meta), f"{step}'s marker")
+        await until(lambda: len(keys(remote_dir, COMMITS_PREFIX)) == 2, "both commits")
+        for ino in inos["step_2"]:  # the newest step removed (say, found broken)
+            node.front.unlink(ino)
+        node.mover.namespace_changed()
+        await until(lambda: len(keys(remote_dir, COMMITS_PREFIX)) == 1, "step_2's commit record deleted")
+        assert "run/step_2/.metadata" not in keys(remote_dir)
+        latest, skipped = await find_latest(remote, "run")
+        assert latest is not None and latest.dir == "run/step_1" and skipped == []
+
+    run_nodes([node], scenario)

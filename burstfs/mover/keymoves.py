@@ -98,6 +98,8 @@ class KeyMoves:
             self._delete_retry.pop(key, None)
             await self.mover.db(self.mover.journal.keys.drop_delete, row_id)
             log.info("event=remote_delete key=%s reason=%s", key, reason)
+            if self.mover.is_marker_name(key.rpartition("/")[2]):
+                await self.mover.groups.marker_deleted(self.mover.store.remote, key)
 
     async def relocate_renamed(self) -> None:
         """Durable files whose path changed move with a server-side copy; their old key is queued for deletion.
