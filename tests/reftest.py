@@ -339,14 +339,18 @@ class Node:
         """What the mover still has to do (empty: idle), named for the failure message.
 
         tolerated: paths of staged files that may legitimately wait for good (a
-        commit marker behind a file left incomplete by a crash).
+        commit marker behind a file left incomplete by a crash, or behind a file still
+        open for writing).  A file closed while another of its handles stays open for
+        writing waits for that handle's release (the mover holds it): not pending.
         """
         reasons = []
-        for ino, state, seq, error in self.rows(
-            "SELECT ino, state, close_seq, error FROM inodes WHERE kind='file' AND parent!=0 "
+        for ino, state, seq, error, generation in self.rows(
+            "SELECT ino, state, close_seq, error, generation FROM inodes WHERE kind='file' AND parent!=0 "
             "AND state IN ('staged','draining')"
         ):
             path = self.journal_path(ino)
+            if state == "staged" and self.mover.held_open.get(ino) == generation:
+                continue
             if not (state == "staged" and path in tolerated):
                 reasons.append(f"{state} {path} (ino {ino}, close_seq {seq}, error {error})")
         reasons += [f"delete {key} ({reason})" for key, reason in self.rows("SELECT key, reason FROM remote_deletes")]

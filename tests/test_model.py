@@ -121,7 +121,9 @@ class BurstfsModel(RuleBasedStateMachine):
 
     def blocked_markers(self) -> frozenset[str]:
         """Commit markers that must not drain: a file under their directory, closed
-        before them, was left incomplete by a crash (a torn checkpoint)."""
+        before them, was left incomplete by a crash (a torn checkpoint), or is still open
+        for writing (it drains once released)."""
+        writing = {ino for _, ino in self.held}
         blocked = set()
         for path, ino in self.files.items():
             name = path.rpartition("/")[2]
@@ -134,7 +136,7 @@ class BurstfsModel(RuleBasedStateMachine):
                 if (
                     other != path
                     and (top == "" or self.under(other, top))
-                    and torn.incomplete
+                    and (torn.incomplete or other_ino in writing)
                     and 0 < torn.close_seq < marker.close_seq
                 ):
                     blocked.add(path)
