@@ -41,6 +41,8 @@ _MAX_MANIFEST_COMMAS = 4 * MAX_MANIFEST_CHUNKS + 8192  # chunks (3 each) and blo
 #: than a whole chunk (a chunk is an upload part: 8 MiB by default).  At most
 #: MAX_MANIFEST_CHUNKS blocks (1 TiB); a larger file is verified by chunks only.
 BLOCK_SIZE = 1 << 20
+#: The longest node id a manifest may name (config.check_node_id allows 63 characters).
+MAX_NODE_ID = 63
 _INT64 = 1 << 63
 #: A chunk is stored compressed only if lz4 saves at least this fraction: below
 #: that, decompressing on every read costs more than the bytes it saves.
@@ -90,6 +92,7 @@ class Manifest:
     version: int = MANIFEST_VERSION
     block_size: int = 0  # 0: no block digests
     blocks: tuple[str, ...] = ()  # xxh3-64 of each block_size bytes of the plain file
+    node: str = ""  # the node id of the mount that uploaded it ("" in manifests from before)
 
     def by_blocks(self) -> Manifest:
         """This manifest with its blocks as (raw) chunks, for readers that verify by block;
@@ -117,6 +120,8 @@ class Manifest:
         if self.blocks:
             doc["block_size"] = self.block_size
             doc["blocks"] = list(self.blocks)
+        if self.node:
+            doc["node"] = self.node
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -285,6 +290,9 @@ def _manifest_from_doc(cls: type[Manifest], doc: Any) -> Manifest:
     generation = _field(doc, "generation", int)
     if generation < 0:
         raise ManifestError(f"invalid manifest for {key}: key 'generation' is negative")
+    node = _field(doc, "node", str) if "node" in doc else ""
+    if len(node) > MAX_NODE_ID:
+        raise ManifestError(f"invalid manifest for {key}: key 'node' is longer than {MAX_NODE_ID} characters")
     manifest = cls(
         key=key,
         size=_field(doc, "size", int),
@@ -297,6 +305,7 @@ def _manifest_from_doc(cls: type[Manifest], doc: Any) -> Manifest:
         version=version,
         block_size=block_size,
         blocks=blocks,
+        node=node,
     )
     problem = manifest._problem()
     if problem:

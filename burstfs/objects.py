@@ -30,7 +30,7 @@ import xxhash
 
 from . import manifest as manifest_format
 from .digests import FileDigests, StreamingDigests, WholeFileDigest, chunk_count, compute_digests
-from .errors import CorruptDataError, ManifestError, RemoteError, RemoteNotFound, UploadCancelled
+from .errors import OBJECT, CorruptDataError, ManifestError, RemoteError, RemoteNotFound, UploadCancelled, error_scope
 from .fileio import pread_full
 from .manifest import ChunkInfo, Manifest, StoredChunk, decode_chunk, encode_chunk, manifest_key
 from .remote import Remote, RetryPolicy, UploadedPart, fail_fast_group, run_workers
@@ -81,16 +81,20 @@ class ObjectStore:
         on_upload_started: Callable[[str, str], Awaitable[None]] | None = None,
         on_upload_ended: Callable[[str], Awaitable[None]] | None = None,
         health: RequestHealth | None = None,
+        node_id: str = "",
     ) -> None:
         """``on_upload_started(key, upload_id)`` runs before the first part of a multipart upload
         goes up and ``on_upload_ended(upload_id)`` once it is completed or aborted, so that a
         restart aborts exactly the uploads this cache left (never another node's).
-        ``health`` hears of every retry and every answered request (the status headline)."""
+        ``health`` hears of every retry and every answered request (the status headline).
+        ``node_id``: this mount's node; its manifests name it, and an object whose manifest
+        names another node is never deleted or moved by this one (nodes share a prefix)."""
         self.remote = remote
         self.retry = retry or RetryPolicy()
         self.on_upload_started = on_upload_started
         self.on_upload_ended = on_upload_ended
         self.health = health
+        self.node_id = node_id
         self.block_size = manifest_format.BLOCK_SIZE  # of the block digests manifests list
 
     async def _call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
@@ -195,6 +199,7 @@ class ObjectStore:
             chunks=tuple(chunks),
             block_size=reader.block_size if blocks else 0,
             blocks=blocks,
+            node=self.node_id,
         )
         await self._call(self.remote.put_object, manifest_key(key), manifest.to_json(), what=f"put manifest {key}")
         return manifest
@@ -420,6 +425,10 @@ class ObjectStore:
         checked that no other file owns that key meanwhile.
         """
         manifest = await self.fetch_manifest(src)
+        if manifest is not None and self._foreign(manifest):
+            raise RemoteError(
+                f"{src} now holds node {manifest.node}'s file (written there since): not moved", kind="key_conflict"
+            )
         try:
             await self._call(self.remote.copy, src, dst, what=f"copy {src} to {dst}")
         except RemoteNotFound:
@@ -436,10 +445,29 @@ class ObjectStore:
         if delete_source:
             await self.delete(src)
 
-    async def delete(self, key: str) -> None:
-        """Remove the object and its manifest (missing ones are fine)."""
+    def _foreign(self, manifest: Manifest) -> bool:
+        return bool(self.node_id and manifest.node and manifest.node != self.node_id)
+
+    async def delete(self, key: str, *, spare_foreign: bool = True) -> bool:
+        """Remove the object and its manifest (missing ones are fine), unless its manifest names
+        another node (``spare_foreign``, for objects this node uploaded): that node wrote the key
+        since (the same path written on two nodes), and its file is not this node's to delete.
+        Returns whether it deleted."""
+        if self.node_id and spare_foreign:
+            try:
+                manifest = await self.fetch_manifest(key)
+            except ManifestError:
+                manifest = None  # unreadable: nobody's file can be served from it
+            except RemoteError as exc:
+                if error_scope(exc) != OBJECT:
+                    raise
+                manifest = None  # no manifest can exist at such a key (too long for one)
+            if manifest is not None and self._foreign(manifest):
+                log.warning("event=remote_delete_spared key=%s owner=%s", key, manifest.node)
+                return False
         await self._call(self.remote.delete, key, what=f"delete {key}")
         await self._call(self.remote.delete, manifest_key(key), what=f"delete manifest {key}")
+        return True
 
     async def abort_stale_uploads(self, uploads: list[tuple[str, str]]) -> int:
         """Abort ``uploads`` ((key, upload_id) this cache started and left unfinished: call only

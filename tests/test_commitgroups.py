@@ -352,3 +352,36 @@ def test_a_deleted_checkpoint_takes_its_commit_record_with_it(tmp_path: Path) ->
         assert latest is not None and latest.dir == "run/step_1" and skipped == []
 
     run_nodes([node], scenario)
+
+
+def test_a_node_never_deletes_or_moves_the_object_another_node_wrote_at_its_key(tmp_path: Path) -> None:
+    """Two nodes write the same path (last writer wins on the remote); the node written over
+    then removes or renames its own copy: the other node's object stays, with its manifest
+    (it deleted it, and that node went on calling its file durable)."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    a, c = Node(tmp_path, "a", remote_dir), Node(tmp_path, "c", remote_dir)
+
+    def manifest_node(key: str) -> str | None:
+        path = remote_dir / ".burstfs" / "manifests" / f"{key}.json"
+        return json.loads(path.read_bytes()).get("node") if path.exists() else None
+
+    async def scenario() -> None:
+        inos = {}
+        for name in ("x.bin", "y.bin"):
+            inos[name] = a.write(f"shared/{name}", b"A" * 1000)
+            await until(lambda ino=inos[name]: a.durable(ino), f"a's {name}")
+            other = c.write(f"shared/{name}", b"C" * 2000)
+            await until(lambda ino=other: c.durable(ino), f"c's {name}")
+            assert (remote_dir / "shared" / name).read_bytes() == b"C" * 2000 and manifest_node(f"shared/{name}") == "c"
+        a.front.unlink(inos["x.bin"])
+        a.front.rename(inos["y.bin"], "z.bin", a.dirs["shared"])
+        a.mover.namespace_changed()
+        await until(lambda: not a.front.journal.keys.pending_deletes(10), "a's delete queue done")
+        await until(lambda: a.durable(inos["y.bin"]) and (remote_dir / "shared/z.bin").exists(), "a's z.bin")
+        assert (remote_dir / "shared" / "z.bin").read_bytes() == b"A" * 1000  # its own bytes, not c's
+        for name in ("x.bin", "y.bin"):
+            assert (remote_dir / "shared" / name).read_bytes() == b"C" * 2000, name
+            assert manifest_node(f"shared/{name}") == "c", name
+
+    run_nodes([a, c], scenario)

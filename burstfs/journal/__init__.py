@@ -10,6 +10,7 @@ who owns which remote key).  No SQL text lives outside this package.
 from .drain import DrainQueue
 from .keys import KeyOwnership
 from .ops import (
+    UNLINK_LISTED,
     close_ops,
     drop_unlinked_ops,
     event_op,
@@ -71,6 +72,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "STAGED",
     "UNDRAINED",
+    "UNLINK_LISTED",
     "WRITING",
     "DrainQueue",
     "FileState",

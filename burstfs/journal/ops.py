@@ -108,11 +108,18 @@ def recovered_incomplete_ops(ino: int, size: int, error: str) -> list[Op]:
     ]
 
 
+#: The delete reason of an unlinked name's object (see unlink_ops).
+UNLINK_LISTED = "unlink_listed"
+_UNLINK_REASON = f"CASE WHEN generation = 0 THEN '{UNLINK_LISTED}' ELSE 'unlink' END"
+
+
 def unlink_ops(ino: int, name: bytes, ctime_ns: int) -> list[Op]:
-    """``ino`` loses its name; its object (if any) is queued for deletion (invariant 6)."""
+    """``ino`` loses its name; its object (if any) is queued for deletion (invariant 6):
+    ``unlink`` for an object this node uploaded, ``unlink_listed`` for a file it only listed
+    (generation 0: another node's, deleted on purpose, say by keep-last-N on rank 0)."""
     return [
         (
-            "INSERT INTO remote_deletes (key, reason) SELECT remote_key, 'unlink' FROM inodes "
+            f"INSERT INTO remote_deletes (key, reason) SELECT remote_key, {_UNLINK_REASON} FROM inodes "
             "WHERE ino=? AND remote_key IS NOT NULL",
             (ino,),
         ),
@@ -161,7 +168,7 @@ def unlink_name_ops(row: int, name: bytes) -> list[Op]:
     """A hard link's name goes: its row goes, its object (if any) is queued for deletion."""
     return [
         (
-            "INSERT INTO remote_deletes (key, reason) SELECT remote_key, 'unlink' FROM inodes "
+            f"INSERT INTO remote_deletes (key, reason) SELECT remote_key, {_UNLINK_REASON} FROM inodes "
             "WHERE ino=? AND remote_key IS NOT NULL",
             (row,),
         ),

@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..errors import HALT, OBJECT, CorruptDataError, RemoteError, error_scope
+from ..journal import UNLINK_LISTED
 from . import timing
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ class KeyMoves:
             if holder is not None or key in self.mover.in_flight.values() or self._delete_retry.get(key, 0.0) > now:
                 continue
             try:
-                await self.mover.store.delete(key)
+                await self.mover.store.delete(key, spare_foreign=reason != UNLINK_LISTED)
             except Exception as exc:
                 if not isinstance(exc, RemoteError):  # a bug hit by this key: retried later, not lost
                     log.exception("event=remote_delete_bug key=%s", key)

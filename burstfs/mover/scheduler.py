@@ -192,6 +192,7 @@ class Mover:
             on_upload_started=self._upload_started,
             on_upload_ended=self._upload_ended,
             health=self.stats,
+            node_id=self.node_id,
         )
         log.info("event=drain_budget bytes=%d", self.drain_memory())
         # Reads answer requests: their own store, with a bounded retry budget (restore/state.py).
