@@ -256,6 +256,13 @@ def test_a_killed_node_holds_its_checkpoint_back_and_latest_returns_the_previous
     admin("retry", n0.path)  # retried, it is given up again
     wait_for(lambda: state(n0, "ckpt/step_200/.metadata") == "failed", what="the abandoned marker failed again")
     assert "ckpt/step_200/.metadata" not in bucket.keys()
+    # The next checkpoint and the `latest` pointer beside the steps go out: the abandoned
+    # marker, closed before them, holds neither back (it held `latest` for good).
+    write(n0, "ckpt/step_300/__0_0.distcp", shard(300, 0))
+    write(n0, "ckpt/step_300/.metadata", b"metadata 300")
+    write(n0, "ckpt/latest", b"step_300")
+    admin("wait", n0.path / "ckpt/latest", n0.path / "ckpt/step_300", "--timeout", "60")
+    assert {"ckpt/latest", "ckpt/step_300/.metadata"} <= bucket.keys()
 
 
 SAVE_LOOP = textwrap.dedent(

@@ -18,6 +18,9 @@ from .ops import event_op
 from .rows import INODE_SELECT, ROOT_INO, InodeRow, row_from_values
 from .states import DRAINING, DURABLE, FAILED, NOT_YET_DURABLE, QUEUED, STAGED, WRITING, state_marks
 
+#: The error of a commit marker whose checkpoint was given up (``burstfs-admin abandon``).
+ABANDONED_MARKER = "checkpoint abandoned (burstfs-admin abandon): this marker is never published"
+
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -76,15 +79,19 @@ class DrainQueue:
         return [row_from_values(values) for values in rows]
 
     def blocks_marker(self, marker: InodeRow) -> bool:
-        """True while a file under the marker's directory closed before it is NOT_YET_DURABLE."""
+        """True while a file under the marker's directory closed before it is NOT_YET_DURABLE.
+
+        An abandoned marker is no such file: its checkpoint was given up, and a later marker
+        above it (``latest`` beside the step directories) publishes the next checkpoint."""
         marks, states = state_marks(NOT_YET_DURABLE)
         rows = self._db.query(
             f"""WITH RECURSIVE sub(ino) AS (
                    SELECT ino FROM inodes WHERE parent=? AND ino!=?
                    UNION SELECT i.ino FROM inodes i JOIN sub ON i.parent=sub.ino)
                SELECT COUNT(*) FROM inodes WHERE ino IN sub AND ino!=? AND kind='file'
-                   AND state IN ({marks}) AND close_seq > 0 AND close_seq < ?""",
-            (marker.parent, ROOT_INO, marker.ino, *states, marker.close_seq),
+                   AND state IN ({marks}) AND close_seq > 0 AND close_seq < ?
+                   AND NOT (state=? AND error IS ?)""",
+            (marker.parent, ROOT_INO, marker.ino, *states, marker.close_seq, FAILED, ABANDONED_MARKER),
         )
         return bool(rows[0][0])
 
@@ -185,9 +192,10 @@ class DrainQueue:
                 db.execute(*event_op(ino, "failed", error))
             return bool(failed)
 
-    def give_up(self, ino: int, generation: int, error: str) -> bool:
-        """Mark this staged generation ``failed`` with ``error`` without draining it (a marker
-        whose checkpoint was abandoned); False if the file changed meanwhile."""
+    def abandon(self, ino: int, generation: int) -> bool:
+        """Mark this staged generation of a marker whose checkpoint was abandoned ``failed``
+        (ABANDONED_MARKER) without draining it; False if the file changed meanwhile."""
+        error = ABANDONED_MARKER
         with self._db.transaction() as db:
             failed = db.execute(
                 "UPDATE inodes SET state=?, error=? WHERE ino=? AND generation=? AND state=?",

@@ -39,10 +39,6 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 
-#: The error of a commit marker whose checkpoint was given up (``burstfs-admin abandon``).
-ABANDONED_MARKER = "checkpoint abandoned (burstfs-admin abandon): this marker is never published"
-
-
 class Mover:
     """Drains one cache directory to its remote."""
 
@@ -398,7 +394,7 @@ class Mover:
             if is_marker(row):
                 if candidate.marker_key is not None and self.groups.is_abandoned(row, candidate.marker_key):
                     # Never published: failed, so that wait and unmount --wait stop waiting for it.
-                    await self.db(self.journal.drain.give_up, row.ino, row.generation, ABANDONED_MARKER)
+                    await self.db(self.journal.drain.abandon, row.ino, row.generation)
                     continue
                 # A marker waits for every node with an intent under its directory (docs/SEMANTICS.md "Many nodes").
                 if candidate.marker_key is not None and self.groups.holds(row, candidate.marker_key):
