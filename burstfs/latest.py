@@ -69,6 +69,21 @@ async def verify_commit(remote: Remote, doc: dict[str, Any]) -> str | None:
     return None
 
 
+#: Markers that name a step directory beside them rather than close a checkpoint of their own
+#: directory: DeepSpeed's ``latest`` (the tag of the newest step) and Megatron's tracker file.
+POINTER_MARKERS = frozenset({"latest", "latest_checkpointed_iteration.txt"})
+
+
+def _points_to_steps(dir_key: str, commit_key: str, committed: dict[str, tuple[float, float, str]]) -> bool:
+    """A commit of a pointer marker in a directory whose subdirectories hold committed
+    checkpoints: the restart point is one of those, not the directory with the pointer.
+    (Megatron's tracker beside step directories without markers of their own: the directory
+    with the tracker is what it loads, and stays a checkpoint.)"""
+    marker = commit_key.rpartition("/")[2].rsplit("@", 2)[0]  # <marker>@<node>@<id>.commit
+    below = f"{dir_key}/" if dir_key else ""
+    return marker in POINTER_MARKERS and any(d != dir_key and d.startswith(below) for d in committed)
+
+
 async def find_latest(remote: Remote, subdir: str = "") -> tuple[Checkpoint | None, list[tuple[str, str]]]:
     """The newest checkpoint under ``subdir`` whose commit record matches the remote, and the
     newer ones skipped (dir, why).  One listing of the commit records, then newest first:
@@ -83,6 +98,8 @@ async def find_latest(remote: Remote, subdir: str = "") -> tuple[Checkpoint | No
         order = (info.mtime if written is None else written / 1000, info.mtime, info.key)
         if dir_key not in newest or order > newest[dir_key]:
             newest[dir_key] = order
+    for pointer in [d for d, (_, _, key) in newest.items() if _points_to_steps(d, key, newest)]:
+        del newest[pointer]
     skipped: list[tuple[str, str]] = []
     for dir_key, (_, mtime, key) in sorted(newest.items(), key=lambda item: item[1], reverse=True):
         try:

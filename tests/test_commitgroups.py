@@ -385,3 +385,30 @@ def test_a_node_never_deletes_or_moves_the_object_another_node_wrote_at_its_key(
             assert manifest_node(f"shared/{name}") == "c", name
 
     run_nodes([a, c], scenario)
+
+
+def test_latest_names_the_step_a_latest_pointer_beside_it_points_to(tmp_path: Path) -> None:
+    """A `latest` file beside the step directories is a commit marker of the parent (its commit is
+    always the newest): ``latest`` still names the step, which a loader can open.  Megatron's
+    tracker beside step directories that have no marker of their own names the parent."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    node = Node(tmp_path, "a", remote_dir)
+    remote = FileRemote(parse_remote_url(f"file://{remote_dir}"))
+
+    async def scenario() -> None:
+        for step in ("step_1", "step_2"):
+            node.write(f"ckpt/{step}/__0_0.distcp", step.encode())
+            node.write(f"ckpt/{step}/.metadata", b"m")
+            pointer = node.write("ckpt/latest", step.encode())
+            await until(lambda pointer=pointer: node.durable(pointer), f"latest -> {step}")
+        tracker = node.write("megatron/iter_0000100/mp_rank_00/model_optim_rng.pt", b"weights")
+        tracker = node.write("megatron/latest_checkpointed_iteration.txt", b"100")
+        await until(lambda: node.durable(tracker), "the tracker")
+        await until(lambda: len(keys(remote_dir, COMMITS_PREFIX)) == 4, "every commit")
+        latest, _ = await find_latest(remote, "ckpt")
+        assert latest is not None and latest.dir == "ckpt/step_2", latest
+        latest, _ = await find_latest(remote, "megatron")
+        assert latest is not None and latest.dir == "megatron" and latest.marker.endswith("iteration.txt"), latest
+
+    run_nodes([node], scenario)
