@@ -209,7 +209,8 @@ WAIT_NOTE_S = 30.0
 
 def _wait_durable(point: Path, timeout: float | None) -> None:
     """Block until every file of the mount is durable, as ``burstfs-admin wait`` does;
-    incomplete files never drain, so they are left out (unmount reports them)."""
+    incomplete files never drain, and markers of abandoned checkpoints are never published,
+    so they are left out (unmount reports them)."""
     from .admin.common import resolve, wait_durable
     from .journal import INCOMPLETE
     from .status import Durability
@@ -228,7 +229,9 @@ def _wait_durable(point: Path, timeout: float | None) -> None:
             err=True,
         )
 
-    outcome = wait_durable(resolve([point], None), timeout, say_what_it_waits_for, ignore=frozenset({INCOMPLETE}))
+    outcome = wait_durable(
+        resolve([point], None), timeout, say_what_it_waits_for, ignore=frozenset({INCOMPLETE}), skip_abandoned=True
+    )
     if outcome.result == "failed":
         why = (
             f"the drain is halted ({outcome.halted})"

@@ -20,6 +20,7 @@ from typing import Any
 
 from .errors import FsError
 from .journal import (
+    ABANDONED_MARKER,
     BROKEN,
     CLOSED_UNDRAINED,
     DONE,
@@ -304,10 +305,20 @@ class Durability:
 
 
 def durability(
-    journal: Journal, rels: list[str], ignore: frozenset[FileState] = frozenset(), halted: str | None = None
+    journal: Journal,
+    rels: list[str],
+    ignore: frozenset[FileState] = frozenset(),
+    halted: str | None = None,
+    *,
+    skip_abandoned: bool = False,
 ) -> Durability:
-    """The files at or under ``rels`` (those in ``ignore`` states left out) and how far they are."""
-    files = [(path, row) for path, row in files_at(journal, rels) if row.state not in ignore]
+    """The files at or under ``rels`` (those in ``ignore`` states left out, and with
+    ``skip_abandoned`` the markers of abandoned checkpoints) and how far they are."""
+    files = [
+        (path, row)
+        for path, row in files_at(journal, rels)
+        if row.state not in ignore and not (skip_abandoned and row.state == FAILED and row.error == ABANDONED_MARKER)
+    ]
     done = [(path, row) for path, row in files if row.state in DONE]
     return Durability(files, done, [(path, row) for path, row in files if row.state in BROKEN], halted)
 
@@ -320,6 +331,7 @@ def wait_durable(
     halted: Callable[[], str | None] | None = None,
     on_poll: Callable[[Durability], None] | None = None,
     ignore: frozenset[FileState] = frozenset(),
+    skip_abandoned: bool = False,
 ) -> Durability:
     """Block until the files at or under ``rels`` are durable, one of them will not drain by
     itself (failed, incomplete), ``halted()`` (asked every HALT_POLL_S: a socket round trip)
@@ -334,7 +346,7 @@ def wait_durable(
         if halted is not None and time.monotonic() >= next_halt_check:
             halted_reason = halted()
             next_halt_check = time.monotonic() + HALT_POLL_S
-        state = durability(journal, rels, ignore, halted_reason)
+        state = durability(journal, rels, ignore, halted_reason, skip_abandoned=skip_abandoned)
         if on_poll is not None:
             on_poll(state)
         if state.result != "waiting" or (deadline is not None and time.monotonic() > deadline):

@@ -263,6 +263,7 @@ def test_a_killed_node_holds_its_checkpoint_back_and_latest_returns_the_previous
     write(n0, "ckpt/latest", b"step_300")
     admin("wait", n0.path / "ckpt/latest", n0.path / "ckpt/step_300", "--timeout", "60")
     assert {"ckpt/latest", "ckpt/step_300/.metadata"} <= bucket.keys()
+    n0.unmount("--wait", "--wait-timeout", "60")  # the abandoned marker is no reason to refuse (a node's stop)
 
 
 SAVE_LOOP = textwrap.dedent(

@@ -247,6 +247,7 @@ def wait_durable(
     timeout: float | None,
     on_poll: Callable[[Durability], None] | None = None,
     ignore: frozenset[FileState] = frozenset(),
+    skip_abandoned: bool = False,
 ) -> Durability:
     """status.wait_durable on the target's journal (read-only), asking its daemon, if one runs,
     whether the drain is halted; the last poll's outcome (``result`` "waiting": timed out)."""
@@ -259,6 +260,7 @@ def wait_durable(
                 timeout=timeout,
                 on_poll=on_poll,
                 ignore=ignore,
+                skip_abandoned=skip_abandoned,
                 halted=None if daemon is None else lambda: daemon.call("status")["drain"]["halted"],
             )
         except BurstfsError as exc:

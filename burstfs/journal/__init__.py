@@ -7,7 +7,7 @@ and transactions), ``ops`` (the front's records), ``store`` (:class:`Journal`),
 who owns which remote key).  No SQL text lives outside this package.
 """
 
-from .drain import DrainQueue
+from .drain import ABANDONED_MARKER, DrainQueue
 from .keys import KeyOwnership
 from .ops import (
     UNLINK_LISTED,
@@ -53,6 +53,7 @@ from .states import (
 from .store import Journal
 
 __all__ = [
+    "ABANDONED_MARKER",
     "BROKEN",
     "CLOSED_UNDRAINED",
     "DONE",
