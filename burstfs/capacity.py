@@ -167,8 +167,10 @@ class TierCapacity:
             self.local_bytes += allocated - inode.accounted
             inode.accounted = allocated
 
-    async def shrunk(self, inode: Inode) -> None:
-        """A file was truncated to a smaller size: count only the blocks it still holds."""
+    async def count_held_blocks(self, inode: Inode) -> None:
+        """Count only the blocks the file holds now, if that is less than it claimed: after a
+        truncate to a smaller size, and once the readers of a file fetched in part are gone (a
+        fetch claims the whole file; a reader that touched a few chunks leaves only those)."""
         kept = min(inode.accounted, await trio.to_thread.run_sync(self.allocated, inode.ino))
         self.release(inode.accounted - kept)
         inode.accounted = kept

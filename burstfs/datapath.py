@@ -181,7 +181,7 @@ class DataPath:
         # Growth adds a hole: nothing allocated, nothing counted (a file drains at its
         # logical size, but the tier holds only what was written).  Shrinking frees blocks.
         if size < inode.size:
-            await self.capacity.shrunk(inode)
+            await self.capacity.count_held_blocks(inode)
         inode.size = size
         if size == 0:  # emptied: what is written next is all of it
             inode.incomplete = ""
@@ -390,6 +390,8 @@ class DataPath:
                     await self.committer.commit(self.publisher.publish_ops(inode, undo, writer_left=False), undo=undo)
                     self.links.file_closed()
                 inode.digests = None  # the last writer is gone (kept if the commit failed)
+            if inode.handles == 1 and not inode.local and inode.accounted:
+                await self.capacity.count_held_blocks(inode)  # its fetch claimed the whole file
         finally:
             if last_writer:
                 self.links.release_drain(inode.ino)  # what its closes journaled drains now

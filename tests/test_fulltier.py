@@ -105,3 +105,31 @@ def test_a_tier_full_of_undrained_data_still_removes_files(
     fs.mount()  # the journal is intact
     assert sorted(p.name for p in fs.path.iterdir() if not p.name.startswith(".")) == ["after.pt"]
     assert (fs.path / "after.pt").read_bytes() == data
+
+
+def test_reads_of_a_few_chunks_of_evicted_files_leave_room_for_the_next_checkpoint(
+    mounted_factory: type[MountedFS],
+) -> None:
+    """A restore that touches 1 MiB of each of four 20 MiB files on a 64 MiB tier: a fetch claims
+    room for its whole file, and kept that claim once its reader was gone, so the fourth read
+    and the next checkpoint's write failed with ENOSPC (nothing undrained, burstfs holding 0 B)."""
+    fs = mounted_factory("partial", None, ("--cache-size", "64M", "--full-timeout", "3"))  # type: ignore[call-arg]
+    fs.mount()
+    data = {f"f{i}": os.urandom(20 << 20) for i in range(4)}
+    for name, content in data.items():  # each durable before the next: 80 MiB go through 64 MiB
+        (fs.path / name).write_bytes(content)
+        subprocess.run(
+            [str(BIN / "burstfs-admin"), "wait", str(fs.path / name), "--timeout", "120"],
+            check=True,
+            capture_output=True,
+        )
+    subprocess.run([str(BIN / "burstfs-admin"), "evict", str(fs.path)], check=True, capture_output=True)
+    fs.unmount()  # a restart: no page cache to answer from
+    fs.mount()
+    for name, content in data.items():
+        with open(fs.path / name, "rb") as f:
+            f.seek(5 << 20)
+            assert f.read(1 << 20) == content[5 << 20 : 6 << 20], name
+    fresh = os.urandom(10 << 20)
+    (fs.path / "next.pt").write_bytes(fresh)
+    assert (fs.path / "next.pt").read_bytes() == fresh
