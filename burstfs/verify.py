@@ -19,7 +19,7 @@ import xxhash
 from .config import RemoteURL, S3Options
 from .digests import compute_digests
 from .errors import CorruptDataError, RemoteNotFound
-from .journal import NOT_LOCAL, REMOTE, WRITING, InodeRow, Journal
+from .journal import INCOMPLETE, NOT_LOCAL, REMOTE, WRITING, InodeRow, Journal
 from .localtier import LocalTier
 from .objects import RANGED_RUN_BYTES, ObjectStore
 from .remote import open_remote
@@ -41,6 +41,8 @@ def check_local(cache_dir: Path, journal: Journal, row: InodeRow) -> Verdict:
         return "skipped", "not on the local tier"
     if row.state == WRITING:
         return "skipped", "open for writing"
+    if row.state == INCOMPLETE:  # its digests are of the last closed version, not of these bytes
+        return "skipped", "incomplete (open for writing at a crash, or a write failed): not a closed version"
     if not row.digest or not row.chunk_size:
         return "skipped", f"no digest recorded yet (state {row.state})"
     digests = compute_digests(LocalTier(cache_dir).path(row.data_ino), row.chunk_size)
