@@ -38,6 +38,10 @@ class StatFs:
     name_max: int = NAME_MAX
 
 
+#: Below this much free room on the tier's file system new writers are refused (admit_writer).
+WRITER_FLOOR_BYTES = 1 << 20
+
+
 class TierCapacity:
     """Counts the bytes of files on the local tier (``local_bytes``, per inode
     ``accounted``) and frees room by evicting durable local copies."""
@@ -61,6 +65,20 @@ class TierCapacity:
             return False
         st = self.tier.statvfs()
         return st.f_bavail * st.f_frsize - nbytes >= self.policy.min_free
+
+    async def admit_writer(self) -> None:
+        """A file opened for writing on a file system with less than WRITER_FLOOR_BYTES free
+        (after evicting durable copies): ENOSPC at once.  Its writes could not land anyway, and
+        through passthrough, unseen by the daemon, they would take the room that the journal's
+        reserve gives back for the records that free the tier (rm, drain, eviction)."""
+        if self._fs_free() >= WRITER_FLOOR_BYTES:
+            return
+        if not await self.evict_until(lambda: self._fs_free() >= WRITER_FLOOR_BYTES):
+            raise NoSpaceError(f"the local tier's file system is full ({self._fs_free()} bytes free)")
+
+    def _fs_free(self) -> int:
+        st = self.tier.statvfs()
+        return int(st.f_bavail * st.f_frsize)
 
     async def _reserve(self, nbytes: int, inode: Inode | None = None) -> None:
         """Count ``nbytes`` more on the local tier, making room first if needed.

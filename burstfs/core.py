@@ -17,9 +17,9 @@ Invariants:
 from __future__ import annotations
 
 import errno
-import functools
 import itertools
 import stat
+import time
 from pathlib import Path
 
 from .capacity import StatFs, TierCapacity
@@ -40,6 +40,10 @@ from .publish import Publisher
 from .readplans import ReadPlans
 from .reaper import TierReaper
 from .xattrs import ExtendedAttributes
+
+#: How long a commit that failed on a full tier waits for the files open for writing to be
+#: released before the journal's reserve may be used (see BurstCore._room_for_the_journal).
+WRITERS_GONE_WAIT_S = 0.5
 
 
 class BurstCore:
@@ -64,9 +68,7 @@ class BurstCore:
         self.cache_dir = Path(cache_dir)
         self.journal = journal
         self.tier = LocalTier(self.cache_dir)
-        self.committer = GroupCommitter(
-            journal, functools.partial(release_reserve, self.tier.cache_dir, "journal full")
-        )
+        self.committer = GroupCommitter(journal, self._room_for_the_journal)
         self.links = DrainLinks(drain, fetcher)  # shared with the data path and the listings
         tombstones = Tombstones()
         self.io_paths = IOPaths(self.tier, backing)
@@ -87,7 +89,9 @@ class BurstCore:
         self.publisher = Publisher(self.committer, journal.max_close_seq() + 1)
         self.capacity = TierCapacity(self.tier, journal, capacity, self.inodes)
         self.reaper = TierReaper(self.tier, self.capacity)  # run by the daemon's nursery
-        self.headroom = TierHeadroom(self.tier.cache_dir, self.capacity)  # run by the daemon's nursery
+        self.headroom = TierHeadroom(  # run by the daemon's nursery
+            self.tier.cache_dir, self.capacity, lambda: self.data.writers_open()
+        )
         self.data = DataPath(
             self.tier,
             self.namespace,
@@ -178,6 +182,7 @@ class BurstCore:
         parent = self.namespace.dir(parent_ino)
         if not stat.S_ISREG(mode) and stat.S_IFMT(mode) != 0:
             raise FsError(errno.EPERM, "only regular files, directories and symlinks are supported")
+        await self.capacity.admit_writer()
         inode = self.namespace.new_inode(
             parent, name, "file", stat.S_IFREG | (stat.S_IMODE(mode) & ~FILE_MODE_DROPPED), uid, gid
         )
@@ -331,6 +336,18 @@ class BurstCore:
     async def evict(self, ino: int) -> int:
         """Drop the local copy of a durable file (``burstfs-admin evict``); bytes freed."""
         return await self.capacity.evict(self.namespace.inode(ino))
+
+    def _room_for_the_journal(self) -> bool:
+        """A commit failed on a full tier: give a slice of the reserve back (blocking, in the
+        committer's thread; True if it did), unless a file stays open for writing: a passthrough
+        writer would take it.  A writer that just closed is waited for briefly (its RELEASE comes
+        after close(2) returned: an rm right after a failed save must not fail for it)."""
+        deadline = time.monotonic() + WRITERS_GONE_WAIT_S
+        while self.data.writers_open():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return release_reserve(self.tier.cache_dir, "journal full")
 
     def close(self) -> None:
         """Close data descriptors.  Files still open for writing stay journaled as

@@ -189,6 +189,10 @@ class DataPath:
         elif inode.digests is not None and size != inode.digests.size:
             inode.digests = None  # the drain hashes the staged bytes instead
 
+    def writers_open(self) -> bool:
+        """Whether any file is open for writing (any thread: one snapshot of the handle table)."""
+        return any(handle.writable for handle in list(self.handles.values()))
+
     def _has_writer(self, inode: Inode) -> bool:
         return any(h.writable and h.inode is inode for h in self.handles.values())
 
@@ -211,6 +215,8 @@ class DataPath:
             raise FsError(errno.ELOOP)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         truncating = bool(flags & os.O_TRUNC) and bool(inode.size or inode.incomplete or not inode.local)
+        if writable:
+            await self.capacity.admit_writer()
         if writable and not truncating:
             await self.ensure_local(inode)  # emptied instead of fetched when truncating
         fh = self._open_handle(inode, writable)

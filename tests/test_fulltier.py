@@ -133,3 +133,40 @@ def test_reads_of_a_few_chunks_of_evicted_files_leave_room_for_the_next_checkpoi
     fresh = os.urandom(10 << 20)
     (fs.path / "next.pt").write_bytes(fresh)
     assert (fs.path / "next.pt").read_bytes() == fresh
+
+
+def test_writers_that_go_on_after_enospc_leave_the_journal_its_room(
+    small_tier: Path, mounted_factory: type[MountedFS], tmp_path: Path
+) -> None:
+    """An outage (the drain held back) while a job keeps saving through passthrough: writers go on
+    after their first ENOSPC.  They took the journal's whole reserve the moment it was given back,
+    and then no rm, no drain record and no restart could commit (a wedge for good).  Now the
+    failed files can be removed, the rest drains once the remote is back, the tier frees up, and
+    the cache mounts again."""
+    fs = _on_tier(mounted_factory, small_tier, tmp_path, "--drain-delay", "3600")
+    fs.expect_log("event=tier_full")
+    fs.expect_log("event=commit_failed")
+    fs.expect_log("event=mover_pass_failed")
+    fs.mount()
+    wait_for(lambda: (fs.cache / "reserve").exists(), timeout=30, what="the journal's reserve")
+    contents, failed = {}, []
+    for i in range(TIER_MIB // 4 + 3):  # past full: the job's next saves fail too
+        data = os.urandom(4 * MiB)
+        try:
+            (fs.path / f"f{i}").write_bytes(data)
+            contents[f"f{i}"] = data
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+            failed.append(f"f{i}")
+    assert contents and len(failed) >= 2
+    for name in failed:  # a save refused at its create left no file
+        (fs.path / name).unlink(missing_ok=True)
+    subprocess.run([str(BIN / "burstfs-admin"), "drain", str(fs.path), "--now"], check=True, capture_output=True)
+    _wait_durable(fs)
+    data = os.urandom(4 * MiB)  # room again: durable copies are evicted for it
+    (fs.path / "after.pt").write_bytes(data)
+    contents["after.pt"] = data
+    fs.unmount()
+    fs.mount()
+    for name, content in contents.items():
+        assert (fs.path / name).read_bytes() == content, name
