@@ -189,8 +189,12 @@ class TierCapacity:
         """Count only the blocks the file holds now, if that is less than it claimed: after a
         truncate to a smaller size, and once the readers of a file fetched in part are gone (a
         fetch claims the whole file; a reader that touched a few chunks leaves only those)."""
-        kept = min(inode.accounted, await trio.to_thread.run_sync(self.allocated, inode.ino))
-        self.release(inode.accounted - kept)
+        claimed = inode.accounted
+        allocated = await trio.to_thread.run_sync(self.allocated, inode.ino)
+        if inode.accounted != claimed:
+            return  # claimed or freed meanwhile (a new reader, an eviction): that count stands
+        kept = min(claimed, allocated)
+        self.release(claimed - kept)
         inode.accounted = kept
 
     async def evictable_bytes(self) -> int:
