@@ -344,12 +344,12 @@ class Node:
         writing waits for that handle's release (the mover holds it): not pending.
         """
         reasons = []
-        for ino, state, seq, error, generation in self.rows(
-            "SELECT ino, state, close_seq, error, generation FROM inodes WHERE kind='file' AND parent!=0 "
-            "AND state IN ('staged','draining')"
+        for ino, data_ino, state, seq, error, generation in self.rows(
+            "SELECT ino, COALESCE(link_of, ino), state, close_seq, error, generation FROM inodes "
+            "WHERE kind='file' AND parent!=0 AND state IN ('staged','draining')"
         ):
             path = self.journal_path(ino)
-            if state == "staged" and self.mover.held_open.get(ino) == generation:
+            if state == "staged" and self.mover.held_open.get(data_ino) == generation:
                 continue
             if not (state == "staged" and path in tolerated):
                 reasons.append(f"{state} {path} (ino {ino}, close_seq {seq}, error {error})")

@@ -129,12 +129,13 @@ def test_a_file_still_written_through_a_dup_drains_only_once_released(burst: Mou
     dup = os.dup(fd)
     os.write(fd, b"a" * (1 << 20))
     os.close(fd)  # FLUSH: journaled; the open file lives on in `dup`
+    os.link(target, burst.path / "out.link")  # every name of it waits
     try:
         os.write(dup, b"b" * (3 << 20))
         (burst.path / "sentinel").write_bytes(b"closed after out.log")
         wait_for(lambda: durable(burst, "sentinel"), what="the drain ran past out.log")
         os.write(dup, b"c" * (1 << 20))
-        assert not (burst.remote_dir / "out.log").exists()
+        assert not (burst.remote_dir / "out.log").exists() and not (burst.remote_dir / "out.link").exists()
         assert os.getxattr(target, "user.burstfs.state") in (b"staged", b"writing")
         waited = subprocess.run(
             [str(BIN / "burstfs-admin"), "wait", str(target), "--timeout", "1"], capture_output=True, text=True
@@ -142,8 +143,9 @@ def test_a_file_still_written_through_a_dup_drains_only_once_released(burst: Mou
         assert waited.returncode != 0, waited.stdout
     finally:
         os.close(dup)  # RELEASE: now it drains, whole
-    wait_for(lambda: durable(burst, "out.log"), what="out.log after its release")
-    assert (burst.remote_dir / "out.log").read_bytes() == b"a" * (1 << 20) + b"b" * (3 << 20) + b"c" * (1 << 20)
+    wait_for(lambda: durable(burst, "out.log", "out.link"), what="out.log after its release")
+    whole = b"a" * (1 << 20) + b"b" * (3 << 20) + b"c" * (1 << 20)
+    assert (burst.remote_dir / "out.log").read_bytes() == whole == (burst.remote_dir / "out.link").read_bytes()
 
 
 def test_temporary_faults_retry_and_bytes_stay_identical(remote_mount: MountedFS, remote: RemoteTarget) -> None:

@@ -389,7 +389,7 @@ class Mover:
             row = candidate.row
             if row.ino in self.in_flight or self.not_before.get(row.ino, 0) > now:
                 continue
-            if self.held_open.get(row.ino) == row.generation:
+            if self.held_open.get(row.data_ino) == row.generation:  # every name of a file held open
                 continue
             if is_marker(row):
                 if candidate.marker_key is not None and self.groups.is_abandoned(row, candidate.marker_key):
