@@ -448,11 +448,10 @@ class ObjectStore:
     def _foreign(self, manifest: Manifest) -> bool:
         return bool(self.node_id and manifest.node and manifest.node != self.node_id)
 
-    async def delete(self, key: str, *, spare_foreign: bool = True) -> bool:
+    async def delete(self, key: str, *, spare_foreign: bool = True) -> None:
         """Remove the object and its manifest (missing ones are fine), unless its manifest names
         another node (``spare_foreign``, for objects this node uploaded): that node wrote the key
-        since (the same path written on two nodes), and its file is not this node's to delete.
-        Returns whether it deleted."""
+        since (the same path written on two nodes), and its file is not this node's to delete."""
         if self.node_id and spare_foreign:
             try:
                 manifest = await self.fetch_manifest(key)
@@ -464,10 +463,9 @@ class ObjectStore:
                 manifest = None  # no manifest can exist at such a key (too long for one)
             if manifest is not None and self._foreign(manifest):
                 log.warning("event=remote_delete_spared key=%s owner=%s", key, manifest.node)
-                return False
+                return
         await self._call(self.remote.delete, key, what=f"delete {key}")
         await self._call(self.remote.delete, manifest_key(key), what=f"delete manifest {key}")
-        return True
 
     async def abort_stale_uploads(self, uploads: list[tuple[str, str]]) -> int:
         """Abort ``uploads`` ((key, upload_id) this cache started and left unfinished: call only

@@ -195,14 +195,13 @@ class DrainQueue:
     def abandon(self, ino: int, generation: int) -> bool:
         """Mark this staged generation of a marker whose checkpoint was abandoned ``failed``
         (ABANDONED_MARKER) without draining it; False if the file changed meanwhile."""
-        error = ABANDONED_MARKER
         with self._db.transaction() as db:
             failed = db.execute(
                 "UPDATE inodes SET state=?, error=? WHERE ino=? AND generation=? AND state=?",
-                (FAILED, error, ino, generation, STAGED),
+                (FAILED, ABANDONED_MARKER, ino, generation, STAGED),
             ).rowcount
             if failed:
-                db.execute(*event_op(ino, "failed", error))
+                db.execute(*event_op(ino, "failed", ABANDONED_MARKER))
             return bool(failed)
 
     def retry_failed(self) -> int:
