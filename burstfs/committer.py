@@ -12,12 +12,19 @@ fails, nothing of it is in the journal: the committer runs the undos of that
 batch and of the batch that filled while it ran (whose records may build on it),
 newest first, before any other task runs, so memory again equals the journal,
 and every waiter gets the error as an errno (ENOSPC for a full disk).
+
+Records nobody needs on disk before the request returns (a new file's row: only
+its close, an fsync or a crash-visible change must find it there) are
+deferred (:meth:`GroupCommitter.defer`): they ride with the next commit anybody
+waits for, or go out on their own after ``DEFER_S``.  A small file then costs one commit (its
+close), and creates in one directory no longer queue behind each other's commits.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import math
 from collections.abc import Callable, Sequence
 
 import trio
@@ -29,8 +36,13 @@ log = logging.getLogger("burstfs.committer")
 
 Undo = Callable[[], None]
 
+#: Deferred records are committed at most this long after they were queued.
+DEFER_S = 0.1
 
-class _Batch:
+
+class Batch:
+    """The records of one transaction; ``error`` is set if it was not committed."""
+
     def __init__(self) -> None:
         self.ops: list[Op] = []
         self.undos: list[Undo] = []
@@ -57,8 +69,10 @@ class GroupCommitter:
         failed on a full disk is tried once more after it."""
         self._journal = journal
         self._on_disk_full = on_disk_full
-        self._batch = _Batch()
-        self._wakeup = trio.Event()
+        self._batch = Batch()
+        self._wakeup = trio.Event()  # something is queued
+        self._urgent = trio.Event()  # somebody waits for the queued records
+        self._deadline = math.inf  # when deferred records go out on their own
         self.commits = 0  # number of transactions, for tests and metrics
         self.failures = 0  # transactions that failed (their changes were undone)
 
@@ -74,6 +88,7 @@ class GroupCommitter:
         if undo is not None:
             batch.undos.append(undo)
         self._wakeup.set()
+        self._urgent.set()
         await batch.done.wait()
         if batch.error is not None:
             code = to_errno(batch.error)
@@ -86,6 +101,19 @@ class GroupCommitter:
         loss is harmless: they are dropped if that commit fails)."""
         self._batch.ops.extend(ops)
         self._wakeup.set()
+        self._urgent.set()
+
+    def defer(self, ops: Sequence[Op], undo: Undo) -> Batch:
+        """Queue ``ops`` without waiting or hurrying: they go out with the next :meth:`commit`
+        (in order: later records may build on them) or ``DEFER_S`` from now.  If their
+        transaction fails, ``undo`` runs and the returned batch's ``error`` says why: the
+        caller must look before it reports success for anything built on them."""
+        batch = self._batch
+        batch.ops.extend(ops)
+        batch.undos.append(undo)
+        self._deadline = min(self._deadline, trio.current_time() + DEFER_S)
+        self._wakeup.set()
+        return batch
 
     def pending(self) -> int:
         return len(self._batch.ops)
@@ -96,6 +124,8 @@ class GroupCommitter:
         try:
             while True:
                 await self._wakeup.wait()
+                with trio.move_on_at(self._deadline):
+                    await self._urgent.wait()
                 await self._flush()
         finally:
             with trio.CancelScope(shield=True):
@@ -115,8 +145,8 @@ class GroupCommitter:
             await trio.to_thread.run_sync(self._journal.apply, ops)
 
     async def _flush(self) -> None:
-        self._wakeup = trio.Event()
-        batch, self._batch = self._batch, _Batch()
+        self._wakeup, self._urgent, self._deadline = trio.Event(), trio.Event(), math.inf
+        batch, self._batch = self._batch, Batch()
         try:
             # Shielded: once taken off the queue, a batch is committed or failed, never
             # dropped by a cancellation (trio checks for one before the thread starts).
@@ -126,7 +156,7 @@ class GroupCommitter:
             self.failures += 1
             # The batch that filled meanwhile may build on this one (a file created in
             # a directory made here): it fails too, and is undone first.
-            later, self._batch = self._batch, _Batch()
+            later, self._batch = self._batch, Batch()
             log.error(
                 "event=commit_failed records=%d later_records=%d errno=%s error=%s",
                 len(batch.ops),

@@ -127,8 +127,8 @@ def load(path: Path, command: click.Command) -> ConfigFile:
         seen[_normalize(key)] = key
         if isinstance(value, dict):
             raise ConfigError(f"{at}: a table; every option is a top-level key (e.g. {key.replace('_', '-')} = ...)")
-        if param.multiple and isinstance(value, str):
-            value = [value]
+        if param.multiple and not isinstance(value, list):
+            value = [value]  # one value for a list option (its type is checked below)
         if isinstance(value, list) and not param.multiple:
             raise ConfigError(f"{at}: a list; this option takes one value")
         for item in value if param.multiple else [value]:

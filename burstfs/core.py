@@ -8,7 +8,9 @@ calls only this class (one method per operation).  Tests drive it in-process
 
 Invariants:
 - every namespace change and every close of a changed file is committed to the
-  journal before the call returns;
+  journal before the call returns, but for a new file's name: it rides with the
+  file's close (or fsync, or the next commit), at most ``committer.DEFER_S``
+  later, and a close or fsync fails if that record did;
 - the data of an inode lives in ``LocalTier.path(ino)`` while ``inode.local``;
 - an inode is destroyed (row and data file) only when it has no name, no open
   handle and no kernel lookup reference.
@@ -113,7 +115,9 @@ class BurstCore:
         self.namespace.forget(ino, count)
 
     async def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
-        return await self.namespace.mkdir(parent_ino, name, mode, uid, gid)
+        inode = await self.namespace.mkdir(parent_ino, name, mode, uid, gid)
+        self.listings.made_here(inode)
+        return inode
 
     async def symlink(self, parent_ino: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
         return await self.namespace.symlink(parent_ino, name, target, uid, gid)
@@ -164,7 +168,11 @@ class BurstCore:
         try:
             inode = self.namespace.child(parent, name)
         except FsError as exc:  # maybe another node drained it: look at the remote
-            if exc.errno != errno.ENOENT or not await self.listings.refresh_bounded(self.namespace.dir(parent)):
+            if exc.errno != errno.ENOENT:
+                raise
+            directory = self.namespace.dir(parent)
+            if not await self.listings.refresh_bounded(directory):
+                self._never_listed(directory)
                 raise
             inode = self.namespace.child(parent, name)
         inode.lookups += 1
@@ -192,9 +200,9 @@ class BurstCore:
         undo = Undo()
         undo.add(lambda: self.tier.remove(inode.ino))
         self.namespace.attach(parent, inode, undo)
-        await self.namespace.commit_new(parent, inode, WRITING, undo)
+        self.namespace.defer_new(parent, inode, WRITING, undo)  # journaled with its close
         inode.lookups += 1
-        return await self.data.open_created(inode), inode
+        return await self.data.open_created(inode, flags), inode
 
     async def link(self, ino: int, new_parent_ino: int, new_name: bytes) -> Inode:
         """link(2): another name for a file, symlink or special node (directories: EPERM).
@@ -290,9 +298,19 @@ class BurstCore:
 
     # -- directories ----------------------------------------------------------------
 
+    def _never_listed(self, directory: Inode) -> None:
+        """EIO in a directory of the remote no listing has reached yet (a fresh cache while
+        the remote fails, ``RemoteListings.unseen``): a missing name there is unknown, not
+        absent; ENOENT would tell a restart script there is no checkpoint, and its next save
+        would go over it.  A directory this cache holds entries of, or made, answers from
+        them as ever (a save never waits for a sick remote)."""
+        if self.listings.unseen(directory):
+            raise FsError(errno.EIO, "the remote could not be listed here yet (see burstfs-admin status)")
+
     async def opendir(self, ino: int) -> int:
         inode = self.namespace.dir(ino)
-        await self.listings.refresh_bounded(inode)
+        if not await self.listings.refresh_bounded(inode):
+            self._never_listed(inode)
         fh = next(self._next_fh)
         self.dir_handles[fh] = list(inode.children.items())  # type: ignore[union-attr]
         return fh

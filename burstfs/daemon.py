@@ -35,7 +35,7 @@ from .drainservice import DrainService
 from .errors import BurstfsError, ConfigError, RemoteError
 from .fuse_ops import BurstOperations
 from .headroom import drop_reserve_if_full
-from .journal import Journal
+from .journal import ROOT_INO, Journal
 from .localtier import holds_data
 from .log import setup_logging
 from .metrics import start_metrics
@@ -292,6 +292,8 @@ async def serve(config: MountConfig, ops: BurstOperations, on_ready: Callable[[]
         await nursery.start(serve_control, config, core, drain)
         nursery.start_soon(_stop_on_signals, nursery.cancel_scope)
         nursery.start_soon(set_read_ahead, config.mountpoint, config.read_ahead, ops.initialized)
+        if core.links.fetcher is not None:  # a fresh cache sees the remote's root from the start
+            await core.listings.refresh_bounded(core.namespace.dir(ROOT_INO))
         on_ready()
         systemd.ready(f"mounted at {config.mountpoint}")
         nursery.start_soon(systemd.keep_alive)

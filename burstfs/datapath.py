@@ -189,6 +189,18 @@ class DataPath:
         elif inode.digests is not None and size != inode.digests.size:
             inode.digests = None  # the drain hashes the staged bytes instead
 
+    @staticmethod
+    def _check_created(inode: Inode) -> None:
+        """A close or fsync fails if the file's deferred create record was not committed
+        (``Namespace.defer_new``): its name is gone again, and success would be a lie."""
+        batch = inode.unjournaled
+        if batch is None:
+            return
+        if batch.error is not None:
+            raise FsError(to_errno(batch.error), f"the file's creation could not be journaled: {batch.error}")
+        if batch.done.is_set():
+            inode.unjournaled = None
+
     def writers_open(self) -> bool:
         """Whether any file is open for writing (any thread: one snapshot of the handle table)."""
         return any(handle.writable for handle in list(self.handles.values()))
@@ -225,7 +237,7 @@ class DataPath:
                 # Through a read-only handle (Linux truncates on O_RDONLY | O_TRUNC) no close
                 # will publish the change: journal it at once, as truncate(2) does.
                 await self.setattr(ino, size=0, fh=fh if writable else None)
-            await self._choose_io_path(inode, self.handles[fh])
+            await self._choose_io_path(inode, self.handles[fh], flags)
         except BaseException:
             self._drop_handle(fh)  # the open fails: no release will come for it
             raise
@@ -238,9 +250,16 @@ class DataPath:
         self.tier.release(handle.inode.ino)
         self.namespace.maybe_destroy(handle.inode)
 
-    async def _choose_io_path(self, inode: Inode, handle: Handle) -> None:
+    async def _choose_io_path(self, inode: Inode, handle: Handle, flags: int) -> None:
         """Open ``handle`` direct when it can be (:meth:`IOPaths.open_direct`); a direct
-        writer journals the file as being written before any byte can land."""
+        writer journals the file as being written before any byte can land.
+
+        An ``O_DIRECT`` open comes to the daemon (unless the file is open direct already:
+        the kernel does not mix the two): through passthrough the tier's file system would
+        ask for aligned buffers and offsets (ext4, XFS: EINVAL), which SEMANTICS promises
+        nobody."""
+        if flags & os.O_DIRECT and not (inode.direct and inode.direct.handles):
+            return
         if not self.io_paths.open_direct(inode, handle) or not handle.writable:
             return
         direct = inode.direct
@@ -254,10 +273,10 @@ class DataPath:
             direct.reopened_clean = False  # the open fails; a later close publishes normally
             raise
 
-    async def open_created(self, inode: Inode) -> int:
-        """The handle of a file ``create`` just made and journaled."""
+    async def open_created(self, inode: Inode, flags: int) -> int:
+        """The handle of a file ``create`` just made (its row deferred to the next commit)."""
         fh = self._open_handle(inode, writable=True)
-        await self._choose_io_path(inode, self.handles[fh])
+        await self._choose_io_path(inode, self.handles[fh], flags)
         return fh
 
     def backing_id(self, fh: int) -> int:
@@ -366,6 +385,7 @@ class DataPath:
         if handle is None or not handle.writable:
             return
         inode = handle.inode
+        self._check_created(inode)
         self.adopt_direct_writes(inode)  # passthrough writes since the last close make it dirty
         if not self.publisher.unpublished(inode):
             return
@@ -408,6 +428,7 @@ class DataPath:
     async def fsync(self, fh: int, datasync: bool) -> None:
         handle = self.handles[fh]
         inode = handle.inode
+        self._check_created(inode)
         fd = self.tier.fd(inode.ino)
         assert fd is not None
         await trio.to_thread.run_sync(os.fdatasync if datasync else os.fsync, fd)

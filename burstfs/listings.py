@@ -39,6 +39,9 @@ FIRST_LISTING_WAIT = 10.0
 LISTING_TIMEOUT = 30.0
 #: After a listing failed or was slow, requests wait for none for this long.
 LISTING_BACKOFF = 30.0
+#: A directory of the remote no listing has reached yet (``unseen``) is listed again this
+#: soon after a failed attempt, not after the TTL: its lookups fail with EIO meanwhile.
+UNSEEN_RETRY_S = 1.0
 
 
 class Tombstones:
@@ -97,6 +100,7 @@ class RemoteListings:
         # directory -> listing in flight: (done, [merged], trio time it started, how long requests wait)
         self._in_flight: dict[int, tuple[trio.Event, list[bool], float, float]] = {}
         self._skipped_logged: set[str] = set()  # listed keys already logged as skipped
+        self._seen: set[int] = set()  # directories listed (merged) in this life, or made here
 
     async def refresh_bounded(self, directory: Inode) -> bool:
         """:meth:`refresh` for a request: wait at most ``wait`` for it.
@@ -114,7 +118,7 @@ class RemoteListings:
         pending = self._in_flight.get(directory.ino)
         now = time.monotonic()
         if pending is None:
-            if now - directory.listed_at < self.ttl:
+            if not self._due(directory, now):
                 return False
             never_listed = directory.listed_at == NEVER_LISTED
             wait = max(self.wait, self.first_wait) if never_listed else self.wait
@@ -173,7 +177,7 @@ class RemoteListings:
         node's new one.  The merge is one commit, applied to memory with it.
         """
         now = time.monotonic()
-        if self.links.fetcher is None or (now - directory.listed_at < self.ttl and not force):
+        if self.links.fetcher is None or (not self._due(directory, now) and not force):
             return False
         directory.listed_at = now
         dir_key = self.namespace.path_of(directory)
@@ -261,7 +265,22 @@ class RemoteListings:
                     gone.pending -= 1
             for gone in forgotten:
                 self.namespace.maybe_destroy(gone)
+        self._seen.add(directory.ino)
         return True
+
+    def made_here(self, directory: Inode) -> None:
+        """``directory`` was just made on this node: what it holds is known (nothing)."""
+        self._seen.add(directory.ino)
+
+    def unseen(self, directory: Inode) -> bool:
+        """``directory`` holds nothing here, was not made here, and no listing of it was
+        merged since the mount started: what is in it is not known (core.lookup answers
+        EIO, not ENOENT)."""
+        return self.links.fetcher is not None and not directory.children and directory.ino not in self._seen
+
+    def _due(self, directory: Inode, now: float) -> bool:
+        ttl = min(self.ttl, UNSEEN_RETRY_S) if self.unseen(directory) else self.ttl
+        return now - directory.listed_at >= ttl
 
     def _listed_name(self, dir_key: str, name: str, at_root: bool) -> bytes | None:
         """The file name a listed key stands for; None for the remote's own ``.burstfs``.

@@ -21,7 +21,6 @@ import xxhash
 
 from .digests import chunk_count
 from .errors import CorruptDataError, ManifestError
-from .remote import INTERNAL_DIR
 
 log = logging.getLogger("burstfs.objects")
 
@@ -47,11 +46,6 @@ _INT64 = 1 << 63
 #: A chunk is stored compressed only if lz4 saves at least this fraction: below
 #: that, decompressing on every read costs more than the bytes it saves.
 MIN_COMPRESSION_SAVING = 0.10
-
-
-def manifest_key(key: str) -> str:
-    """Where the manifest of ``key`` lives on the remote."""
-    return f"{INTERNAL_DIR}/manifests/{key}.json"
 
 
 @dataclass(frozen=True)

@@ -182,6 +182,7 @@ class Namespace:
                 if inode.kind == "dir":
                     parent.subdirs -= 1
             self.inodes.pop(inode.ino, None)
+            inode.parent = 0  # a new file's handle may be open already: it is unlinked now
             parent.mtime_ns, parent.ctime_ns = times
 
         undo.add(unlink)
@@ -192,6 +193,15 @@ class Namespace:
     async def commit_new(self, parent: Inode, inode: Inode, state: FileState, undo: Undo) -> None:
         """Journal a name just made; on failure it is gone again (no ghost in memory)."""
         await self.committer.commit([insert_inode_op(self.row(inode, state)), self.touch_parent_op(parent)], undo=undo)
+
+    def defer_new(self, parent: Inode, inode: Inode, state: FileState, undo: Undo) -> None:
+        """Journal a new file's name with the next commit (its close, an fsync, any later
+        change of the namespace) instead of now: a crash before that loses only a file that
+        was never closed, as a local file system loses a new name its directory was not
+        fsync'd for.  ``inode.unjournaled`` says whether the record failed."""
+        inode.unjournaled = self.committer.defer(
+            [insert_inode_op(self.row(inode, state)), self.touch_parent_op(parent)], undo
+        )
 
     async def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
         parent = self.dir(parent_ino)

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import trio
 
 from .digests import StreamingDigests
+
+if TYPE_CHECKING:
+    from .committer import Batch
 
 NAME_MAX = 255
 #: The remote's own directory (manifests, layout) at the root of the prefix: no
@@ -55,6 +59,7 @@ class Inode:
     generation: int = 0
     dirty: bool = False  # changed since its last journaled close
     new: bool = False  # created here and not yet journaled as closed (its row says writing)
+    unjournaled: Batch | None = None  # created, its row deferred to this batch (GroupCommitter.defer)
     local: bool = True  # data complete on the local tier
     lookups: int = 0  # kernel references (lookup/forget)
     handles: int = 0  # open file handles

@@ -32,8 +32,9 @@ from . import manifest as manifest_format
 from .digests import FileDigests, StreamingDigests, WholeFileDigest, chunk_count, compute_digests
 from .errors import OBJECT, CorruptDataError, ManifestError, RemoteError, RemoteNotFound, UploadCancelled, error_scope
 from .fileio import pread_full
-from .manifest import ChunkInfo, Manifest, StoredChunk, decode_chunk, encode_chunk, manifest_key
+from .manifest import ChunkInfo, Manifest, StoredChunk, decode_chunk, encode_chunk
 from .remote import Remote, RetryPolicy, UploadedPart, fail_fast_group, run_workers
+from .remote.base import manifest_key
 
 # The objects layer's names, wherever they are defined (callers import them from here).
 __all__ = [

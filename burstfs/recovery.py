@@ -14,11 +14,14 @@ import stat
 import time
 
 from .journal import (
+    DRAINING,
+    DURABLE,
     INCOMPLETE,
     META,
     NOT_LOCAL,
     REMOTE,
     ROOT_INO,
+    STAGED,
     WRITING,
     InodeRow,
     Journal,
@@ -32,6 +35,9 @@ from .localtier import LocalTier
 from .nodes import Inode
 
 log = logging.getLogger("burstfs.namespace")
+
+#: Closed, with a local copy that is that close's bytes.
+CLOSED_LOCAL = frozenset({STAGED, DRAINING, DURABLE})
 
 
 def recover(journal: Journal, tier: LocalTier) -> tuple[dict[int, Inode], int]:
@@ -67,13 +73,18 @@ def recover(journal: Journal, tier: LocalTier) -> tuple[dict[int, Inode], int]:
         if row.parent == 0 and row.ino not in linked:  # unlinked while open when the daemon stopped
             ops.extend(drop_unlinked_ops(row.ino))
             continue
+        why = None
         if row.state == WRITING:
+            why = "open for writing when the daemon stopped"
+        elif row.kind == "file" and row.state in CLOSED_LOCAL and _written_after_close(tier, row):
+            why = "written after its last close when the daemon stopped"
+        if why is not None:
             # The data file is all there is of it: show its length, so that the bytes
             # can be inspected and a later extension reads zeros, not stale bytes.
             row.size = tier.data_size(row.ino)
-            row.state, row.error = INCOMPLETE, "open for writing when the daemon stopped"
+            row.state, row.error = INCOMPLETE, why
             ops.extend(recovered_incomplete_ops(row.ino, row.size, row.error))
-            log.warning("event=recover_incomplete ino=%d name=%s", row.ino, row.name)
+            log.warning("event=recover_incomplete ino=%d name=%s reason=%r", row.ino, row.name, why)
         inodes[row.ino] = inode_from_row(row)
     for ino, name, value in journal.xattrs():
         if ino in inodes:
@@ -102,6 +113,20 @@ def recover(journal: Journal, tier: LocalTier) -> tuple[dict[int, Inode], int]:
         journal.apply(ops)
     log.info("event=recovered inodes=%d", len(inodes))
     return inodes, last_row
+
+
+def _written_after_close(tier: LocalTier, row: InodeRow) -> bool:
+    """The data file of a closed file changed after its last record: a descriptor of it
+    stayed open for writing past a close of another one (``cmd > file``, a forked child)
+    or past an fsync, and with passthrough the kernel went on writing there without the
+    daemon.  Its bytes are no closed version (the journal has another size, or older
+    times): drained, they would publish a mix.  Times written before the record are never
+    later than it (the kernel's file times are coarse, never ahead of the clock)."""
+    try:
+        st = os.stat(tier.path(row.ino), follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return st.st_size != row.size or st.st_mtime > row.updated
 
 
 def inode_from_row(row: InodeRow) -> Inode:

@@ -110,10 +110,14 @@ class FaultProxy:
         """Hold the response to the next ``n`` matching requests for ``seconds``."""
         self._add(_Rule("delay", n, match, seconds=seconds))
 
-    def blackhole(self) -> None:
+    def blackhole(self, *, reading: bool = True) -> None:
         """From now on, accept connections and read requests but never answer them
         (a hung server, or a firewall that drops packets after the handshake).
+        ``reading=False``: read nothing either, so a client's send of a body larger than
+        the socket buffers stalls (a peer whose receive window stays shut).
         ``resume()`` resets the connections held so far."""
+        with self._lock:
+            self._blackhole_reads = reading
         self._set_mode("blackhole")
 
     def pause(self) -> None:
@@ -262,7 +266,7 @@ class FaultProxy:
             self.requests.append(f"({mode})")
         try:
             while self._held_mode() == mode or (mode == "blackhole" and self._silent_heal):
-                if mode == "blackhole":
+                if mode == "blackhole" and self._blackhole_reads:
                     try:
                         chunk = await asyncio.wait_for(reader.read(1 << 16), 0.05)
                     except TimeoutError:

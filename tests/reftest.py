@@ -58,6 +58,8 @@ FAST_MOVER_TIMING = {
     "HALT_PROBE_S": 0.02,
     "COALESCE_S": 0.001,
     "STALE_UPLOAD_RETRY_S": 0.02,
+    "BURST_GAP_S": 0.005,
+    "BURST_MAX_S": 0.05,
 }
 # Retries short enough that a few injected failures cost milliseconds.
 FAST_RETRY = RetryPolicy(attempts=4, base_delay=0.001, max_delay=0.005)

@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 from conftest import BIN, FUSE_OK, MountedFS, burstfs, wait_for
 
+from burstfs.committer import DEFER_S
+
 pytestmark = pytest.mark.fuse
 
 ADMIN = str(BIN / "burstfs-admin")
@@ -71,6 +73,7 @@ def held_open(path: Path) -> Iterator[subprocess.Popen[str]]:
     )
     try:
         assert writer.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
+        time.sleep(3 * DEFER_S)  # a new file's name is journaled at most DEFER_S after its create
         yield writer
     finally:
         if writer.poll() is None:

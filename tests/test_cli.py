@@ -17,6 +17,7 @@ import pytest
 from conftest import BIN, FUSE_OK, MountedFS, burstfs, force_unmount, is_mounted, wait_for
 
 from burstfs.cachelock import secure_cache_dir
+from burstfs.committer import DEFER_S
 from burstfs.config import MountConfig, parse_remote_url
 from burstfs.daemon import preflight
 from burstfs.errors import ConfigError
@@ -141,6 +142,24 @@ def test_a_bad_aws_endpoint_url_is_refused_and_named(dirs: tuple[Path, Path, str
     result = admin("latest", "--remote", "s3://bkt/p", env=env)
     assert result.returncode == USAGE and "AWS_ENDPOINT_URL 'garbage'" in one_line(result.stderr), result.stderr
     assert not cache.exists() and not is_mounted(mnt)
+
+
+@pytest.mark.parametrize("scheme", ["https://", "http://admin:hunter2@"])
+def test_an_endpoint_that_is_not_s3_as_configured_is_one_line(
+    dirs: tuple[Path, Path, str], s3_env: str, scheme: str
+) -> None:
+    """TLS to a port that speaks plain HTTP (moto here), or credentials in the URL (S3 signs
+    with the AWS ones): the mount says it cannot talk to the endpoint in one line, the
+    password hidden (it printed botocore's SSLError / HTTPClientError traceback)."""
+    mnt, cache, _ = dirs
+    endpoint = s3_env.replace("http://", scheme)
+    result = burstfs(
+        "mount", str(mnt), "--cache", str(cache), "--remote", "s3://bkt/p", "--endpoint-url", endpoint, check=False
+    )
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    shown = endpoint.replace("hunter2", "***")
+    assert f"cannot talk to s3://bkt/p (endpoint {shown})" in one_line(result.stderr), result.stderr
+    assert "hunter2" not in result.stderr and not is_mounted(mnt)
 
 
 def test_a_bad_endpoint_url_does_not_show_its_password(dirs: tuple[Path, Path, str]) -> None:
@@ -550,6 +569,7 @@ def test_unmount_after_a_crash_counts_incomplete_files_apart(mounted_factory: ty
     )
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+        time.sleep(3 * DEFER_S)  # a new file's name is journaled at most DEFER_S after its create
         pid = fs.daemon_pid()
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10

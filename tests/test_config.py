@@ -147,6 +147,7 @@ def test_a_minimal_file_and_the_command_line_build_the_same_tree(tmp_path: Path)
         ("concurrency = 8.7\n", 1, "concurrency", "expected a whole number, not 8.7"),
         ("max-files = true\n", 1, "max-files", "expected a whole number, not true"),
         ("commit-marker = [1, 2]\n", 1, "commit-marker", "expected a string (or a list of them), not 1"),
+        ("commit-marker = 5\n", 1, "commit-marker", "expected a string (or a list of them), not 5"),
         ('foreground = "yes"\n', 1, "foreground", 'expected true or false, not "yes"'),
         ('list-ttl = "5"\n', 1, "list-ttl", 'expected a number, not "5"'),
         ("part-size = 8.5\n", 1, "part-size", "expected a size"),

@@ -22,6 +22,7 @@ import pytest
 import trio
 
 from burstfs import reaper
+from burstfs.committer import DEFER_S
 from burstfs.config import TierOptions
 from burstfs.core import BurstCore
 from burstfs.errors import BurstfsError
@@ -105,7 +106,9 @@ async def read_all(core: BurstCore, ino: int) -> bytes:
 def test_create_write_read_flush_is_journaled(tmp_path: Path) -> None:
     async def body(core: BurstCore) -> int:
         fh, inode = await core.create(ROOT_INO, b"model.pt", 0o640, os.O_WRONLY, UID, GID)
-        # Created: journaled at once, as a file being written.
+        # Created: journaled with the next commit, at most DEFER_S later, as a file being written.
+        assert db_rows(tmp_path, "SELECT state, size FROM inodes WHERE name=?", (b"model.pt",)) == []
+        await trio.sleep(DEFER_S * 1.5)
         assert db_rows(tmp_path, "SELECT state, size FROM inodes WHERE name=?", (b"model.pt",)) == [(WRITING, 0)]
         await core.write(fh, 0, b"hello ")
         await core.write(fh, 6, b"world" * 20000)  # >= 64 KiB: goes through a worker thread
@@ -126,6 +129,23 @@ def test_create_write_read_flush_is_journaled(tmp_path: Path) -> None:
     ino = run(tmp_path, body)
     events = [e for (e,) in db_rows(tmp_path, "SELECT event FROM events WHERE ino=?", (ino,))]
     assert events == ["closed"]
+
+
+def test_a_small_file_costs_one_journal_commit(tmp_path: Path) -> None:
+    """create + write + close of a new file: its row rides with the close's commit."""
+
+    async def body(core: BurstCore) -> None:
+        before = core.committer.commits
+        for i in range(50):
+            fh, _ = await core.create(ROOT_INO, f"f{i}".encode(), 0o644, os.O_WRONLY, UID, GID)
+            await core.write(fh, 0, b"x" * 4096)
+            await core.flush(fh)
+            await core.release(fh)
+        assert core.committer.commits - before <= 50
+        rows = db_rows(tmp_path, "SELECT state, size FROM inodes WHERE kind='file'")
+        assert rows == [(STAGED, 4096)] * 50
+
+    run(tmp_path, body)
 
 
 def test_empty_new_file_is_journaled_at_close(tmp_path: Path) -> None:

@@ -72,6 +72,7 @@ from typing import Any  # noqa: E402
 import trio  # noqa: E402
 from test_core import open_core  # noqa: E402
 
+from burstfs.committer import DEFER_S  # noqa: E402
 from burstfs.core import BurstCore, Inode  # noqa: E402
 from burstfs.errors import BurstfsError  # noqa: E402
 from burstfs.journal import ROOT_INO, Journal, Op  # noqa: E402
@@ -193,8 +194,10 @@ def test_failed_commits_leave_memory_equal_to_the_journal(tmp_path: Path) -> Non
         await core.mkdir(ckpt.ino, b"empty", 0o755, UID, GID)
         before = namespace(core)
 
+        ghost, _ = await core.create(ckpt.ino, b"ghost", 0o644, os.O_WRONLY, UID, GID)  # journaled with its close
         with fails_with(core):
-            await core.create(ckpt.ino, b"ghost", 0o644, os.O_WRONLY, UID, GID)
+            await core.flush(ghost)
+        await core.release(ghost)
         with fails_with(core):
             await core.mkdir(ckpt.ino, b"ghostdir", 0o755, UID, GID)
         with fails_with(core):
@@ -240,21 +243,52 @@ def test_failed_commits_leave_memory_equal_to_the_journal(tmp_path: Path) -> Non
 
 def test_failed_close_keeps_the_file_unpublished_and_a_later_close_publishes_it(tmp_path: Path) -> None:
     async def body(core: BurstCore) -> None:
-        fh, inode = await core.create(ROOT_INO, b"model.pt", 0o644, os.O_WRONLY, UID, GID)
+        ino = await write_file(core, ROOT_INO, b"model.pt", b"")
+        fh = await core.open(ino, os.O_WRONLY)
+        inode = core.namespace.inode(ino)
         await core.write(fh, 0, b"weights")
         with fails_with(core):
             await core.flush(fh)  # close(2) gets ENOSPC
-        assert (inode.generation, inode.dirty or inode.new) == (0, True)  # no generation bump
+        assert (inode.generation, inode.dirty) == (1, True)  # no generation bump
         with fails_with(core):
             await core.fsync(fh, False)
-        assert inode.generation == 0
+        assert inode.generation == 1
         await core.flush(fh)  # space is back: the next close publishes it
         await core.release(fh)
-        assert inode.generation == 1 and inode.digests is None
+        assert inode.generation == 2 and inode.digests is None
 
     run_flaky(tmp_path, body)
     restarted = restarted_namespace(tmp_path)
-    assert restarted["/model.pt"][-2:] == (1, b"weights")
+    assert restarted["/model.pt"][-2:] == (2, b"weights")
+
+
+@pytest.mark.parametrize("fails", ["with its close", "on its own"])
+def test_a_new_file_whose_create_record_fails_is_gone_and_its_close_says_so(tmp_path: Path, fails: str) -> None:
+    """A create's record is deferred to the next commit (its close) or DEFER_S: if that
+    transaction fails, the name is gone again and close(2) and fsync(2) fail: nobody is
+    told a file was saved that the journal never had."""
+
+    async def body(core: BurstCore) -> None:
+        journal: FlakyJournal = core.journal  # type: ignore[assignment]
+        fh, inode = await core.create(ROOT_INO, b"model.pt", 0o644, os.O_WRONLY, UID, GID)
+        await core.write(fh, 0, b"weights")
+        journal.fail_next = 1
+        if fails == "on its own":
+            await trio.sleep(DEFER_S * 3)  # the deferred record went out alone, and failed
+            assert journal.fail_next == 0
+        for call in (lambda: core.flush(fh), lambda: core.fsync(fh, False), lambda: core.flush(fh)):
+            with pytest.raises(BurstfsError) as raised:
+                await call()
+            assert raised.value.errno == errno.ENOSPC
+        await core.release(fh)
+        assert inode.generation == 0
+        with pytest.raises(BurstfsError):
+            core.namespace.child(ROOT_INO, b"model.pt")
+        await write_file(core, ROOT_INO, b"other", b"later files are journaled as ever")
+
+    run_flaky(tmp_path, body)
+    assert set(restarted_namespace(tmp_path)) == {"", "/other"}
+    assert len(list((tmp_path / "data").iterdir())) == 1  # no data file of the lost create
 
 
 def test_a_failed_commit_also_undoes_what_was_built_on_it(tmp_path: Path) -> None:
@@ -530,6 +564,7 @@ def test_a_slow_listing_does_not_hold_a_lookup(tmp_path: Path) -> None:
     answers from what is local; the listing merges when it arrives."""
 
     async def body(core: BurstCore) -> None:
+        await write_file(core, ROOT_INO, b"mine", b"local")  # this node holds entries here
         remote = FakeRemote({"": ([("late", 4, 1.0)], [])})
         release = trio.Event()
         remote.during_list = release.wait  # a remote that does not answer
@@ -543,12 +578,38 @@ def test_a_slow_listing_does_not_hold_a_lookup(tmp_path: Path) -> None:
             except BurstfsError as exc:
                 assert exc.errno == errno.ENOENT
             fh = await core.opendir(ROOT_INO)  # answered from local entries too
-            assert core.readdir(fh, 0) == []
+            assert [name for name, _ in core.readdir(fh, 0)] == [b"mine"]
             core.releasedir(fh)
             release.set()
             while b"late" not in core.namespace.inode(ROOT_INO).children:  # type: ignore[operator]
                 await trio.sleep(0.01)
         assert (await core.lookup(ROOT_INO, b"late")).size == 4
+
+    run_flaky(tmp_path, body)
+
+
+def test_an_unseen_directory_of_the_remote_answers_eio_until_a_listing_lands(tmp_path: Path) -> None:
+    """A fresh cache's root, holding nothing here, whose listing does not land: a missing
+    name is unknown there, not absent (EIO, not ENOENT); once a listing lands, it is found."""
+
+    async def body(core: BurstCore) -> None:
+        remote = FakeRemote({"": ([("ckpt.pt", 4, 1.0)], [])})
+        release = trio.Event()
+        remote.during_list = release.wait  # a remote that does not answer
+        listed(core, remote)
+        core.listings.wait = core.listings.first_wait = 0.05
+        with trio.fail_after(10):
+            for call in (lambda: core.lookup(ROOT_INO, b"ckpt.pt"), lambda: core.opendir(ROOT_INO)):
+                with pytest.raises(BurstfsError) as unknown:
+                    await call()
+                assert unknown.value.errno == errno.EIO
+            release.set()
+            while b"ckpt.pt" not in core.namespace.inode(ROOT_INO).children:  # type: ignore[operator]
+                await trio.sleep(0.01)
+        assert (await core.lookup(ROOT_INO, b"ckpt.pt")).size == 4
+        with pytest.raises(BurstfsError) as absent:  # listed now: a missing name is absent
+            await core.lookup(ROOT_INO, b"other.pt")
+        assert absent.value.errno == errno.ENOENT
 
     run_flaky(tmp_path, body)
 

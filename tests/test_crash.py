@@ -147,6 +147,40 @@ def test_kill_9_loses_nothing_closed(burst: MountedFS) -> None:
     assert p.read_bytes() == b"complete now"
 
 
+@pytest.mark.parametrize("publish", ["a dup closed", "fsync"])
+def test_kill_9_of_a_file_still_written_after_a_close_or_fsync_is_incomplete(burst: MountedFS, publish: str) -> None:
+    """A close of one descriptor (a forked child's exec, ``cmd > file``) or an fsync journals
+    the file while it stays open; bytes written after that are no closed version: after a
+    crash the file is incomplete (with every byte that reached the tier), never drained as
+    a mix of the journaled size and later bytes (with passthrough the kernel writes them to
+    the tier without the daemon)."""
+    p = burst.path / "ckpt.pt"
+    fd = os.open(p, os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(fd, b"part1-")
+    if publish == "fsync":
+        os.fsync(fd)
+    else:
+        os.close(os.dup(fd))  # a FLUSH, as a child's exec sends
+    later = b"part2-never-closed" * 1000
+    os.write(fd, later)
+    ino = os.fstat(fd).st_ino
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # through the daemon: start writeback
+    wait_for_tier_size(burst.cache, ino, 6 + len(later))
+    burst.kill()
+    try:
+        os.close(fd)
+    except OSError:
+        pass  # the connection is gone
+    burst.mount()
+    assert journal_state(burst.cache, "ckpt.pt") == ["incomplete"]
+    assert os.getxattr(p, "user.burstfs.state") == b"incomplete"
+    assert p.read_bytes() == b"part1-" + later
+    assert os.stat(p).st_size == 6 + len(later)
+    time.sleep(0.5)  # the drain had its chance
+    published = burst.remote_dir / "ckpt.pt"
+    assert not published.exists() or published.read_bytes() == b"part1-"  # at most the fsync'd version
+
+
 def test_kill_9_after_a_thousand_small_files(burst: MountedFS) -> None:
     d = burst.path / "shards"
     d.mkdir()

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 
 import pytest
 from conftest import BIN, MountedFS, RemoteTarget, file_state, journal_rows, wait_for
+
+from burstfs.objects import manifest_key
 
 pytestmark = pytest.mark.fuse
 
@@ -29,6 +32,31 @@ def test_closed_files_drain_byte_identical_with_manifest(remote_mount: MountedFS
         assert os.getxattr(remote_mount.path / path, "user.burstfs.digest").decode() == manifest["digest"]
     assert os.getxattr(remote_mount.path / "step1/model.pt", "user.burstfs.state") == b"durable"
     assert remote.multipart_uploads() == []
+
+
+def test_names_of_up_to_255_bytes_drain_and_read_back_on_a_fresh_node(
+    remote_mount: MountedFS, remote: RemoteTarget, mounted_factory: type[MountedFS]
+) -> None:
+    """A manifest whose name would pass NAME_MAX (a 251-255 byte file name and ``.json``)
+    goes by a digest of the name: the file drains (it used to fail on a file remote:
+    bad_key) and a fresh node reads it back verified."""
+    names = ["l" * 250, "m" * 251, "é" * 127 + "n", "o" * 255]  # bytes: 250, 251, 255, 255
+    (remote_mount.path / "step").mkdir()
+    contents = {name: os.urandom(7 << 20) for name in names}  # multipart on S3 (--part-size 5M)
+    for name, data in contents.items():
+        (remote_mount.path / "step" / name).write_bytes(data)
+    wait_for(lambda: durable(remote_mount, *names), what="drain")
+    for name, data in contents.items():
+        assert remote.read(f"step/{name}") == data
+        assert json.loads(remote.read(manifest_key(f"step/{name}")) or b"{}")["key"] == f"step/{name}"
+    if remote.directory is not None:  # made 0600, then given the mode its manifest records
+        assert stat.S_IMODE(os.stat(remote.directory / "step" / names[-1]).st_mode) == 0o644
+    fresh = mounted_factory("node2", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    fresh.mount()
+    for name, data in contents.items():
+        assert (fresh.path / "step" / name).read_bytes() == data
+    os.unlink(remote_mount.path / "step" / names[-1])  # its manifest goes with it
+    wait_for(lambda: remote.read(manifest_key(f"step/{names[-1]}")) is None, what="the delete")
 
 
 def test_commit_marker_drains_after_the_files_closed_before_it(remote_mount: MountedFS, remote: RemoteTarget) -> None:
@@ -180,6 +208,7 @@ def test_fsync_remote_fails_with_eio_when_the_bucket_is_gone(
         pytest.skip("a missing bucket is an S3 failure")
     fs = mounted_factory("nobucket", remote.url, (*remote.extra_args, "--fsync", "remote"))  # type: ignore[call-arg]
     fs.mount()
+    assert os.listdir(fs.path) == []  # listed while the bucket is there (an unseen root answers EIO)
     remote._client().delete_bucket(Bucket=remote.bucket)
     fs.expect_log("drain_halted")
     fs.expect_log("drain_retry")

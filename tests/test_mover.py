@@ -208,6 +208,47 @@ def test_large_uploads_yield_to_a_new_writer_and_small_files_do_not(tmp_path: Pa
     assert user_keys(tmp_path) == {"big.bin", "small.bin", "next_rank.bin"}
 
 
+async def keep_bursting(mover: Mover, seconds: float) -> None:
+    """Writers open and close files without a pause (as the FUSE thread stamps them)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        mover.bursts.touch()
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("ends", ["pause", "bound", "drain --now"])
+def test_no_upload_starts_during_a_burst_of_writers_until_it_pauses_or_is_too_long(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ends: str
+) -> None:
+    """A burst buffer absorbs the burst first; a burst that never pauses is absorbed only
+    for BURST_MAX_S, and `drain --now` does not wait for it."""
+    monkeypatch.setattr(mover_timing, "BURST_GAP_S", 1.0)  # a stalled test loop is no pause
+    monkeypatch.setattr(mover_timing, "BURST_MAX_S", 1.5 if ends == "bound" else 60.0)
+    mover, front, remote = make_mover(tmp_path)
+
+    async def scenario() -> None:
+        await until(lambda: mover.running, "the mover running")
+        burst = asyncio.create_task(keep_bursting(mover, 60.0))
+        try:
+            await asyncio.sleep(0.1)
+            small = [front.write(f"step/shard{i}", b"s" * 4096) for i in range(5)]
+            large = front.write("step/big.bin", os.urandom(2 * PART + 1))
+            mover.wake()
+            await asyncio.sleep(1.0)  # well inside the burst (and its bound)
+            assert not remote.calls, remote.calls
+            if ends == "pause":
+                burst.cancel()
+            elif ends == "drain --now":
+                mover.drain_now()
+            await until(lambda: all(front.row(ino).state == DURABLE for ino in [*small, large]), "the files durable")
+        finally:
+            burst.cancel()
+        await settle(mover, front)
+
+    run_mover(mover, scenario)
+    assert len(user_keys(tmp_path)) == 6
+
+
 def test_rename_during_upload_keeps_the_new_file_at_the_old_name(tmp_path: Path) -> None:
     """model.pt uploads; renamed to model_100.pt; a new model.pt is saved: both survive."""
     mover, front, remote = make_mover(tmp_path)

@@ -164,6 +164,66 @@ def test_a_healed_black_hole_drains_without_a_restart_and_reads_fail_in_bounded_
     proxy.resume()
 
 
+def test_a_healed_black_hole_that_read_nothing_drains_a_large_put_without_a_restart(
+    mounted_factory: type[MountedFS], s3_proxy: tuple[FaultProxy, str]
+) -> None:
+    """The remote accepts connections and reads nothing (its receive window stays shut): the
+    send of a 12 MiB PUT body stalls, where no read timeout applies. After the heal the
+    connection stays silent; the PUT is given up after its send deadline and sent again on a
+    new connection (it used to wait for good: only a restart drained it)."""
+    proxy, url = s3_proxy
+    fs = _mount(mounted_factory, proxy, url, "passthrough", "--part-size", "12M")
+    fs.expect_log("remote retry")
+    fs.expect_log("event=request_failed")
+    proxy.blackhole(reading=False)
+    data = os.urandom(12 << 20)
+    (fs.path / "ckpt").mkdir()
+    (fs.path / "ckpt" / "model.pt").write_bytes(data)
+    wait_for(lambda: proxy.held >= 2, timeout=60, what="the intent and the PUT stuck in the black hole")
+    proxy.resume(silently=True)
+    result = subprocess.run(
+        [str(BIN / "burstfs-admin"), "wait", "--timeout", "100", str(fs.path / "ckpt")], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_fresh_node_that_cannot_list_the_remote_says_eio_not_enoent(
+    mounted_factory: type[MountedFS], s3_proxy: tuple[FaultProxy, str]
+) -> None:
+    """Node B mounts a fresh cache, then the remote hangs: a checkpoint it cannot see is
+    unknown, not absent. ENOENT (and an empty ls) told a restart script there was no
+    checkpoint, and its next save went over node A's on the remote."""
+    proxy, url = s3_proxy
+    a = mounted_factory("node-a", url, ("--endpoint-url", proxy.endpoint))  # type: ignore[call-arg]
+    a.mount()
+    (a.path / "ckpt").mkdir()
+    original = os.urandom(1 << 20)
+    (a.path / "ckpt" / "step_100.pt").write_bytes(original)
+    _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "25", str(a.path / "ckpt")], "node A's drain")
+    b = mounted_factory("node-b", url, ("--endpoint-url", proxy.endpoint))  # type: ignore[call-arg]
+    b.mount()
+    b.expect_log("event=list_failed")
+    b.expect_log("event=listing_slow")
+    proxy.blackhole()
+    assert os.listdir(b.path) == ["ckpt"]  # the root was listed at mount: ckpt is the remote's
+    for probe in (["stat", str(b.path / "ckpt" / "step_100.pt")], ["ls", str(b.path / "ckpt")]):
+        result = subprocess.run(probe, capture_output=True, text=True, timeout=BOUND_S)
+        assert result.returncode != 0 and "Input/output error" in result.stderr, (probe, result.stderr)
+    with pytest.raises(OSError) as refused:
+        (b.path / "ckpt" / "step_100.pt").write_bytes(b"a fresh start, over the checkpoint")
+    assert refused.value.errno == errno.EIO
+    proxy.resume()
+
+    def visible() -> bool:
+        try:
+            return (b.path / "ckpt" / "step_100.pt").exists()
+        except OSError:  # EIO until a listing lands
+            return False
+
+    wait_for(visible, timeout=60, what="the listing after the heal")
+    assert (b.path / "ckpt" / "step_100.pt").read_bytes() == original
+
+
 def test_status_counts_a_sparse_file_by_its_allocated_bytes(mounted_factory: type[MountedFS]) -> None:
     """Issue 11 #4: 'burstfs holds' is what the data files take, not their logical sizes."""
     fs = mounted_factory("sparse", None, ("--no-passthrough",))  # type: ignore[call-arg]

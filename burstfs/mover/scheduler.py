@@ -29,6 +29,7 @@ from ..remote import Remote, open_remote
 from ..restore import LAYOUT_KEY, READ_RETRY, RestoreService
 from ..status import LOCAL_TIER_KIND
 from . import timing
+from .bursts import WriterBursts
 from .keymoves import KeyMoves
 from .stats import MoverStats
 from .upload import FileDrain
@@ -75,6 +76,7 @@ class Mover:
         self._skip_delay = False
         self._next_prune = 0.0
         self._next_stale_abort = 0.0
+        self.bursts = WriterBursts()  # touched by the FUSE thread (DrainService)
         self.uploads = FileDrain(self)
         self.key_moves = KeyMoves(self)
         self.durable_listeners: list[Callable[[int, float], None]] = []  # (bytes, seconds) of each durable file
@@ -215,7 +217,10 @@ class Mover:
                     await self._sleep(timing.HALT_PROBE_S)
                     continue
                 try:
-                    await self.groups.step(self.remote)
+                    await self.groups.step(self.remote)  # intents go out at once: closes may wait for them
+                    if (absorb := self._burst_wait()) > 0:
+                        await asyncio.sleep(absorb)  # not woken by each close: they are the burst
+                        continue
                     if not tasks:  # no upload in flight: every recorded one is left over
                         await self._retry_stale_uploads()
                     await self.key_moves.process_deletes()
@@ -282,6 +287,18 @@ class Mover:
 
     async def _upload_ended(self, upload_id: str) -> None:
         await self.db(self.journal.drain.upload_ended, upload_id)
+
+    def _burst_wait(self) -> float:
+        """How long new uploads wait for the writers' burst to pause (burstfs/mover/bursts.py):
+        not at all when hurried (``drain --now``, fsync) or when the tier is filling up."""
+        if self._skip_delay or self._stopping:
+            return 0.0
+        wait = self.bursts.absorbing()
+        if wait > 0:
+            tier = os.statvfs(self.cache_dir)
+            if tier.f_blocks and tier.f_bavail / tier.f_blocks < timing.BURST_MIN_FREE:
+                return 0.0
+        return wait
 
     async def _sleep(self, seconds: float) -> None:
         assert self._wakeup is not None

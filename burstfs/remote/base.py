@@ -14,14 +14,33 @@ copy), which a caller could not restart on its own.
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
+
+import xxhash
 
 from ..config import RemoteURL
 
 #: Top-level directory of a remote that holds burstfs' own bookkeeping (manifests,
 #: temp files, uploads).  Remotes list it like anything else; callers skip it.
 INTERNAL_DIR = ".burstfs"
+
+#: The longest name a file remote's directory takes (NAME_MAX): a manifest whose name would
+#: be longer (a file name of 251-255 bytes and ``.json``) goes by a digest of that name.
+MAX_NAME_BYTES = 255
+LONG_NAMES_DIR = f"{INTERNAL_DIR}/manifests-long"
+
+
+def manifest_key(key: str) -> str:
+    """Where the manifest of ``key`` lives on the remote: ``.burstfs/manifests/<key>.json``,
+    or ``.burstfs/manifests-long/<dir>/<xxh3-128 of the name>.json`` for a name too long
+    to take the suffix (the manifest's ``key`` field names the object either way)."""
+    head, _, name = key.rpartition("/")
+    if len(os.fsencode(name)) + len(".json") <= MAX_NAME_BYTES:
+        return f"{INTERNAL_DIR}/manifests/{key}.json"
+    digest = xxhash.xxh3_128_hexdigest(os.fsencode(name))
+    return f"{LONG_NAMES_DIR}/{head}/{digest}.json" if head else f"{LONG_NAMES_DIR}/{digest}.json"
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from typing import TypeVar
 from ..config import RemoteURL
 from ..errors import RemoteError, RemoteNotFound
 from ..fileio import copy_fd, pread_full, pwrite_full
-from .base import INTERNAL_DIR, ObjectInfo, Remote, UploadedPart
+from .base import INTERNAL_DIR, LONG_NAMES_DIR, ObjectInfo, Remote, UploadedPart, manifest_key
 from .dirtree import NEW_FILE_FLAGS, READ_FLAGS, DirTree
 
 T = TypeVar("T")
@@ -46,7 +46,7 @@ log = logging.getLogger("burstfs.remote.file")
 #: OSError numbers that a network/parallel file system returns transiently.
 _TEMP_ERRNOS = frozenset({errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT, errno.ESTALE, errno.ECONNRESET})
 
-_MANIFEST_PREFIX = f"{INTERNAL_DIR}/manifests/"
+_MANIFEST_PREFIXES = (f"{INTERNAL_DIR}/manifests/", f"{LONG_NAMES_DIR}/")
 
 
 class FileRemote(Remote):
@@ -129,14 +129,16 @@ class FileRemote(Remote):
 
     def _after_put(self, key: str, data: bytes) -> None:
         """A manifest just written records its object's mode: apply it (the object was made 0600)."""
-        if not (key.startswith(_MANIFEST_PREFIX) and key.endswith(".json")):
+        if not (key.startswith(_MANIFEST_PREFIXES) and key.endswith(".json")):
             return
-        target = key[len(_MANIFEST_PREFIX) : -len(".json")]
         try:
             doc = json.loads(data)
-            mode = doc["mode"] if isinstance(doc, dict) and doc.get("key") == target else None
         except (ValueError, RecursionError):
             return
+        target = doc.get("key") if isinstance(doc, dict) else None
+        if not isinstance(target, str) or manifest_key(target) != key:  # not the manifest of its object
+            return
+        mode = doc.get("mode")
         if type(mode) is not int or not 0 <= mode < 1 << 32:
             return
         try:

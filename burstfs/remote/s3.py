@@ -152,6 +152,10 @@ class S3Remote(Remote):
                 f"{self.session.where()}: bucket {self.session.bucket!r} does not exist", kind="no_bucket"
             ) from exc
         except Exception as exc:
+            if isinstance(exc, botocore.exceptions.BotoCoreError) and not self.is_temp_failure(exc):
+                # Not S3 at the other end as configured (TLS to a plain-HTTP port, a refused
+                # request): one line that says so, never a traceback.
+                raise RemoteError(f"cannot talk to {self.session.where()}: {exc}", kind="unreachable") from exc
             if not self.is_temp_failure(exc):
                 raise
             kind = "unavailable" if isinstance(exc, botocore.exceptions.ClientError) else "unreachable"
@@ -160,9 +164,10 @@ class S3Remote(Remote):
     async def put_object(self, key: str, data: bytes) -> None:
         checksum = await _checksum(data)
         with _PartBody(data) as body:
-            response = await self.session.call(
+            response = await self.session.send(
                 "put_object",
                 f"put {key}",
+                len(data),
                 Key=self.session.full(key),
                 Body=body,
                 ChecksumAlgorithm="CRC32C",
@@ -174,14 +179,15 @@ class S3Remote(Remote):
         checksum = await _checksum(data)
         client = await self.session.client()
         try:
-            response = await client.put_object(
-                Bucket=self.session.bucket,
-                Key=self.session.full(key),
-                Body=data,
-                IfNoneMatch="*",
-                ChecksumAlgorithm="CRC32C",
-                ChecksumCRC32C=checksum,
-            )
+            async with asyncio.timeout(self.session.send_deadline(len(data))):  # see S3Session.send
+                response = await client.put_object(
+                    Bucket=self.session.bucket,
+                    Key=self.session.full(key),
+                    Body=data,
+                    IfNoneMatch="*",
+                    ChecksumAlgorithm="CRC32C",
+                    ChecksumCRC32C=checksum,
+                )
         except Exception as exc:
             if isinstance(exc, botocore.exceptions.ClientError) and error_code(exc)[1] == 412:
                 return False  # PreconditionFailed: the key exists
@@ -347,9 +353,10 @@ class S3Remote(Remote):
         checksum = await _checksum(data)
         what = f"upload {key} part {part_number}"
         with _PartBody(data) as body:
-            response = await self.session.call(
+            response = await self.session.send(
                 "upload_part",
                 what,
+                len(data),
                 Key=self.session.full(key),
                 UploadId=upload_id,
                 PartNumber=part_number,

@@ -16,7 +16,7 @@ import botocore.exceptions
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 
-from ..config import RemoteURL, S3Options
+from ..config import RemoteURL, S3Options, redact_url
 from ..errors import RemoteError, RemoteNotFound
 
 #: S3's longest key, in UTF-8 bytes (the prefix included).
@@ -81,6 +81,10 @@ def is_temp_failure(exc: BaseException) -> bool:
     return isinstance(exc, (*_TEMP_EXCEPTIONS, ChecksumMismatch))
 
 
+#: The slowest a request body may go up before the request is given up (see S3Session.call).
+MIN_SEND_RATE = 1 << 20
+
+
 class S3Session:
     """``s3://bucket/prefix`` through one aiobotocore client, created on first use."""
 
@@ -95,6 +99,7 @@ class S3Session:
     ) -> None:
         self.url = url
         self.options = options
+        self.read_timeout = read_timeout
         self.endpoint_url = options.endpoint()
         self.bucket = url.bucket
         self.prefix = f"{url.prefix}/" if url.prefix else ""
@@ -127,7 +132,7 @@ class S3Session:
         return full_key[len(self.prefix) :]
 
     def where(self) -> str:
-        return f"{self.url} (endpoint {self.endpoint_url or 'AWS default'})"
+        return f"{self.url} (endpoint {redact_url(self.endpoint_url) if self.endpoint_url else 'AWS default'})"
 
     async def client(self) -> Any:
         async with self._client_lock:
@@ -174,6 +179,19 @@ class S3Session:
             if mapped is None:
                 raise
             raise mapped from exc
+
+    async def send(self, op: str, what: str, size: int, **params: Any) -> Any:
+        """:meth:`call` for a request that sends a body of ``size`` bytes: given up
+        (``TimeoutError``, retried on a new connection like any temporary failure) after
+        :meth:`send_deadline`.  The read timeout covers only the wait for an answer, and
+        a server that accepts a connection and reads nothing (a black hole that lost its
+        state) stalls the send of a body larger than the socket's buffers for good."""
+        async with asyncio.timeout(self.send_deadline(size)):
+            return await self.call(op, what, **params)
+
+    def send_deadline(self, size: int) -> float:
+        """Seconds a request sending ``size`` bytes of body may take in all (see :meth:`send`)."""
+        return self.read_timeout + size / MIN_SEND_RATE
 
     async def read_body(self, response: dict[str, Any]) -> bytes:
         async with response["Body"] as stream:
