@@ -224,6 +224,30 @@ def test_a_fresh_node_that_cannot_list_the_remote_says_eio_not_enoent(
     assert (b.path / "ckpt" / "step_100.pt").read_bytes() == original
 
 
+def test_unmount_does_not_wait_for_a_pass_stuck_on_a_hung_remote(
+    mounted_factory: type[MountedFS], s3_proxy: tuple[FaultProxy, str]
+) -> None:
+    """`burstfs unmount` (no --wait) while the mover's pass retries an intent record on a
+    black-holed remote (3 attempts of 10 s): the pass is cancelled, the files stay staged,
+    and the next mount drains them (the unmount used to wait up to 30 s for the pass)."""
+    proxy, url = s3_proxy
+    fs = _mount(mounted_factory, proxy, url, "passthrough")
+    fs.expect_log("remote retry")
+    (fs.path / "ck").mkdir()
+    proxy.blackhole()
+    data = os.urandom(1 << 20)
+    (fs.path / "ck" / "shard.pt").write_bytes(data)
+    wait_for(lambda: proxy.held >= 1, timeout=30, what="the intent record stuck in the black hole")
+    time.sleep(1)
+    started = time.monotonic()
+    fs.unmount()
+    assert time.monotonic() - started < 15, "unmount waited for the hung remote"
+    proxy.resume()
+    fs.mount()
+    _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "25", str(fs.path / "ck")], "the drain after the heal")
+    assert (fs.path / "ck" / "shard.pt").read_bytes() == data
+
+
 def test_status_counts_a_sparse_file_by_its_allocated_bytes(mounted_factory: type[MountedFS]) -> None:
     """Issue 11 #4: 'burstfs holds' is what the data files take, not their logical sizes."""
     fs = mounted_factory("sparse", None, ("--no-passthrough",))  # type: ignore[call-arg]

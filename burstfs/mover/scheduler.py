@@ -69,6 +69,7 @@ class Mover:
         self._ready = threading.Event()  # set once the loop, remote and restore exist
         self._wakeup: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._main: asyncio.Task[None] | None = None  # the task of run(), cancelled by stop()
         self._stopping = False
         self.in_flight: dict[int, str] = {}  # ino -> key its upload holds
         self.not_before: dict[int, float] = {}  # ino -> earliest retry time
@@ -148,8 +149,17 @@ class Mover:
         return self._loop
 
     def stop(self) -> None:
+        """Stop the loop now (any thread): a pass waiting on a sick remote (an intent record
+        retried for 30 s) is cancelled, not waited for; what it left half done is what a
+        crash leaves, and the next start recovers it."""
         self._stopping = True
-        self.wake()
+        loop, main = self._loop, self._main
+        if loop is None or main is None:
+            return
+        try:
+            loop.call_soon_threadsafe(main.cancel)
+        except RuntimeError:  # the loop closed after we looked
+            pass
 
     async def db(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """A journal call, on the journal thread (the loop goes on meanwhile): the one way the
@@ -173,6 +183,7 @@ class Mover:
         May be called again after it returned or raised (the daemon restarts a dead mover).
         """
         self._loop = asyncio.get_running_loop()
+        self._main = asyncio.current_task()
         self._wakeup = asyncio.Event()
         self._journal_thread = JournalThread()
         if not self._journal_open:
@@ -254,6 +265,10 @@ class Mover:
                 if until_idle and not tasks and self.stats.halted is not None:
                     raise RemoteError(self.stats.halted, kind="halted")
                 await self._sleep(timing.IDLE_RESCAN_S)
+        except asyncio.CancelledError:
+            if not self._stopping:
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]  # stop(): the end, not a crash
         finally:
             self._ready.clear()
             if gate is not None:
