@@ -43,6 +43,7 @@ from typing import Any
 from .errors import CorruptDataError, FsError, RemoteError
 from .journal import DONE, INCOMPLETE, WRITING, InodeRow, Journal
 from .journal.thread import JournalCall
+from .objects import RequestHealth, reported_call
 from .remote import INTERNAL_DIR, Remote, RetryPolicy
 
 log = logging.getLogger("burstfs.groups")
@@ -212,7 +213,11 @@ class CommitGroups:
         is_marker: Callable[[str], bool],
         wake: Callable[[], None],
         journal_call: JournalCall,
+        health: RequestHealth | None = None,
     ) -> None:
+        """``health`` hears how the remote answers the intent and done records (a silent
+        remote shows in the status from the first retry of a record, as of a drain request)."""
+        self.health = health
         self.node_id = node_id
         self.journal = journal
         self._db = journal_call
@@ -376,7 +381,9 @@ class CommitGroups:
 
     async def _create(self, remote: Remote, key: str, doc: dict[str, Any]) -> None:
         data = json.dumps(doc, separators=(",", ":")).encode()
-        if not await self.retry.call(remote, remote.create_object, key, data, what=f"create {key}"):
+        if not await reported_call(
+            self.retry, remote, self.health, remote.create_object, key, data, what=f"create {key}"
+        ):
             log.info("event=group_record_exists key=%s", key)  # an earlier attempt of ours landed
 
     async def _publish_intent(self, remote: Remote, group: OwnGroup) -> None:

@@ -199,6 +199,11 @@ class S3Options:
         return check_endpoint_url(from_env, "AWS_ENDPOINT_URL")
 
 
+#: The most parts per file (--concurrency) and files (--max-files) a drain keeps in flight:
+#: each part is held in memory (64 x 64 x 8 MiB is already 32 GiB).
+MAX_IN_FLIGHT = 64
+
+
 @dataclasses.dataclass(frozen=True)
 class DrainOptions:
     """How files travel to the remote.
@@ -226,10 +231,20 @@ class DrainOptions:
             check_node_id(self.node_id)
         if self.part_size < 5 * 1024 * 1024 or self.part_size > 5 * 1024**3:
             raise ConfigError("part size must be between 5 MiB and 5 GiB (S3 multipart limits)", "part-size")
-        if self.concurrency < 1:
-            raise ConfigError(f"--concurrency must be at least 1, not {self.concurrency}", "concurrency")
-        if self.max_files < 1:
-            raise ConfigError(f"--max-files must be at least 1, not {self.max_files}", "max-files")
+        if not 1 <= self.concurrency <= MAX_IN_FLIGHT:
+            raise ConfigError(
+                f"--concurrency must be from 1 to {MAX_IN_FLIGHT}, not {self.concurrency} "
+                "(each part in flight is held in memory)",
+                "concurrency",
+            )
+        if not 1 <= self.max_files <= MAX_IN_FLIGHT:
+            raise ConfigError(
+                f"--max-files must be from 1 to {MAX_IN_FLIGHT}, not {self.max_files} "
+                "(each file draining holds --concurrency parts in memory)",
+                "max-files",
+            )
+        if "" in self.commit_markers:
+            raise ConfigError("a --commit-marker pattern must not be empty (it would match no file)", "commit-marker")
         if self.compress not in (None, "lz4"):
             raise ConfigError(f"unknown compression {self.compress!r}; supported: lz4", "compress")
         check_seconds(self.delay, "drain-delay")

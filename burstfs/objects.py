@@ -71,6 +71,22 @@ class RequestHealth(Protocol):
         """A request succeeded (possibly after retries)."""
 
 
+async def reported_call(
+    retry: RetryPolicy, remote: Remote, health: RequestHealth | None, fn: Callable[..., Any], *args: Any, what: str
+) -> Any:
+    """``retry.call`` that tells ``health`` (if any) of each retry and of the answer."""
+    if health is None:
+        return await retry.call(remote, fn, *args, what=what)
+    try:
+        result = await retry.call(remote, fn, *args, what=what, on_retry=health.retried)
+    except RemoteError as exc:
+        if exc.kind != "unavailable":  # a refusal (missing, denied) is an answer too
+            health.answered()
+        raise
+    health.answered()
+    return result
+
+
 class ObjectStore:
     """Files as verified objects on ``remote``; every remote call is retried by ``retry``."""
 
@@ -99,16 +115,7 @@ class ObjectStore:
         self.block_size = manifest_format.BLOCK_SIZE  # of the block digests manifests list
 
     async def _call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
-        if self.health is None:
-            return await self.retry.call(self.remote, fn, *args, what=what)
-        try:
-            result = await self.retry.call(self.remote, fn, *args, what=what, on_retry=self.health.retried)
-        except RemoteError as exc:
-            if exc.kind != "unavailable":  # a refusal (missing, denied) is an answer too
-                self.health.answered()
-            raise
-        self.health.answered()
-        return result
+        return await reported_call(self.retry, self.remote, self.health, fn, *args, what=what)
 
     # -- upload ---------------------------------------------------------------------
 

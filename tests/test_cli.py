@@ -191,6 +191,22 @@ def test_durations_must_be_finite_and_in_range(dirs: tuple[Path, Path, str], opt
     assert not cache.exists()
 
 
+@pytest.mark.parametrize(
+    "option, value, says",
+    [
+        ("--concurrency", "100000", "--concurrency must be from 1 to 64"),
+        ("--max-files", "0", "--max-files must be from 1 to 64"),
+        ("--commit-marker", "", "--commit-marker pattern must not be empty"),
+    ],
+)
+def test_drain_bounds_are_refused_in_one_line(dirs: tuple[Path, Path, str], option: str, value: str, says: str) -> None:
+    """A --concurrency of 100000 mounted with a drain budget of 1.6 TB of memory."""
+    mnt, cache, remote = dirs
+    err = one_line(refused("mount", str(mnt), "--cache", str(cache), "--remote", remote, option, value))
+    assert says in err
+    assert not cache.exists()
+
+
 @pytest.mark.parametrize("option", ["--timeout", "--wait-timeout"])
 def test_unmount_timeouts_must_be_finite(tmp_path: Path, option: str) -> None:
     err = one_line(refused("unmount", str(tmp_path), "--wait", option, "nan"))

@@ -169,6 +169,35 @@ def test_drain_now_retries_a_record_backing_off(tmp_path: Path) -> None:
     run_nodes([node], scenario)
 
 
+def test_a_silent_remote_shows_in_the_status_from_the_first_retry_of_an_intent(tmp_path: Path) -> None:
+    """A new checkpoint directory on a black-holed remote: the first requests are its intent
+    record's, and the status headline (MoverStats.retrying_since) came only once a data
+    upload was retried, tens of seconds later; an answer clears it."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    node = Node(tmp_path, "a", remote_dir)
+    create_object = node.remote.create_object
+    silent = True
+
+    async def timing_out(key: str, data: bytes) -> bool:
+        if silent and key.endswith(".intent"):
+            raise TimeoutError("injected: no answer")  # temporary: retried
+        return await create_object(key, data)
+
+    node.remote.create_object = timing_out  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        nonlocal silent
+        node.write("ckpt/shard", b"s")
+        await until(lambda: node.mover.stats.retrying_since is not None, "the headline from the intent's retry")
+        silent = False
+        node.mover.drain_now()
+        await until(lambda: node.mover.groups.intent_out("ckpt"), "the intent after the heal")
+        assert node.mover.stats.retrying_since is None
+
+    run_nodes([node], scenario)
+
+
 def test_a_rewrite_of_the_same_directory_is_a_new_round(tmp_path: Path) -> None:
     """Round 2 rewrites the same names: b's round-1 done must not let round 2's marker through."""
     remote_dir = tmp_path / "remote"

@@ -82,7 +82,7 @@ class Mover:
         self.key_moves = KeyMoves(self)
         self.durable_listeners: list[Callable[[int, float], None]] = []  # (bytes, seconds) of each durable file
         self.node_id = options.node_id or default_node_id()
-        self.groups = CommitGroups(self.node_id, self.journal, self.is_marker_name, self.wake, self.db)
+        self.groups = CommitGroups(self.node_id, self.journal, self.is_marker_name, self.wake, self.db, self.stats)
 
     def on_durable(self, listener: Callable[[int, float], None]) -> None:
         """Call ``listener(bytes, seconds)`` on the mover thread for each file made durable
