@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -296,8 +297,11 @@ def unmount(
         if time.monotonic() > deadline:
             _fail(BurstfsError(f"daemon pid {pid} did not exit within {timeout:.0f}s after unmount"))
         time.sleep(0.05)
-    left = _left_behind(cache_dir)
     click.echo(f"unmounted {point} (cache {cache_dir})")
+    try:
+        left = _left_behind(cache_dir)
+    except (OSError, sqlite3.Error) as exc:  # the cache dir was removed or damaged under the mount
+        _fail(BurstfsError(f"cannot read the journal in {cache_dir} to say what is left undrained: {exc}"))
     files, nbytes = left.get("drains", (0, 0))
     if files:
         click.echo(

@@ -558,6 +558,20 @@ def test_drain_says_it_waits_for_the_drain_delay_and_now_skips_it(mounted_factor
 
 
 @pytest.mark.fuse
+def test_unmount_of_a_mount_whose_cache_dir_was_removed_says_so_in_one_line(mounted_factory: type[MountedFS]) -> None:
+    """The cache dir deleted under a live mount: unmount still unmounts, then says it cannot
+    read the journal (it ended in a sqlite3 traceback)."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    fs = mounted_factory("nocache", None, ())  # type: ignore[call-arg]
+    fs.mount()
+    shutil.rmtree(fs.cache)
+    result = burstfs("unmount", str(fs.path), check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "cannot read the journal" in one_line(result.stderr)
+    assert not is_mounted(fs.path)
+
+
 def test_unmount_after_a_crash_counts_incomplete_files_apart(mounted_factory: type[MountedFS]) -> None:
     """Issue 11 #8: a file open for writing when the daemon died never drains; unmount
     must not count it among the files the next mount drains."""
