@@ -115,6 +115,12 @@ class GroupCommitter:
         self._wakeup.set()
         return batch
 
+    async def settle(self) -> None:
+        """Commit the deferred records now: a reader of the journal is about to look (status,
+        ``burstfs-admin wait``: a file just created is being written, not absent)."""
+        if self._batch.ops:
+            await self.commit([])
+
     def pending(self) -> int:
         return len(self._batch.ops)
 

@@ -102,6 +102,7 @@ class ControlServer:
             "verify": self._verify,
             "journal": self._journal,
             "abandon": self._abandon,
+            "settle": self._settle,
         }
 
     async def listen(self) -> trio.SocketListener:
@@ -181,6 +182,7 @@ class ControlServer:
             if handler is None:
                 raise FsError(errno.EINVAL, f"unknown op {request.get('op')!r}; known: {', '.join(self._ops)}")
 
+            await self.core.committer.settle()  # every answer reads the journal
             sending = trio.Lock()  # progress may come from several tasks of one op
 
             async def progress(message: dict[str, Any]) -> None:
@@ -292,6 +294,11 @@ class ControlServer:
         waiting = await self.drain.abandon(rel)
         log.warning("event=control_abandon dir=%s intents=%d", rel, len(waiting))
         return {"schema": SCHEMA, "dir": rel, "gave_up": waiting}
+
+    async def _settle(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:
+        """Nothing but what every answer does first: the deferred records are committed, so a
+        reader of the journal (``burstfs-admin wait``) sees a file just created."""
+        return {}
 
     async def _ls(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:
         return await trio.to_thread.run_sync(list_files, self.journal, str(request.get("path", "")).strip("/"))

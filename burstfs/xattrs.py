@@ -34,8 +34,7 @@ class ExtendedAttributes:
 
     async def reserved(self, inode: Inode, name: bytes) -> bytes:
         """``user.burstfs.*``: the file's drain state, read from the journal."""
-        if inode.unjournaled is not None:  # a new file's row is still deferred: commit it first
-            await self.committer.commit([])
+        await self.committer.settle()  # a new file's row may still be deferred
         row = await trio.to_thread.run_sync(self.journal.state_row, inode.ino)  # hard links: least drained name
         if row is None or inode.kind != "file":
             raise FsError(errno.ENODATA)

@@ -182,6 +182,28 @@ def test_wait_times_out_on_a_file_open_for_writing(burst: MountedFS) -> None:
     assert "No such file" in admin("wait", burst.path / "nope", expect=1).stderr
 
 
+def test_wait_right_after_a_create_waits_for_the_file_being_written(mounted_factory: Any) -> None:
+    """A new file's row is deferred to its close (at most DEFER_S): `wait` asks the daemon to
+    commit it first, so a file created a moment ago is being written, not absent."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    fs: MountedFS = mounted_factory()
+    fs.mount()
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(fs.path / "shard.bin")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+        result = admin("wait", fs.path, "--timeout", "0.5", expect=3)  # no sleep: at once
+        assert "shard.bin" in result.stderr + result.stdout
+    finally:
+        writer.communicate("close\n", timeout=30)
+    admin("wait", fs.path, "--timeout", "30")
+
+
 def test_wait_fails_on_an_incomplete_file(mounted_factory: Any) -> None:
     if not FUSE_OK:
         pytest.skip("needs /dev/fuse, fusermount3 and root")

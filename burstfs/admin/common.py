@@ -252,6 +252,8 @@ def wait_durable(
     """status.wait_durable on the target's journal (read-only), asking its daemon, if one runs,
     whether the drain is halted; the last poll's outcome (``result`` "waiting": timed out)."""
     daemon = target.daemon
+    if daemon is not None:
+        daemon.call("settle")  # a file created just now is journaled before we look
     with target.journal() as journal:
         try:
             return wait_in_journal(
