@@ -73,6 +73,7 @@ class GroupCommitter:
         self._wakeup = trio.Event()  # something is queued
         self._urgent = trio.Event()  # somebody waits for the queued records
         self._deadline = math.inf  # when deferred records go out on their own
+        self._applying = False  # a transaction is in flight
         self.commits = 0  # number of transactions, for tests and metrics
         self.failures = 0  # transactions that failed (their changes were undone)
 
@@ -118,7 +119,7 @@ class GroupCommitter:
     async def settle(self) -> None:
         """Commit the deferred records now: a reader of the journal is about to look (status,
         ``burstfs-admin wait``: a file just created is being written, not absent)."""
-        if self._batch.ops:
+        if self._batch.ops or self._applying:  # the next commit comes after the one in flight
             await self.commit([])
 
     def pending(self) -> int:
@@ -157,7 +158,11 @@ class GroupCommitter:
             # Shielded: once taken off the queue, a batch is committed or failed, never
             # dropped by a cancellation (trio checks for one before the thread starts).
             with trio.CancelScope(shield=True):
-                await self._apply(batch.ops)
+                self._applying = True
+                try:
+                    await self._apply(batch.ops)
+                finally:
+                    self._applying = False
         except Exception as exc:
             self.failures += 1
             # The batch that filled meanwhile may build on this one (a file created in

@@ -38,6 +38,8 @@ log = logging.getLogger("burstfs.namespace")
 
 #: Closed, with a local copy that is that close's bytes.
 CLOSED_LOCAL = frozenset({STAGED, DRAINING, DURABLE})
+#: A data file's mtime may pass its record's time by this much before it counts as written after.
+CLOCK_SLACK_S = 1.0
 
 
 def recover(journal: Journal, tier: LocalTier) -> tuple[dict[int, Inode], int]:
@@ -121,12 +123,13 @@ def _written_after_close(tier: LocalTier, row: InodeRow) -> bool:
     or past an fsync, and with passthrough the kernel went on writing there without the
     daemon.  Its bytes are no closed version (the journal has another size, or older
     times): drained, they would publish a mix.  Times written before the record are never
-    later than it (the kernel's file times are coarse, never ahead of the clock)."""
+    later than it (the kernel's file times are coarse, never ahead of the clock); the slack
+    keeps a clock stepped back between a write and its close from flagging a closed file."""
     try:
         st = os.stat(tier.path(row.ino), follow_symlinks=False)
     except FileNotFoundError:
         return False
-    return st.st_size != row.size or st.st_mtime > row.updated
+    return st.st_size != row.size or st.st_mtime > row.updated + CLOCK_SLACK_S
 
 
 def inode_from_row(row: InodeRow) -> Inode:
