@@ -48,10 +48,10 @@ WRITER_YIELD_S = 10.0
 WRITER_POLL_S = 0.05
 # ... and no new upload starts while writers open and close files with gaps under
 # BURST_GAP_S, for at most BURST_MAX_S of such a burst (burstfs/mover/bursts.py),
-# unless the tier has less than BURST_MIN_FREE of its room free.
+# unless the tier's file system has less than BURST_MIN_FREE of its room free.
 BURST_GAP_S = 0.05
 BURST_MAX_S = 3.0
-BURST_MIN_FREE = 0.25
+BURST_MIN_FREE = 0.10
 # An unexpected error in a pass of the loop: wait this long, then go on.
 PASS_ERROR_BACKOFF_S = 2.0
 # Parked objects of a rename cycle (a→b, b→a) wait here until their target frees up.
