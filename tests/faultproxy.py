@@ -73,7 +73,6 @@ class FaultProxy:
         self._loop = asyncio.new_event_loop()
         self._thread: threading.Thread | None = None
         self._stop: asyncio.Event | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
         self.port = 0
         #: Request lines seen, in order, and how many faults were injected.
         self.requests: list[str] = []
@@ -196,14 +195,15 @@ class FaultProxy:
         ready.set()
         async with server:
             await self._stop.wait()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Every task of this loop, not only the handlers seen so far: a connection accepted
+        # just before the close has a task that has not run yet, and a handler left pending
+        # when the loop closes raises from its ``finally`` once garbage-collected.
+        while pending := asyncio.all_tasks() - {asyncio.current_task()}:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
         try:
             await self._handle(reader, writer)
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
@@ -212,7 +212,6 @@ class FaultProxy:
             pass  # the proxy is closing; ending quietly keeps asyncio from logging the cancelled task
         finally:
             writer.close()
-            self._tasks.discard(task)
 
     # -- one request -------------------------------------------------------------------
 
