@@ -8,6 +8,7 @@ Sits between a client and moto::
         proxy.reset_next(1, when="response", match="partNumber=")
         proxy.reset_next(1, when="body", after=3 << 20)   # the response's first 3 MiB, then a reset
         proxy.delay_next(1, seconds=2.0)
+        proxy.stall_next(1, match="PUT ")  # read the head, then neither read the body nor answer
         proxy.blackhole()    # accept every connection, read it, never answer
         proxy.pause()        # hold every request until resume(), then forward it
         proxy.resume()       # end either mode: held requests go on, black-holed ones are reset
@@ -44,7 +45,7 @@ Match = str | Callable[[str], bool] | None
 
 @dataclass
 class _Rule:
-    kind: str  # "fail" | "reset" | "delay"
+    kind: str  # "fail" | "reset" | "delay" | "stall"
     remaining: int
     match: Match
     status: int = 503
@@ -109,14 +110,16 @@ class FaultProxy:
         """Hold the response to the next ``n`` matching requests for ``seconds``."""
         self._add(_Rule("delay", n, match, seconds=seconds))
 
-    def blackhole(self, *, reading: bool = True) -> None:
+    def stall_next(self, n: int, match: Match = None) -> None:
+        """Read the head of the next ``n`` matching requests, then read nothing more and never
+        answer until the proxy closes: the send of a body larger than the socket buffers
+        stalls (a peer whose receive window stays shut, while other connections pass)."""
+        self._add(_Rule("stall", n, match))
+
+    def blackhole(self) -> None:
         """From now on, accept connections and read requests but never answer them
         (a hung server, or a firewall that drops packets after the handshake).
-        ``reading=False``: read nothing either, so a client's send of a body larger than
-        the socket buffers stalls (a peer whose receive window stays shut).
         ``resume()`` resets the connections held so far."""
-        with self._lock:
-            self._blackhole_reads = reading
         self._set_mode("blackhole")
 
     def pause(self) -> None:
@@ -229,6 +232,8 @@ class FaultProxy:
         expects_continue = headers.get("expect", "").lower() == "100-continue"
         rule = self._take(request_line)
 
+        if rule is not None and rule.kind == "stall":
+            await asyncio.Event().wait()  # until close() cancels it
         if rule is not None and rule.kind == "fail":
             if not expects_continue and body_length is not None:
                 # Read the body so the client sees our answer, not a broken pipe.
@@ -265,7 +270,7 @@ class FaultProxy:
             self.requests.append(f"({mode})")
         try:
             while self._held_mode() == mode or (mode == "blackhole" and self._silent_heal):
-                if mode == "blackhole" and self._blackhole_reads:
+                if mode == "blackhole":
                     try:
                         chunk = await asyncio.wait_for(reader.read(1 << 16), 0.05)
                     except TimeoutError:

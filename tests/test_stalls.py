@@ -164,27 +164,28 @@ def test_a_healed_black_hole_drains_without_a_restart_and_reads_fail_in_bounded_
     proxy.resume()
 
 
-def test_a_healed_black_hole_that_read_nothing_drains_a_large_put_without_a_restart(
+def test_a_put_whose_body_the_remote_never_reads_is_sent_again_on_a_new_connection(
     mounted_factory: type[MountedFS], s3_proxy: tuple[FaultProxy, str]
 ) -> None:
-    """The remote accepts connections and reads nothing (its receive window stays shut): the
-    send of a 12 MiB PUT body stalls, where no read timeout applies. After the heal the
-    connection stays silent; the PUT is given up after its send deadline and sent again on a
-    new connection (it used to wait for good: only a restart drained it)."""
+    """The remote takes a PUT's head, then reads nothing and never answers (its receive
+    window stays shut, as behind a middlebox that lost the connection's state), while
+    other connections pass: the send of a 12 MiB body stalls, where no read timeout
+    applies.  The PUT is given up after its send deadline and sent again on a new
+    connection (it used to wait for good: only a restart drained it)."""
     proxy, url = s3_proxy
     fs = _mount(mounted_factory, proxy, url, "passthrough", "--part-size", "12M")
     fs.expect_log("remote retry")
     fs.expect_log("event=request_failed")
-    proxy.blackhole(reading=False)
+    proxy.stall_next(1, match=lambda line: line.startswith("PUT ") and "/model.pt" in line)
     data = os.urandom(12 << 20)
     (fs.path / "ckpt").mkdir()
     (fs.path / "ckpt" / "model.pt").write_bytes(data)
-    wait_for(lambda: proxy.held >= 2, timeout=60, what="the intent and the PUT stuck in the black hole")
-    proxy.resume(silently=True)
+    wait_for(lambda: proxy.injected >= 1, timeout=60, what="the PUT of model.pt stuck unread")
     result = subprocess.run(
-        [str(BIN / "burstfs-admin"), "wait", "--timeout", "100", str(fs.path / "ckpt")], capture_output=True, text=True
+        [str(BIN / "burstfs-admin"), "wait", "--timeout", "90", str(fs.path / "ckpt")], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
+    assert sum("/model.pt" in line and line.startswith("PUT ") for line in proxy.requests) >= 2
 
 
 def test_a_fresh_node_that_cannot_list_the_remote_says_eio_not_enoent(
