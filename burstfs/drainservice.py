@@ -137,7 +137,7 @@ class DrainService:
         return await self.on_mover_loop(self.mover.retry_failed())
 
     def writing_in(self, ino: int, dir_key: str, name: bytes) -> None:
-        self.mover.bursts.touch()
+        self.mover.bursts.opened(ino)
         self.call_soon(self.mover.groups.writing_in, ino, dir_key, name)
 
     def hold_drain(self, ino: int, generation: int) -> None:
@@ -145,7 +145,7 @@ class DrainService:
         self.call_soon(self.mover.hold_drain, ino, generation)
 
     def release_drain(self, ino: int) -> None:
-        self.mover.bursts.touch()
+        self.mover.bursts.released(ino)
         self.call_soon(self.mover.release_drain, ino)
 
     async def closed_in(self, ino: int, dir_key: str, name: bytes) -> None:

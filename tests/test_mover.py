@@ -27,6 +27,7 @@ from burstfs.journal import DURABLE, FAILED, REMOTE, ROOT_INO, STAGED, Journal
 from burstfs.journal.thread import JournalThread
 from burstfs.mover import Mover
 from burstfs.mover import timing as mover_timing
+from burstfs.mover.bursts import WriterBursts
 from burstfs.objects import manifest_key
 from burstfs.remote import FileRemote
 from burstfs.remote.base import UploadedPart
@@ -75,10 +76,25 @@ class HookedRemote(FileRemote):
 
 
 class Front(JournalTree):
-    """The journal records of the FUSE front (core.py), without a mount, on a journal of its own."""
+    """The journal records of the FUSE front (core.py), without a mount, on a journal of its own;
+    like the front's DrainService hooks it stamps the mover's writer bursts when told to
+    (``make_mover`` does)."""
 
     def __init__(self, cache: Path) -> None:
         super().__init__(Journal(cache), cache, chunk_size=PART)
+        self.bursts: WriterBursts | None = None
+
+    def create(self, name: str, parent: int = ROOT_INO) -> int:
+        ino = super().create(name, parent)
+        if self.bursts is not None:
+            self.bursts.opened(ino)
+        return ino
+
+    def close(self, ino: int, size: int = 10, *, digests: bool = True) -> int:
+        generation = super().close(ino, size, digests=digests)
+        if self.bursts is not None:
+            self.bursts.released(ino)
+        return generation
 
 
 def make_mover(tmp_path: Path, remote: FileRemote | None = None) -> tuple[Mover, Front, HookedRemote]:
@@ -94,6 +110,7 @@ def make_mover(tmp_path: Path, remote: FileRemote | None = None) -> tuple[Mover,
         DrainOptions(part_size=PART, concurrency=2),
         remote=hooked,
     )
+    front.bursts = mover.bursts
     return mover, front, hooked
 
 
@@ -190,23 +207,32 @@ def test_small_files_drain_beside_large_uploads_in_flight(tmp_path: Path) -> Non
 
 
 def test_large_uploads_yield_to_a_new_writer_and_small_files_do_not(tmp_path: Path) -> None:
-    """While a file opened for writing moments ago is open, a multipart upload sends no part
-    (small files still drain); its close lets the upload go on, and everything drains."""
+    """While a file opened for writing moments ago is open, no large upload starts and one in
+    flight sends no further part (small files still drain); the writer's close lets them go
+    on, and everything drains."""
     mover, front, remote = make_mover(tmp_path)
+    entered, release = remote.hold("part", "early.bin")
 
     async def scenario() -> None:
+        front.write("early.bin", os.urandom(4 * PART))
+        mover.wake()
+        await until(entered.is_set, "early.bin's upload under way")
         writer = front.create("next_rank.bin")  # opened, not yet closed
-        front.write("big.bin", os.urandom(2 * PART + 1))
+        big = front.write("big.bin", os.urandom(2 * PART + 1))
         small = front.write("small.bin", b"s" * 100)
         mover.wake()
         await until(lambda: front.row(small).state == DURABLE, "the small file durable")
+        parts_sent = remote.calls.count(("part", "early.bin"))
+        release.set()
         await asyncio.sleep(0.5)
+        assert front.row(big).state == STAGED  # not even started
         assert not [call for call in remote.calls if call == ("part", "big.bin")]
+        assert remote.calls.count(("part", "early.bin")) == parts_sent < 4
         front.rewrite(writer, b"w" * 100)  # the writer closes
         await settle(mover, front)
 
     run_mover(mover, scenario)
-    assert user_keys(tmp_path) == {"big.bin", "small.bin", "next_rank.bin"}
+    assert user_keys(tmp_path) == {"early.bin", "big.bin", "small.bin", "next_rank.bin"}
 
 
 async def keep_bursting(mover: Mover, seconds: float) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from .connection import Database
 from .ops import event_op
 from .rows import INODE_SELECT, ROOT_INO, InodeRow, row_from_values
-from .states import DRAINING, DURABLE, FAILED, NOT_YET_DURABLE, QUEUED, STAGED, WRITING, state_marks
+from .states import DRAINING, DURABLE, FAILED, NOT_YET_DURABLE, QUEUED, STAGED, state_marks
 
 #: The error of a commit marker whose checkpoint was given up (``burstfs-admin abandon``).
 ABANDONED_MARKER = "checkpoint abandoned (burstfs-admin abandon): this marker is never published"
@@ -60,15 +60,6 @@ class DrainQueue:
             else:
                 found.append(Candidate(row))
         return found
-
-    def writing_since(self, since: float) -> bool:
-        """Whether a file opened for writing (new, or changed after a close) at or after
-        ``since`` is still open: large uploads yield to such writers."""
-        rows = self._db.query(
-            "SELECT 1 FROM inodes WHERE state=? AND kind='file' AND parent!=0 AND updated >= ? LIMIT 1",
-            (WRITING, since),
-        )
-        return bool(rows)
 
     def staged(self, limit: int, *, closed_before: float) -> list[InodeRow]:
         """The first ``limit`` staged files (close order) last changed at or before ``closed_before``."""

@@ -114,9 +114,10 @@ class Mover:
         self.held_open[ino] = generation
 
     def release_drain(self, ino: int) -> None:
-        """The last writable open of ``ino`` was released, or it was fsync'd: it may drain."""
-        if self.held_open.pop(ino, None) is not None:
-            self.wake()
+        """The last writable open of ``ino`` was released, or it was fsync'd: it may drain,
+        and large uploads held back for this writer (bursts.py) may start."""
+        self.held_open.pop(ino, None)
+        self.wake()
 
     def drain_now(self) -> None:
         """Skip any configured delay and retry backoff."""
@@ -238,6 +239,8 @@ class Mover:
                     await self._prune_events()
                     await self.key_moves.relocate_renamed()
                     large_slots = self.options.max_files - (len(tasks) - len(small))
+                    if self.bursts.recent_writer():  # no large upload starts while a new writer works
+                        large_slots = 0
                     for row, key, intent, started in await self._claim(
                         await self._eligible(large_slots, timing.SMALL_FILES_IN_FLIGHT - len(small))
                     ):

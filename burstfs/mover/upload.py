@@ -102,10 +102,8 @@ class FileDrain:
 
     async def _yield_to_writers(self) -> None:
         """Wait while files opened for writing in the last WRITER_YIELD_S seconds are open."""
-        drain = self.mover.journal.drain
-        while not self.mover.stopping:  # polled: the journal has no event to wait on
-            if not await self.mover.db(drain.writing_since, time.time() - timing.WRITER_YIELD_S):
-                return
+        # Polled: the writers are stamped by the FUSE thread, which has no event to set here.
+        while not self.mover.stopping and self.mover.bursts.recent_writer():  # noqa: ASYNC110
             await asyncio.sleep(timing.WRITER_POLL_S)
 
     async def _superseded(self, ino: int, generation: int) -> bool:
