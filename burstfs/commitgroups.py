@@ -33,6 +33,7 @@ import dataclasses
 import errno
 import json
 import logging
+import math
 import os
 import secrets
 import threading
@@ -97,6 +98,12 @@ RECORD_ATTEMPT_TIMEOUT_S = 10.0
 
 def new_round_id() -> str:
     return record_id(time.time_ns())
+
+
+def round_started_ms(round_id: str) -> int | None:
+    """When the round ``round_id`` began, in ms of its node's clock (see :func:`record_id`)."""
+    stamp = round_id.partition("-")[0]
+    return int(stamp) if stamp.isdigit() else None
 
 
 def record_id(time_ns: int) -> str:
@@ -185,6 +192,8 @@ class Verdict:
     own_pending: list[tuple[str, float]]  # (dir, round start) of own rounds whose intent or done is not out yet
     rounds: list[tuple[str, str, str]]  # (dir, node, round) complete
     files: list[dict[str, Any]]
+    abandoned: list[float]  # when each intent without its done that an operator gave up was (the remote's clock)
+    intent_times: dict[tuple[str, str, str], float]  # (dir, node, round) -> its intent's time (the remote's clock)
 
     def open_for(self, closed_at: float) -> bool:
         """True if a marker closed at ``closed_at`` (this node's clock) may go: no other node's
@@ -196,6 +205,30 @@ class Verdict:
             and not self.waiting
             and not any(started <= closed_at for _, started in self.own_pending)
         )
+
+    def given_up_for(self, node_id: str, closed_at: float) -> bool:
+        """True if a marker of ``node_id`` closed at ``closed_at`` (its clock) is of a checkpoint
+        an operator gave up elsewhere: the gate is open only because of abandoned intents, and
+        the checkpoint is older than the abandon.  An abandon frees *later* checkpoints only:
+        a marker written before it (an earlier run's, staged on a cache drained later) waited
+        for the same lost node, and freed by it went out over a newer run's shards.
+
+        The marker's checkpoint is the node's own last round begun before it closed (round
+        ids carry the node's clock); its age against an abandon is that round's intent time
+        against the abandon's (both the remote's clock).  A node that wrote only the marker
+        has no round: any round done in the directory after the abandon makes it later."""
+        if not self.abandoned or not self.open_for(closed_at):
+            return False
+        own = [
+            (round_id, at)
+            for (_, node, round_id), at in self.intent_times.items()
+            if node == node_id and (started := round_started_ms(round_id)) is not None and started <= closed_at * 1000
+        ]
+        if own:
+            checkpoint_at = max(own)[1]
+        else:
+            checkpoint_at = max((self.intent_times[ident] for ident in self.rounds), default=-math.inf)
+        return any(abandoned_at > checkpoint_at for abandoned_at in self.abandoned)
 
 
 class CommitGroups:
@@ -488,9 +521,13 @@ class CommitGroups:
     # -- the marker gate ---------------------------------------------------------------
 
     def is_abandoned(self, marker: InodeRow, marker_key: str) -> bool:
-        """True if an operator gave up ``marker``'s checkpoint after it was written."""
+        """True if an operator gave up ``marker``'s checkpoint after it was written (here, or
+        on another node: :meth:`Verdict.given_up_for`)."""
         dir_key = dir_of(marker_key)
-        if self.abandoned.get(dir_key, -1.0) >= marker.updated:
+        verdict = self.verdicts.get(dir_key)
+        if self.abandoned.get(dir_key, -1.0) >= marker.updated or (
+            verdict is not None and verdict.given_up_for(self.node_id, marker.updated)
+        ):
             self._given_up[dir_key] = time.monotonic()
             return True
         return False
@@ -549,7 +586,7 @@ class CommitGroups:
         listed_at = time.time()
         intents: dict[tuple[str, str, str], float] = {}
         dones: dict[tuple[str, str, str], str] = {}
-        given_up: set[tuple[str, str, str]] = set()
+        given_up: dict[tuple[str, str, str], float] = {}  # -> when it was abandoned (the remote's clock)
         async for info in remote.list_all(group_prefix(dir_key)):
             parsed = parse_record_key(info.key)
             if parsed is None:
@@ -561,23 +598,23 @@ class CommitGroups:
             elif kind == DONE_RECORD:
                 dones[ident] = info.key
             else:
-                given_up.add(ident)
+                given_up[ident] = info.mtime
         with self._lock:
             own = [g for g in self.groups.values() if _under(g.dir_key, dir_key)]
             own_rounds = {(g.dir_key, self.node_id, g.round) for g in own}
             own_pending = [(g.dir_key, g.started) for g in own if g.members and not (g.intent and g.done)]
-        # This node's current rounds are judged from what it knows (own_pending), not from the remote.
-        waiting = [
-            Waiting(d, n, r, t)
-            for (d, n, r), t in sorted(intents.items())
-            if (d, n, r) not in dones and (d, n, r) not in given_up and (d, n, r) not in own_rounds
-        ]
         rounds = sorted(ident for ident in intents if ident in dones)
+        # This node's current rounds are judged from what it knows (own_pending), not from the remote.
+        unfinished = [
+            (ident, t) for ident, t in sorted(intents.items()) if ident not in dones and ident not in own_rounds
+        ]
+        waiting = [Waiting(*ident, t) for ident, t in unfinished if ident not in given_up]
+        abandoned = [given_up[ident] for ident, _ in unfinished if ident in given_up]
         files: list[dict[str, Any]] = []
         if not waiting:
             for ident in rounds:
                 files.extend(await self._read_done(remote, dones[ident]))
-        return Verdict(listed_at, waiting, own_pending, rounds, files)
+        return Verdict(listed_at, waiting, own_pending, rounds, files, abandoned, intents)
 
     async def _read_done(self, remote: Remote, key: str) -> list[dict[str, Any]]:
         if key not in self._done_files:

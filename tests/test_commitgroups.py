@@ -441,3 +441,45 @@ def test_latest_names_the_step_a_latest_pointer_beside_it_points_to(tmp_path: Pa
         assert latest is not None and latest.dir == "megatron" and latest.marker.endswith("iteration.txt"), latest
 
     run_nodes([node], scenario)
+
+
+def test_an_abandon_frees_only_later_checkpoints_not_an_earlier_runs_marker(tmp_path: Path) -> None:
+    """Run 1: node a1 is lost after its intent; a0's marker waits, still staged (a cache drained
+    later).  Run 2 writes the same directory again (b0, b1); its marker waits for a1 too, and an
+    operator abandons it on b0.  Run 1's marker must not go out over run 2's shards (it did,
+    and `latest` called the mix complete); a checkpoint written after the abandon does."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    a0, a1, b0, b1 = (Node(tmp_path, name, remote_dir) for name in ("a0", "a1", "b0", "b1"))
+    marker = "ck/s2/.metadata"
+    remote = FileRemote(parse_remote_url(f"file://{remote_dir}"))
+
+    async def scenario() -> None:
+        lost, _ = a1.remote.hold("put", "ck/s2/r1")  # never released: a1 is gone
+        a1.write("ck/s2/r1", b"old1")
+        await until(lambda: lost.is_set() and a1.mover.groups.intent_out("ck/s2"), "a1's intent, its shard stuck")
+        a0.write("ck/s2/r0", b"old0")
+        old_meta = a0.write(marker, b"meta-old")
+        await until(lambda: a0.mover.groups.waiting_markers(), "run 1's marker waiting for a1")
+        b0.write("ck/s2/r0", b"new0")
+        b1.write("ck/s2/r1", b"new1")
+        b0.write(marker, b"meta-new")
+        await until(lambda: b0.mover.groups.waiting_markers(), "run 2's marker waiting for a1")
+        await asyncio.sleep(0.05)  # the remote's clock moves on past run 2's intents
+        given_up = await b0.mover.groups.abandon(remote, "ck/s2")
+        assert [w.node for w in given_up] == ["a1"]
+        # Run 1's marker is of the checkpoint given up: it fails (a drain of its cache ends).
+        await until(lambda: a0.front.row(old_meta).state == FAILED, "run 1's marker given up")
+        assert "abandoned" in (a0.front.row(old_meta).error or "")
+        assert marker not in keys(remote_dir)
+        latest, _ = await find_latest(remote, "ck")
+        assert latest is None
+        # A checkpoint written after the abandon is a later one: it goes out.
+        b0.write("ck/s2/r0", b"v3-0")
+        b1.write("ck/s2/r1", b"v3-1")
+        new_meta = b0.write(marker, b"meta-v3")
+        await until(lambda: b0.durable(new_meta), "the checkpoint written after the abandon")
+        assert (remote_dir / marker).read_bytes() == b"meta-v3"
+        assert not a0.durable(old_meta)
+
+    run_nodes([a0, a1, b0, b1], scenario)
