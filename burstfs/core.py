@@ -155,7 +155,11 @@ class BurstCore:
             inode = pending.pop()
             if inode.kind == "dir":
                 pending += [child for ino in (inode.children or {}).values() if (child := self.inodes.get(ino))]
-            elif inode.kind == "file" and (dir_key := self.namespace.dir_key_of(inode)) is not None:
+            elif (
+                inode.kind == "file" and not inode.listed and (dir_key := self.namespace.dir_key_of(inode)) is not None
+            ):
+                # Not a file known only from a listing: another node's (or an earlier life's),
+                # which its own round vouches for.
                 await drain.closed_in(inode.ino, dir_key, inode.name)  # bounded (--remote-wait); never fails
 
     def _file_gone(self, inode: Inode) -> None:

@@ -434,8 +434,16 @@ class ObjectStore:
         """
         manifest = await self.fetch_manifest(src)
         if manifest is not None and self._foreign(manifest):
+            # Another node's object (a file this node knows from a listing, or one written at
+            # this key since): never ours to move.  A directory renamed on every node (a temp
+            # directory renamed to the step's name) has that node move its own: done if so.
+            moved = await self.fetch_manifest(dst)
+            if moved is not None and moved.digest == manifest.digest and moved.node == manifest.node:
+                log.info("event=rename_done_by_owner src=%s dst=%s node=%s", src, dst, manifest.node)
+                return
             raise RemoteError(
-                f"{src} now holds node {manifest.node}'s file (written there since): not moved", kind="key_conflict"
+                f"{src} is node {manifest.node}'s file: not moved (a node moves only its own objects)",
+                kind="key_conflict",
             )
         try:
             await self._call(self.remote.copy, src, dst, what=f"copy {src} to {dst}")

@@ -389,3 +389,28 @@ def test_two_nodes_writing_one_name_leave_one_whole_object(mounted_factory: type
         assert exc.errno == errno.EIO
     doc = bucket.latest("ckpt/dup", expect=None)
     assert doc["dir"] in (None, "ckpt/dup")
+
+
+def test_a_temp_directory_renamed_on_every_node_publishes_and_holds_nothing_above_it(
+    mounted_factory: type[MountedFS], bucket: Bucket
+) -> None:
+    """Each node writes its shard into ck/tmp and renames ck/tmp to ck/s1 (write to a temp
+    directory, then rename).  Node 0 had listed ck/tmp, so it knew node 1's shard from the
+    remote, and node 1 renamed first: node 0 must neither move node 1's object nor wait for
+    it (the listed entry joined its round, the move was refused, no done ever went out, and
+    every later marker above, `ck/latest`, waited for good)."""
+    n0 = node(mounted_factory, bucket, "n0", "--list-ttl", "0")
+    n1 = node(mounted_factory, bucket, "n1")
+    write(n1, "ck/tmp/__1_0.distcp", shard(1, 1))
+    admin("wait", n1.path / "ck/tmp")
+    write(n0, "ck/tmp/__0_0.distcp", shard(1, 0))
+    assert sorted(os.listdir(n0.path / "ck/tmp")) == ["__0_0.distcp", "__1_0.distcp"]  # n1's, from the remote
+    (n1.path / "ck/tmp").rename(n1.path / "ck/s1")
+    admin("wait", n1.path / "ck/s1")
+    write(n0, "ck/tmp/.metadata", b"metadata of s1")
+    (n0.path / "ck/tmp").rename(n0.path / "ck/s1")
+    write(n0, "ck/latest", b"s1")
+    admin("wait", n0.path / "ck/latest", n0.path / "ck/s1/.metadata", "--timeout", "60")
+    assert bucket.latest("ck")["dir"] == "ck/s1"
+    assert {"ck/s1/__0_0.distcp", "ck/s1/__1_0.distcp", "ck/s1/.metadata", "ck/latest"} <= bucket.keys()
+    assert "relocate" not in admin("status", n0.path).stdout
