@@ -46,8 +46,18 @@ class TierCapacity:
     """Counts the bytes of files on the local tier (``local_bytes``, per inode
     ``accounted``) and frees room by evicting durable local copies."""
 
-    def __init__(self, tier: LocalTier, journal: Journal, policy: TierOptions, inodes: dict[int, Inode]) -> None:
+    def __init__(
+        self,
+        tier: LocalTier,
+        journal: Journal,
+        policy: TierOptions,
+        inodes: dict[int, Inode],
+        forget_fetch: Callable[[int], None] = lambda ino: None,
+    ) -> None:
+        """``forget_fetch(ino)``: drop what the restore path knows of a file's local bytes
+        (an evicted copy is fetched again from nothing)."""
         self.tier = tier
+        self.forget_fetch = forget_fetch
         self.journal = journal
         self.policy = policy
         self.inodes = inodes  # the core's inode table (eviction candidates, statfs's file count)
@@ -241,6 +251,9 @@ class TierCapacity:
         if not changed or inode.handles or inode.dirty:
             return 0
         inode.local, inode.local_prefix = False, 0
+        # Fetch state left from this copy's restore (a reader that came in as it completed)
+        # says its chunks are here: a fetch of the new copy must start from nothing.
+        self.forget_fetch(inode.ino)
         # A fetch may start (and claim room) while the old copy is unlinked: it counts from 0,
         # and the old copy's bytes stay counted until they are freed.
         freed, inode.accounted = inode.accounted, 0

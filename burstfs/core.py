@@ -89,7 +89,7 @@ class BurstCore:
         )
         self.inodes = self.namespace.inodes  # the one inode table
         self.publisher = Publisher(self.committer, journal.max_close_seq() + 1)
-        self.capacity = TierCapacity(self.tier, journal, capacity, self.inodes)
+        self.capacity = TierCapacity(self.tier, journal, capacity, self.inodes, self._forget_fetch)
         self.reaper = TierReaper(self.tier, self.capacity)  # run by the daemon's nursery
         self.headroom = TierHeadroom(  # run by the daemon's nursery
             self.tier.cache_dir, self.capacity, lambda: self.data.writers_open()
@@ -162,10 +162,13 @@ class BurstCore:
                 # which its own round vouches for.
                 await drain.closed_in(inode.ino, dir_key, inode.name)  # bounded (--remote-wait); never fails
 
+    def _forget_fetch(self, ino: int) -> None:
+        if self.links.fetcher is not None:
+            self.links.fetcher.forget(ino)
+
     def _file_gone(self, inode: Inode) -> None:
-        """A file inode was destroyed: its data, its count on the tier and any fetch go."""
-        if not inode.local and self.links.fetcher is not None:
-            self.links.fetcher.forget(inode.ino)
+        """A file inode was destroyed: its data, its count on the tier and any fetch state go."""
+        self._forget_fetch(inode.ino)
         self.reaper.remove(inode.ino, inode.size, inode.accounted)
 
     async def lookup(self, parent: int, name: bytes) -> Inode:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import pytest
 import xxhash
-from conftest import BIN, MountedFS, RemoteTarget, file_state, wait_for
+from conftest import BIN, DATA_PATHS, MountedFS, RemoteTarget, file_state, wait_for
 from faultproxy import FaultProxy
 from s3server import fresh_bucket
 
@@ -827,3 +827,45 @@ def test_a_streamed_object_without_manifest_is_verified_against_journal_digests(
         assert svc.tier.path(8).read_bytes() == content
 
     run_async(body)
+
+
+@fuse
+@pytest.mark.parametrize("data_path", sorted(DATA_PATHS))
+def test_a_file_restored_by_reading_then_evicted_is_fetched_again_in_full(
+    tmp_path: Path, mounted_factory: type[MountedFS], data_path: str
+) -> None:
+    """Files restored by reading them (the kernel's readahead still asking as the last chunk
+    landed), evicted, read again: the same bytes, and a write into one drains the whole file.
+    A fetch left over from the first restore claimed the new copy's chunks were here: reads
+    gave nothing (passthrough: 0 bytes, SIGBUS under mmap) or zeros, and a 4-byte patch
+    drained as a 4-byte object over the checkpoint."""
+    url = f"file://{tmp_path / 'remote'}"
+    (tmp_path / "remote").mkdir()
+    writer = mounted_factory("writer", url)  # type: ignore[call-arg]
+    writer.mount()
+    files = {f"step/f{i}.bin": os.urandom(i * 16 * MiB + 123) for i in range(1, 5)}
+    for path, content in files.items():
+        (writer.path / path).parent.mkdir(exist_ok=True)
+        (writer.path / path).write_bytes(content)
+    subprocess.run([str(BIN / "burstfs-admin"), "wait", str(writer.path)], check=True, capture_output=True, timeout=120)
+    writer.unmount()
+    reader = mounted_factory("reader", url, DATA_PATHS[data_path])  # type: ignore[call-arg]
+    reader.mount()
+    for path, content in files.items():
+        assert (reader.path / path).read_bytes() == content
+    subprocess.run([str(BIN / "burstfs-admin"), "evict", str(reader.path)], check=True, capture_output=True, timeout=60)
+    assert {file_state(reader.cache, f"f{i}.bin") for i in range(1, 5)} == {"evicted"}
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    for path, content in files.items():
+        assert (reader.path / path).read_bytes() == content, path
+    subprocess.run([str(BIN / "burstfs-admin"), "evict", str(reader.path)], check=True, capture_output=True, timeout=60)
+    for path in files:
+        fd = os.open(reader.path / path, os.O_RDWR)
+        try:
+            os.pwrite(fd, b"PTCH", 0)
+        finally:
+            os.close(fd)
+    subprocess.run([str(BIN / "burstfs-admin"), "wait", str(reader.path)], check=True, capture_output=True, timeout=120)
+    for path, content in files.items():
+        assert (tmp_path / "remote" / path).read_bytes() == b"PTCH" + content[4:], path
