@@ -18,7 +18,7 @@ Remote layout (all keys are created once, with ``If-None-Match: *`` / ``O_EXCL``
 
 Round ids start with the time in milliseconds and end with random hex, so a
 node's records never collide with another's, even with a duplicate node id; a
-commit record's id starts with the time its marker was written (``latest``
+commit record's id starts with the time its marker was closed (``latest``
 orders checkpoints by it).
 Everything remote runs on the mover's loop; the FUSE thread only calls
 :meth:`CommitGroups.writing_in` (a dict update) and waits for an intent at most
@@ -648,10 +648,12 @@ class CommitGroups:
 
     async def _publish_commit(self, remote: Remote, marker: InodeRow, key: str, doc: dict[str, Any]) -> None:
         prefix = self._commits_of(key)
-        # Named by when the marker was written, not when it got out: ``latest`` orders checkpoints
-        # by it (an older step whose node came back late is not the newest; the remote's
-        # modification times have one-second resolution).
-        commit_key = f"{prefix}{record_id(marker.mtime_ns)}.commit"
+        # Named by when the marker was closed here (the journal's time, as the gate judges it),
+        # not when it got out: ``latest`` orders checkpoints by it (an older step whose node came
+        # back late is not the newest; the remote's modification times have one-second
+        # resolution).  Not by the marker's mtime: ``cp -a``, ``rsync -a``, ``tar`` or ``touch``
+        # set that to any time, and an older one made a newer step look older.
+        commit_key = f"{prefix}{record_id(int(marker.updated * 1e9))}.commit"
         await self._create(remote, commit_key, doc)
         log.info("event=commit_published key=%s files=%d", commit_key, len(doc["files"]))
         await self._delete_commits(remote, prefix, keep=commit_key)  # our older commits of this marker

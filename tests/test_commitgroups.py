@@ -483,3 +483,30 @@ def test_an_abandon_frees_only_later_checkpoints_not_an_earlier_runs_marker(tmp_
         assert not a0.durable(old_meta)
 
     run_nodes([a0, a1, b0, b1], scenario)
+
+
+def test_latest_does_not_go_by_a_markers_mtime(tmp_path: Path) -> None:
+    """A marker copied with its mtime kept (``cp -a``, ``rsync -a``, ``tar``) or touched back:
+    the newer step is still the latest (the commit was named by the marker's mtime)."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    node = Node(tmp_path, "a", remote_dir)
+
+    async def scenario() -> None:
+        node.write("run/step_1/shard", b"1")
+        meta = node.write("run/step_1/.metadata", b"m1")
+        await until(lambda: node.durable(meta), "step 1's marker")
+        node.write("run/step_2/shard", b"2")
+        parent = node.mkdirs("run/step_2")
+        meta = node.front.create(".metadata", parent)
+        node.front.tier.path(meta).write_bytes(b"m2")
+        a_year_ago = time.time() - 365 * 86400
+        os.utime(node.front.tier.path(meta), (a_year_ago, a_year_ago))
+        node.front.close(meta)
+        node.mover.wake()
+        await until(lambda: node.durable(meta), "step 2's marker")
+        await until(lambda: len(keys(remote_dir, COMMITS_PREFIX)) == 2, "both commits")
+        latest, _ = await find_latest(FileRemote(parse_remote_url(f"file://{remote_dir}")), "run")
+        assert latest is not None and latest.dir == "run/step_2"
+
+    run_nodes([node], scenario)
