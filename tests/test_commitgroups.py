@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from test_mover import PART, Front, HookedRemote, until
 
+from burstfs import commitgroups
 from burstfs.commitgroups import COMMITS_PREFIX, GROUPS_PREFIX, parse_record_key, record_key
 from burstfs.config import DrainOptions, S3Options, check_node_id, parse_remote_url
 from burstfs.errors import ConfigError, RemoteError
@@ -139,9 +140,10 @@ def test_marker_waits_for_every_node_with_an_intent(tmp_path: Path) -> None:
     run_nodes([a, b], scenario)
 
 
-def test_drain_now_retries_a_record_backing_off(tmp_path: Path) -> None:
-    """An intent that failed several times backs off (0.5 s doubling, up to 30 s); ``drain --now``
+def test_drain_now_retries_a_record_backing_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An intent that failed several times backs off (doubling, up to 30 s); ``drain --now``
     (which every ``burstfs-admin wait`` and fsync --remote use) tries it again at once."""
+    monkeypatch.setattr(commitgroups, "PUBLISH_BACKOFF_S", 4.0)  # the next try is 8 s away: far from "at once"
     remote_dir = tmp_path / "remote"
     remote_dir.mkdir()
     node = Node(tmp_path, "a", remote_dir)
@@ -160,11 +162,11 @@ def test_drain_now_retries_a_record_backing_off(tmp_path: Path) -> None:
     async def scenario() -> None:
         nonlocal failures
         node.write("ckpt/shard", b"s")
-        await until(lambda: failures >= 4, "4 failed intents")
+        await until(lambda: failures >= 2, "2 failed intents", timeout=10)
         failures = 12  # the remote is well again, but the next try is seconds away
         assert not node.mover.groups.intent_out("ckpt")
         node.mover.drain_now()
-        await until(lambda: node.mover.groups.intent_out("ckpt"), "the intent, right after drain --now", timeout=2)
+        await until(lambda: node.mover.groups.intent_out("ckpt"), "the intent, right after drain --now", timeout=5)
 
     run_nodes([node], scenario)
 
