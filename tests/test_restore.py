@@ -129,6 +129,27 @@ def test_flipped_byte_in_the_remote_gives_eio_never_wrong_data(
 
 
 @fuse
+def test_an_object_cut_short_at_a_chunk_boundary_gives_eio_never_a_shorter_file(
+    mounted_factory: type[MountedFS], remote: RemoteTarget
+) -> None:
+    """Every chunk left checks out, and the listing says the short size: only the manifest's
+    size tells (it was served as a clean, shorter file)."""
+    writer = mounted_factory("w", remote.url, (*remote.extra_args, "--part-size", "5M"))  # type: ignore[call-arg]
+    writer.mount()
+    content = os.urandom(12 * MiB)
+    (writer.path / "ckpt.pt").write_bytes(content)
+    wait_for(lambda: drained(writer, "ckpt.pt"), what="drain")
+    remote.write("ckpt.pt", content[: 5 * MiB])
+    reader = mounted_factory("r", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    reader.mount()
+    reader.expect_log("event=corrupt_data")
+    with pytest.raises(OSError) as err:
+        (reader.path / "ckpt.pt").read_bytes()
+    assert err.value.errno == errno.EIO
+    assert "its manifest says 12582912" in reader.log_text()
+
+
+@fuse
 def test_objects_from_other_tools_are_served_unverified(mounted_factory: type[MountedFS], remote: RemoteTarget) -> None:
     remote.write("foreign/weights.bin", b"written by aws s3 cp" * 1000)
     reader = mounted_factory("r", remote.url, remote.extra_args)  # type: ignore[call-arg]

@@ -248,6 +248,12 @@ class RestoreService:
                     f"remote object {row.remote_key} changed since it was drained "
                     f"(digest {manifest.digest}, journal {row.digest})"
                 )
+            if manifest.size != row.size:
+                # A listing's size is the object's: an object cut short at a chunk boundary
+                # would read as a shorter file whose every chunk checks out.
+                problem = f"remote object {row.remote_key} is {row.size} bytes, its manifest says {manifest.size}"
+                log.error("event=corrupt_data key=%s ino=%d problem=%r", row.remote_key, ino, problem)
+                raise CorruptDataError(problem)
             # Verified (and fetched) by block where the manifest lists blocks: a random read
             # costs a 1 MiB block, not a whole part-sized chunk.
             by_blocks = manifest.by_blocks()

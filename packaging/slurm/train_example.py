@@ -1,6 +1,7 @@
 """A tiny training loop for packaging/slurm/train.sbatch: resumes from the newest
-complete DCP checkpoint in --checkpoint-dir, saves one every --every steps, keeps the
-last two durable ones (burstfs.retention), and waits for the last to be durable."""
+complete, published DCP checkpoint in --checkpoint-dir (``client.latest``), saves one
+every --every steps, keeps the last two durable ones (burstfs.retention), and waits
+for the last to be durable."""
 
 from __future__ import annotations
 
@@ -16,10 +17,24 @@ from burstfs import client
 from burstfs.retention import checkpoints_in, prune_checkpoints
 
 
-def newest_complete(run: Path) -> Path | None:
-    """The newest step_* directory whose DCP .metadata (written last) exists."""
-    complete = [d for d in checkpoints_in(run, "step_*") if (d / ".metadata").exists()]
-    return max(complete, key=lambda d: d.name, default=None)
+def restart_point(run: Path) -> tuple[Path | None, str | None]:
+    """(checkpoint, None): the checkpoint to resume from, None to start from scratch; or
+    (None, why) when burstfs cannot say, and the job must not start over.
+
+    The newest checkpoint under ``run`` that ``client.latest`` calls complete: its commit
+    record is on the remote and its marker and every node's shards match it there.  A
+    step whose .metadata is only staged here, one torn (a node died in it) or being
+    rewritten is never it, whatever its name (docs/SEMANTICS.md "Which checkpoint to
+    restart from").  When latest cannot answer (the remote unreachable, no mount),
+    starting from scratch would write new step_* over the run's checkpoints: refuse."""
+    try:
+        return client.latest(run), None
+    except client.ClientError as exc:
+        return None, (
+            f"cannot tell which checkpoint in {run} to resume from ({type(exc).__name__}: {exc}); "
+            f"not starting from scratch, which would overwrite the run's checkpoints. "
+            f"Check `burstfs-admin latest {run}` and resubmit."
+        )
 
 
 def main() -> None:
@@ -38,11 +53,20 @@ def main() -> None:
     if local_rank == 0:
         run.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    resume = newest_complete(run)
+    # Rank 0 asks, every rank loads its answer: ranks asking apart could see a checkpoint
+    # published in between and load different steps.
+    answer: list[object] = list(restart_point(run)) if rank == 0 else [None, None]
+    dist.broadcast_object_list(answer, src=0)
+    resume, problem = answer
+    if problem is not None:
+        dist.destroy_process_group()
+        raise SystemExit(f"rank {rank}: {problem}")
     if resume is not None:
         dcp.load(state, checkpoint_id=resume)
         model.load_state_dict(state["model"])
         print(f"rank {rank}: resumed from {resume}", flush=True)
+    elif rank == 0:
+        print(f"rank {rank}: no complete checkpoint in {run}: starting from scratch", flush=True)
     step = int(state["step"])
     while step < args.steps:
         loss = model(torch.randn(32, 64)).pow(2).mean()
