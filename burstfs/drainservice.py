@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from .errors import CorruptDataError, FsError
+from .errors import CorruptDataError, FsError, RemoteNotFound
 from .journal import BROKEN, DONE, Journal
 from .mover import Mover
 
@@ -211,6 +211,10 @@ class DrainService:
         except CorruptDataError as exc:  # status lists it (the log has event=corrupt_data)
             self.mover.stats.read_error(str(exc))
             raise
+        except RemoteNotFound as exc:  # listed (or drained), then deleted behind our back: not ENOENT
+            log.error("event=remote_object_gone ino=%d error=%s", ino, exc)
+            self.mover.stats.read_error(str(exc))
+            raise FsError(errno.EIO, f"its remote object is gone: {exc}") from exc
 
     async def list_dir(self, dir_key: str) -> tuple[list[tuple[str, int, float]], list[str]]:
         assert self.mover.restore is not None

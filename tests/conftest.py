@@ -194,6 +194,13 @@ class RemoteTarget:
         else:
             self._client().put_object(Bucket=self.bucket, Key=self.key(path), Body=data)
 
+    def delete(self, path: str) -> None:
+        """Delete an object behind burstfs' back."""
+        if self.directory is not None:
+            (self.directory / path).unlink()
+        else:
+            self._client().delete_object(Bucket=self.bucket, Key=self.key(path))
+
     def keys(self) -> set[str]:
         """Every object path under the prefix (burstfs' own .burstfs/ included)."""
         if self.directory is not None:

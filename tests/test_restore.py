@@ -150,6 +150,26 @@ def test_an_object_cut_short_at_a_chunk_boundary_gives_eio_never_a_shorter_file(
 
 
 @fuse
+def test_an_object_deleted_after_it_was_listed_gives_eio_and_a_log_line(
+    mounted_factory: type[MountedFS], remote: RemoteTarget
+) -> None:
+    """stat still shows the file (listed), so ENOENT from read() was a contradiction."""
+    writer = mounted_factory("w", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    writer.mount()
+    (writer.path / "ckpt.pt").write_bytes(os.urandom(3 * MiB))
+    wait_for(lambda: drained(writer, "ckpt.pt"), what="drain")
+    reader = mounted_factory("r", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    reader.mount()
+    reader.expect_log("event=remote_object_gone")
+    assert os.stat(reader.path / "ckpt.pt").st_size == 3 * MiB
+    remote.delete("ckpt.pt")
+    with pytest.raises(OSError) as err:
+        (reader.path / "ckpt.pt").read_bytes()
+    assert err.value.errno == errno.EIO
+    assert "event=remote_object_gone" in reader.log_text()
+
+
+@fuse
 def test_objects_from_other_tools_are_served_unverified(mounted_factory: type[MountedFS], remote: RemoteTarget) -> None:
     remote.write("foreign/weights.bin", b"written by aws s3 cp" * 1000)
     reader = mounted_factory("r", remote.url, remote.extra_args)  # type: ignore[call-arg]
