@@ -173,6 +173,19 @@ class OwnGroup:
         return cls(**doc)
 
 
+def unfinished_rounds(journal: Journal) -> list[str]:
+    """The directories where this cache's node has a round with files whose done is not out
+    (blocking: the journal's meta).  Other nodes' markers wait for those dones by this
+    node's id: the cache must keep it."""
+    unfinished = []
+    for _, value in journal.meta_items(_META_GROUP):
+        with contextlib.suppress(ValueError, TypeError):
+            group = OwnGroup.from_json(value)
+            if group.members and not group.done:
+                unfinished.append(group.dir_key)
+    return sorted(unfinished)
+
+
 @dataclasses.dataclass(frozen=True)
 class Waiting:
     """An intent without its done: who holds a marker back."""

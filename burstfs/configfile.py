@@ -26,7 +26,6 @@ from .config import (
     MountConfig,
     S3Options,
     TierOptions,
-    default_node_id,
     parse_remote_url,
     parse_size,
     redact_url,
@@ -219,7 +218,7 @@ def build_config(values: dict[str, Any]) -> MountConfig:
             compress=None if compress == "none" else compress,
             delay=values["drain_delay"],
             commit_markers=tuple(values["commit_markers"]),
-            node_id=values["node_id"] or default_node_id(),
+            node_id=values["node_id"] or "",  # "" = the host name, or the id the cache was first mounted with
         ),
         tier=TierOptions(
             cache_size=size("cache_size", "cache-size") if values["cache_size"] else None,

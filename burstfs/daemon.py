@@ -9,6 +9,7 @@ and changes nothing in an existing cache.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shutil
@@ -28,7 +29,8 @@ import pyfuse3
 import trio
 
 from .cachelock import PRIVATE_UMASK, CacheLock, secure_cache_dir
-from .config import MountConfig, parse_metrics_addr
+from .commitgroups import unfinished_rounds
+from .config import MountConfig, default_node_id, parse_metrics_addr
 from .control import serve_control
 from .core import BurstCore
 from .drainservice import DrainService
@@ -223,8 +225,9 @@ def check_remote(config: MountConfig, timeout: float = 20.0) -> None:
     asyncio.run(probe())
 
 
-def open_cache(config: MountConfig) -> tuple[CacheLock, Journal]:
-    """Lock the cache dir and open its journal; refuse a cache that belongs to another remote."""
+def open_cache(config: MountConfig) -> tuple[CacheLock, Journal, MountConfig]:
+    """Lock the cache dir and open its journal; refuse a cache that belongs to another remote
+    or (with rounds open) to another node id.  Returns the config with the cache's node id."""
     os.umask(PRIVATE_UMASK)  # journal.db, its WAL and everything else: 0600
     secure_cache_dir(config.cache_dir)
     lock = CacheLock(config.cache_dir)
@@ -239,12 +242,37 @@ def open_cache(config: MountConfig) -> tuple[CacheLock, Journal]:
             journal.close()
             raise _other_remote(config, recorded)
         journal.set_meta("remote", str(config.remote))
+        config = _keep_node_id(config, journal)
         # The latest mount's options are the ones `burstfs drain` and `burstfs-admin` reuse.
         journal.set_meta("config", config.to_json())
     except BaseException:
         lock.release()
         raise
-    return lock, journal
+    return lock, journal, config
+
+
+def _keep_node_id(config: MountConfig, journal: Journal) -> MountConfig:
+    """A cache keeps the node id it was first mounted with: its rounds' intents are on the
+    remote under that id, and other nodes' markers wait for dones by it (a cache remounted
+    as another node published its done under the new name and wedged the checkpoint).
+    Without --node-id (the host name by default: a cache moved to another host) the
+    recorded id is kept; another explicit id is refused while a round is open."""
+    wanted = config.drain.node_id or default_node_id()
+    recorded = journal.get_meta("node_id")
+    if recorded is not None and recorded != wanted and not config.drain.node_id:
+        log.info("event=node_id_kept node_id=%s host_name=%s", recorded, wanted)
+        wanted = recorded
+    elif recorded is not None and recorded != wanted and (open_rounds := unfinished_rounds(journal)):
+        journal.close()
+        raise ConfigError(
+            f"cache dir {config.cache_dir} has checkpoint rounds open as node {recorded!r} in "
+            f"{', '.join(d or '/' for d in open_rounds[:3])}: other nodes wait for this node's part "
+            f"under that name; mount it with --node-id {recorded} (or drain it first: "
+            f"burstfs drain --cache {config.cache_dir} --now)"
+        )
+    journal.set_meta("node_id", wanted)
+    # Saved with the config: `burstfs drain` of this cache (on any host) drains as this node.
+    return dataclasses.replace(config, drain=dataclasses.replace(config.drain, node_id=wanted))
 
 
 async def set_read_ahead(mountpoint: Path, nbytes: int, initialized: trio.Event) -> None:
@@ -328,7 +356,7 @@ def passthrough_backing(config: MountConfig) -> passthrough.BackingFiles | None:
 
 def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
     """Mount, serve until unmounted, then leave the cache consistent for the next start."""
-    lock, journal = open_cache(config)
+    lock, journal, config = open_cache(config)
     try:
         backing = passthrough_backing(config)
         drain = DrainService(

@@ -19,7 +19,6 @@ from burstfs.config import (
     S3Options,
     TierOptions,
     config_from_meta,
-    default_node_id,
     parse_remote_url,
 )
 from burstfs.journal import Journal
@@ -108,7 +107,7 @@ def test_a_minimal_file_and_the_command_line_build_the_same_tree(tmp_path: Path)
         mountpoint=tmp_path / "mnt",
         cache_dir=Path("/var/cache/b"),
         remote=parse_remote_url("file:///srv/ckpt"),
-        drain=DrainOptions(commit_markers=("done",), compress="lz4", node_id=default_node_id()),
+        drain=DrainOptions(commit_markers=("done",), compress="lz4"),
         tier=TierOptions(cache_size=2 << 30),
     )
     overridden = configfile.merge({**values, "compress": "none"}, loaded, {"compress"})  # --compress none given

@@ -19,7 +19,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import BIN, FUSE_OK, MountedFS, journal_rows, wait_for
+from conftest import BIN, FUSE_OK, MountedFS, burstfs, journal_rows, wait_for
 from s3server import fresh_bucket
 
 pytestmark = pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse, fusermount3 and root")
@@ -414,3 +414,38 @@ def test_a_temp_directory_renamed_on_every_node_publishes_and_holds_nothing_abov
     assert bucket.latest("ck")["dir"] == "ck/s1"
     assert {"ck/s1/__0_0.distcp", "ck/s1/__1_0.distcp", "ck/s1/.metadata", "ck/latest"} <= bucket.keys()
     assert "relocate" not in admin("status", n0.path).stdout
+
+
+def test_a_cache_keeps_its_node_id_while_its_rounds_are_open(mounted_factory: type[MountedFS], bucket: Bucket) -> None:
+    """n1's shard is staged and its intent is out; its cache is mounted again as another node
+    (moved to another host: the default id is the host name).  The done went out under the
+    new name, n1's intent never got one, and n0's marker waited for good."""
+    n1 = mounted_factory("n1", bucket.url, ("--endpoint-url", bucket.endpoint, *HELD))  # type: ignore[call-arg]
+    n1.mount("--node-id", "n1")
+    write(n1, "ckpt/step_1/__1_0.distcp", shard(1, 1))
+    wait_for(lambda: any(k.endswith(".intent") for k in bucket.keys()), what="n1's intent")
+    n1.unmount()
+    n1.expect_log("has checkpoint rounds open as node 'n1'")
+    refused = burstfs(
+        "mount",
+        str(n1.path),
+        "--cache",
+        str(n1.cache),
+        "--remote",
+        bucket.url,
+        "--endpoint-url",
+        bucket.endpoint,
+        "--node-id",
+        "renamed",
+        check=False,
+    )
+    assert refused.returncode != 0 and "--node-id n1" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
+    n1.mount()  # no --node-id: the host name by default, but the cache keeps n1
+    assert json.loads(admin("status", n1.path, "--json").stdout)["node_id"] == "n1"
+    n0 = node(mounted_factory, bucket, "n0")
+    write(n0, "ckpt/step_1/__0_0.distcp", shard(1, 0))
+    write(n0, "ckpt/step_1/.metadata", b"metadata")
+    admin("drain", n1.path, "--now")
+    admin("wait", n0.path / "ckpt/step_1/.metadata", "--timeout", "60")
+    assert bucket.latest("ckpt")["dir"] == "ckpt/step_1"
