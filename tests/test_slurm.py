@@ -5,7 +5,10 @@ foreground on 127.0.0.1 with a generated slurm.conf in a temp dir whose Prolog
 and Epilog are packaging/slurm/prolog.sh and epilog.sh.  A job runs
 packaging/slurm/train.sbatch (torchrun, DCP checkpoints into the job's mount);
 the epilog must leave the checkpoints durable on the remote (a file:// remote
-in the temp dir), unmount, and remove the job's cache.
+in the temp dir), unmount, and remove the job's cache.  A later job given the
+first one's RUN_NAME resumes it.  train_example.py alone on a mount: it resumes
+from what `latest` calls complete, and refuses to start over when latest
+cannot answer.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import BIN, FUSE_OK, force_unmount, is_mounted, wait_for
+from conftest import BIN, FUSE_OK, MountedFS, force_unmount, is_mounted, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 SLURM = REPO / "packaging" / "slurm"
@@ -194,20 +197,18 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]
         cluster.stop()
 
 
-def test_job_checkpoints_are_durable_after_the_epilog(cluster: Cluster) -> None:
-    torch = pytest.importorskip("torch")
-    import torch.distributed.checkpoint as dcp
-
-    out = cluster.root / "job.out"
+def submit_train(cluster: Cluster, out: Path, steps: int, every: int, **extra: str) -> str:
+    """sbatch train.sbatch (train_example.py) and wait for it; the job id."""
     env = {
         "PYTHON": sys.executable,
         "TRAIN": str(SLURM / "train_example.py"),
-        "STEPS": "12",
-        "EVERY": "4",
+        "STEPS": str(steps),
+        "EVERY": str(every),
         "RDZV_HOST": "127.0.0.1",
         "RDZV_PORT": str(free_port()),
         "BURSTFS_MOUNT_ROOT": str(cluster.mount_root),
         "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+        **extra,
     }
     submitted = cluster.slurm(
         "sbatch",
@@ -223,20 +224,52 @@ def test_job_checkpoints_are_durable_after_the_epilog(cluster: Cluster) -> None:
     )
     job = submitted.strip().split(";")[0]
     assert job.isdigit() and out.exists(), cluster.diagnostics()
-    assert "step_000012 durable" in out.read_text(), cluster.diagnostics()
-    mnt, cache = cluster.mount_root / job, cluster.cache_root / f"job-{job}"
+    return job
+
+
+def wait_epilog_durable(cluster: Cluster, count: int) -> None:
+    log = cluster.cache_root / "slurm.log"
     wait_for(
-        lambda: "event=durable" in (cluster.cache_root / "slurm.log").read_text(),
+        lambda: log.read_text().count("event=durable") >= count,
         timeout=90,
         what="the epilog to report the checkpoints durable",
     )
+
+
+def test_job_checkpoints_are_durable_after_the_epilog(cluster: Cluster) -> None:
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    out = cluster.root / "job.out"
+    job = submit_train(cluster, out, steps=12, every=4)
+    text = out.read_text()
+    assert "starting from scratch" in text and "step_000012 durable" in text, cluster.diagnostics()
+    mnt, cache = cluster.mount_root / job, cluster.cache_root / f"job-{job}"
+    wait_epilog_durable(cluster, 1)
     assert not is_mounted(mnt) and not mnt.exists() and not cache.exists(), cluster.diagnostics()
-    run = cluster.remote / "root" / "run"  # the file remote, read without burstfs
+    # the file remote, read without burstfs: the job's own run (RUN_NAME defaults to run-JOBID)
+    assert [p.name for p in (cluster.remote / "root").iterdir() if not p.name.startswith(".")] == [f"run-{job}"]
+    run = cluster.remote / "root" / f"run-{job}"
     assert sorted(p.name for p in run.iterdir()) == ["step_000008", "step_000012"]  # the last two kept
     state = {"model": torch.nn.Linear(64, 64).state_dict(), "step": torch.tensor(0)}
     dcp.load(state, checkpoint_id=run / "step_000012")
     assert int(state["step"]) == 12
     assert cluster.slurm("sinfo", "-h", "-o", "%T").strip() == "idle"  # neither hook drained the node
+
+
+def test_a_job_given_an_earlier_run_name_resumes_it(cluster: Cluster) -> None:
+    pytest.importorskip("torch")
+    first = submit_train(cluster, cluster.root / "job.out", steps=8, every=4)
+    wait_epilog_durable(cluster, 1)
+    out = cluster.root / "job2.out"
+    second = submit_train(cluster, out, steps=12, every=4, RUN_NAME=f"run-{first}")
+    text = out.read_text()
+    resumed = cluster.mount_root / second / f"run-{first}" / "step_000008"
+    assert f"resumed from {resumed}" in text and "step_000012 durable" in text, cluster.diagnostics()
+    wait_epilog_durable(cluster, 2)
+    run = cluster.remote / "root" / f"run-{first}"
+    assert sorted(p.name for p in run.iterdir()) == ["step_000008", "step_000012"]
+    assert not (cluster.remote / "root" / f"run-{second}").exists()
 
 
 @pytest.mark.parametrize("cluster", [{"mount_options": "drain-delay = 3600\n", "epilog_timeout": 2}], indirect=True)
@@ -262,3 +295,60 @@ def test_epilog_reports_what_is_staged_and_drains_it_after_the_job(cluster: Clus
     assert (cluster.remote / "root" / "run" / "step_1" / "shard0").stat().st_size == 300_000
     assert "drained 1 files" in log.read_text()
     assert cluster.slurm("sinfo", "-h", "-o", "%T").strip() == "idle"
+
+
+def train_alone(run: Path, steps: int, every: int) -> subprocess.CompletedProcess[str]:
+    """train_example.py as the only rank (no Slurm, no torchrun)."""
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    argv = [sys.executable, str(SLURM / "train_example.py"), "--checkpoint-dir", str(run)]
+    argv += ["--steps", str(steps), "--every", str(every)]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_train_example_resumes_from_latest_and_never_starts_over_blind(
+    mounted_factory: type[MountedFS],
+) -> None:
+    """The restart point is what `latest` calls complete, not the highest step_* with a
+    .metadata; when latest cannot answer, the job fails instead of starting over."""
+    pytest.importorskip("torch")
+    first = mounted_factory("a")
+    first.mount()
+    done = train_alone(first.path / "run", steps=4, every=4)
+    assert done.returncode == 0 and "starting from scratch" in done.stdout, done.stderr
+    first.unmount()
+    # A newer step whose every file and manifest is on the remote, but whose commit record
+    # is not (its node died between the marker and the record): .metadata is there.
+    remote = first.remote_dir
+    shutil.copytree(remote / "run" / "step_000004", remote / "run" / "step_000009")
+    manifests = remote / ".burstfs" / "manifests" / "run"
+    shutil.copytree(manifests / "step_000004", manifests / "step_000009")
+
+    second = mounted_factory("b", remote_url=first.remote_url)
+    second.mount()
+    assert (second.path / "run" / "step_000009" / ".metadata").exists()
+    done = train_alone(second.path / "run", steps=8, every=4)
+    assert done.returncode == 0, done.stderr
+    assert f"resumed from {second.path / 'run' / 'step_000004'}" in done.stdout, done.stdout
+    assert "step_000008 durable" in done.stdout
+    second.unmount()
+
+    third = mounted_factory("c", remote_url=first.remote_url)
+    third.mount()
+    before = sorted(p.name for p in (third.path / "run").iterdir())
+    away = remote.with_name("remote.away")
+    remote.rename(away)  # the remote is gone (unreachable) while the job starts
+    try:
+        failed = train_alone(third.path / "run", steps=12, every=4)
+    finally:
+        away.rename(remote)
+    assert failed.returncode != 0, failed.stdout
+    assert "not starting from scratch" in failed.stderr, failed.stderr
+    assert "starting from scratch" not in failed.stdout and "saved" not in failed.stdout
+    assert sorted(p.name for p in (third.path / "run").iterdir()) == before
