@@ -247,9 +247,20 @@ def test_a_metrics_port_in_use_is_refused_before_the_cache_is_made(dirs: tuple[P
 
 
 def test_admin_latest_of_a_missing_remote_says_it_is_missing(tmp_path: Path) -> None:
+    """Exit 5, not 1 ("no complete checkpoint"): a restart script that starts over on 1 must
+    not do so when it could not look."""
     result = admin("latest", "--remote", f"file://{tmp_path / 'gone'}")
-    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.returncode == 5 and "Traceback" not in result.stderr
     assert f"remote directory {tmp_path / 'gone'} does not exist" in one_line(result.stderr), result.stderr
+    assert "no complete checkpoint" not in result.stderr
+
+
+def test_admin_latest_of_an_unreachable_remote_is_not_no_checkpoint(s3_env: str) -> None:
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = admin("latest", "--remote", "s3://bkt/p", "--endpoint-url", f"http://127.0.0.1:{port}")
+    assert result.returncode == 5 and "Traceback" not in result.stderr, result.stderr
     assert "no complete checkpoint" not in result.stderr
 
 

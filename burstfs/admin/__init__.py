@@ -5,8 +5,9 @@ control socket (``CACHE/control.sock``); a stopped one is read from its journal,
 read-only, when PATH or ``--cache DIR`` names its cache dir.  Human tables by
 default, ``--json`` documents (docs/ADMIN.md) for scripts.
 
-Exit codes: 0 ok, 1 error, 2 bad usage (or nothing to talk to), 3 timeout,
-4 a file failed to drain or did not verify.
+Exit codes: 0 ok, 1 error (latest: no complete checkpoint), 2 bad usage (or
+nothing to talk to), 3 timeout, 4 a file failed to drain or did not verify,
+5 latest could not read the remote.
 """
 
 from . import checkpoints, steer, views  # noqa: F401  (each registers its commands on ``main``)

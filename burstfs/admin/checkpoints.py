@@ -16,6 +16,7 @@ from ..errors import BurstfsError, ConfigError
 from ..status import SCHEMA
 from .common import (
     EXIT_ERROR,
+    EXIT_UNKNOWN,
     EXIT_USAGE,
     AdminError,
     emit_json,
@@ -24,6 +25,9 @@ from .common import (
     remote_of,
     resolve,
 )
+
+#: ``latest`` gives up on a remote that does not answer after this (its requests retry within it).
+LATEST_TIMEOUT_S = 60.0
 
 
 @main.command()
@@ -105,19 +109,24 @@ def latest_checkpoint(
         raise AdminError(str(exc), EXIT_USAGE) from None
     if url.scheme == "file" and not os.path.isdir(url.prefix):  # else it would list as empty: "no checkpoint"
         problem = "is not a directory" if os.path.exists(url.prefix) else "does not exist"
-        raise AdminError(f"{url}: remote directory {url.prefix} {problem}")
+        raise AdminError(f"{url}: remote directory {url.prefix} {problem}", EXIT_UNKNOWN)
 
     async def look() -> Any:
         remote = open_remote(url, s3)
         try:
-            return await find_latest(remote, subdir)
+            async with asyncio.timeout(LATEST_TIMEOUT_S):
+                return await find_latest(remote, subdir)
         finally:
             await remote.close()
 
+    # Not exit 1 ("no complete checkpoint"): a restart script that starts over on it would
+    # write over the checkpoint it could not see.
     try:
         found, skipped = asyncio.run(look())
+    except TimeoutError:
+        raise AdminError(f"{url}: the remote did not answer within {LATEST_TIMEOUT_S:.0f}s", EXIT_UNKNOWN) from None
     except BurstfsError as exc:
-        raise AdminError(f"{url}: {exc}") from None
+        raise AdminError(f"{url}: {exc}", EXIT_UNKNOWN) from None
     shown = None if found is None else str(root / found.dir) if root is not None else found.dir
     return Latest(
         remote=str(url),

@@ -30,6 +30,7 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 3
 EXIT_FAILED = 4
+EXIT_UNKNOWN = 5  # latest: the remote could not be read, so nothing is known (never "start over")
 
 REQUEST_TIMEOUT_S = 60.0  # quick ops; prefetch and verify wait as long as they take
 START_HINT = "start a mount with: burstfs mount MOUNTPOINT --cache DIR --remote URL"
@@ -304,9 +305,9 @@ def json_option(fn: Callable[..., Any]) -> Callable[..., Any]:
 def main() -> None:
     """See and steer the drain of a burstfs mount.
 
-    Exit codes: 0 ok, 1 error, 2 bad usage or no mount found, 3 timeout,
-    4 a file failed to drain (or is incomplete, or the drain is halted) or did
-    not verify.
+    Exit codes: 0 ok, 1 error (latest: no complete checkpoint), 2 bad usage or
+    no mount found, 3 timeout, 4 a file failed to drain (or is incomplete, or
+    the drain is halted) or did not verify, 5 latest could not read the remote.
     """
 
 
