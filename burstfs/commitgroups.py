@@ -61,6 +61,9 @@ GATE_POLL_MIN_S = 0.05
 GATE_POLL_MAX_S = 0.4
 # A directory no marker asked about for this long is no longer polled.
 GATE_FORGET_S = 5.0
+# A marker held back by other nodes says so in the log this often (a drain of a stopped
+# cache waiting for a lost node has no status to show it).
+GATE_WAIT_LOG_S = 60.0
 # A failed record publication is retried after this (doubling, capped).
 PUBLISH_BACKOFF_S = 0.5
 PUBLISH_BACKOFF_MAX_S = 30.0
@@ -289,6 +292,7 @@ class CommitGroups:
         self._intent_events: dict[str, asyncio.Event] = {}
         self._wanted: dict[str, float] = {}  # marker dir -> last asked
         self._given_up: dict[str, float] = {}  # marker dir abandoned -> last asked (for status)
+        self._wait_logged: dict[str, float] = {}  # marker dir -> when its wait was last logged (monotonic)
         self.verdicts: dict[str, Verdict] = {}
         self._done_files: dict[str, list[dict[str, Any]]] = {}  # done key -> its files (keys are write-once)
         self.abandoned: dict[str, float] = {}  # dir -> when an operator gave up its checkpoint
@@ -581,6 +585,7 @@ class CommitGroups:
                     continue
                 before = self.verdicts.get(dir_key)
                 self.verdicts[dir_key] = verdict
+                self._log_waiting(dir_key, verdict)
                 if not verdict.waiting:
                     opened = True
                     if before is None or before.waiting:
@@ -593,6 +598,25 @@ class CommitGroups:
                 await asyncio.wait_for(self._poke.wait(), delay if self._wanted else 3600)
             if self._poke.is_set():
                 delay = GATE_POLL_MIN_S
+
+    def _log_waiting(self, dir_key: str, verdict: Verdict) -> None:
+        """One line per GATE_WAIT_LOG_S for a marker directory held by other nodes' intents."""
+        if not verdict.waiting:
+            self._wait_logged.pop(dir_key, None)
+            return
+        now = time.monotonic()
+        if now - self._wait_logged.get(dir_key, -math.inf) < GATE_WAIT_LOG_S:
+            return
+        self._wait_logged[dir_key] = now
+        nodes = ",".join(sorted({w.node for w in verdict.waiting}))
+        oldest = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(min(w.since for w in verdict.waiting)))
+        log.warning(
+            "event=marker_waiting dir=%s nodes=%s intent_since=%s hint=%s",
+            dir_key or "/",
+            nodes,
+            oldest,
+            "a lost node holds it for good: bring it back with its cache, or burstfs-admin abandon on this node",
+        )
 
     async def look(self, remote: Remote, dir_key: str) -> Verdict:
         """One listing of ``dir_key``'s records (its subtree): who is still writing, what is done."""

@@ -105,10 +105,11 @@ def test_record_keys_round_trip_and_node_ids_are_validated() -> None:
             check_node_id(bad)
 
 
-def test_marker_waits_for_every_node_with_an_intent(tmp_path: Path) -> None:
+def test_marker_waits_for_every_node_with_an_intent(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Node b's shard is held in its upload: node a's marker (its own shard durable) is not
-    published until b's shard is durable and b's done record is out; then the commit record
-    names both shards and ``find_latest`` returns the checkpoint."""
+    published until b's shard is durable and b's done record is out (the wait is in the log,
+    where a drain of a stopped cache shows it); then the commit record names both shards and
+    ``find_latest`` returns the checkpoint."""
     remote_dir = tmp_path / "remote"
     remote_dir.mkdir()
     a, b = Node(tmp_path, "a", remote_dir), Node(tmp_path, "b", remote_dir)
@@ -128,6 +129,7 @@ def test_marker_waits_for_every_node_with_an_intent(tmp_path: Path) -> None:
             assert not a.durable(meta)
         waiting = a.mover.groups.waiting_markers()
         assert [w["node"] for w in waiting[0]["waiting"]] == ["b"] and waiting[0]["dir"] == "ckpt/step_1"
+        assert "event=marker_waiting dir=ckpt/step_1 nodes=b " in caplog.text
         release.set()
         await until(lambda: a.durable(meta), "the marker to drain")
         assert (remote_dir / "ckpt/step_1/shard_b").read_bytes() == b"B" * 1000
