@@ -188,6 +188,38 @@ def test_a_put_whose_body_the_remote_never_reads_is_sent_again_on_a_new_connecti
     assert sum("/model.pt" in line and line.startswith("PUT ") for line in proxy.requests) >= 2
 
 
+@pytest.mark.parametrize("cached_manifest", [False, True])
+def test_a_read_of_a_file_the_hung_remote_holds_fails_within_its_bound(
+    mounted_factory: type[MountedFS], s3_proxy: tuple[FaultProxy, str], cached_manifest: bool
+) -> None:
+    """A read of a file that is only on the remote, while the remote hangs: EIO within the
+    read's bound (30 s without progress), and the file's next read at once.  A manifest's
+    GET, then a chunk's, then their retries each waited out the silent remote on their own
+    (one read(2) took 100-120 s, the next one as long again)."""
+    proxy, url = s3_proxy
+    writer = _mount(mounted_factory, proxy, url, "passthrough")
+    (writer.path / "ckpt").mkdir()
+    data = os.urandom(24 << 20)
+    (writer.path / "ckpt" / "model.pt").write_bytes(data)
+    _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "25", str(writer.path / "ckpt")], "the drain")
+    reader = mounted_factory("reader", url, ("--endpoint-url", proxy.endpoint))  # type: ignore[call-arg]
+    reader.mount()
+    reader.expect_log("event=request_failed")
+    target = reader.path / "ckpt" / "model.pt"
+    if cached_manifest:
+        with open(target, "rb") as f:
+            assert f.read(1 << 20) == data[: 1 << 20]
+    proxy.blackhole()
+    reading = f"import sys; f = open({str(target)!r}, 'rb'); f.seek(20 << 20); f.read(1 << 20)"
+    for what in ("the first read", "the next read"):
+        try:
+            result = subprocess.run([sys.executable, "-c", reading], capture_output=True, text=True, timeout=50)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{what} of a file on the hung remote did not fail within 50 s") from None
+        assert result.returncode != 0 and "Input/output error" in result.stderr, (what, result.stderr)
+    proxy.resume()
+
+
 def test_a_fresh_node_that_cannot_list_the_remote_says_eio_not_enoent(
     mounted_factory: type[MountedFS], s3_proxy: tuple[FaultProxy, str]
 ) -> None:

@@ -27,6 +27,7 @@ from .state import (
     MAX_OPEN_FDS,
     MAX_STREAM_LEAD,
     MAX_WINDOW_BYTES,
+    READ_STALL_S,
     UNANSWERED_MEMO_S,
     FileFetch,
     OwnedTasks,
@@ -141,7 +142,9 @@ class RestoreService:
         gap (the file's size once it is all here), so the caller can serve reads
         below that without asking again.
         """
-        fetch = await self._fetch_state(ino)
+        self._raise_if_unanswered(ino)
+        opened = asyncio.get_running_loop().time()
+        fetch = await self._opened(ino)
         if fetch.size == 0:
             return await self._complete(fetch)
         end = min(offset + length, fetch.size)
@@ -175,12 +178,63 @@ class RestoreService:
             # Prefetch (not awaited; it can outlive the reader): half of what this run has read.
             fetch.window = min(ahead // 2, MAX_WINDOW_BYTES) // fetch.chunk_size
             self._chunks(fetch, last + 1, min(last + 1 + fetch.window, fetch.chunks))
-        outcomes = await asyncio.gather(*needed, return_exceptions=True)
+        outcomes = await self._landed(ino, fetch, needed, READ_STALL_S - (asyncio.get_running_loop().time() - opened))
         failed = [o for o in outcomes if isinstance(o, BaseException)]
         # A ranged GET serves several chunks: another chunk's failure does not fail this read.
         if failed and not all(i in fetch.present for i in wanted):
             raise failed[0]
         return await self._complete(fetch)
+
+    async def _opened(self, ino: int) -> FileFetch:
+        """``_fetch_state`` within READ_STALL_S (its manifest's GET retries on its own; the open
+        goes on for the next reader)."""
+        if ino in self._files:
+            return self._files[ino]
+        opening = asyncio.ensure_future(self._fetch_state(ino))
+        try:
+            return await asyncio.wait_for(asyncio.shield(opening), READ_STALL_S)
+        except TimeoutError:
+            opening.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved
+            error = RemoteError(
+                f"open the fetch of inode {ino}: remote {self.store.remote.url} did not answer within "
+                f"{READ_STALL_S:.0f}s",
+                kind="unavailable",
+            )
+            self._remember_unanswered(ino, error)
+            raise error from None
+
+    async def _landed(
+        self, ino: int, fetch: FileFetch, needed: list[asyncio.Future[None]], first_wait: float
+    ) -> list[BaseException | None]:
+        """Wait for ``needed`` (their outcomes, as gather's ``return_exceptions``) while they make
+        progress: READ_STALL_S without a chunk landing (``first_wait`` for the first, which
+        the open of the fetch already used part of) fails the read and, for UNANSWERED_MEMO_S,
+        the file's next reads.  The chunks go on (other readers may share them)."""
+        pending = set(needed)
+        wait = max(first_wait, 1.0)
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=wait)
+            if not done:
+                error = RemoteError(
+                    f"read {fetch.key}: remote {self.store.remote.url} sent nothing for {READ_STALL_S:.0f}s",
+                    kind="unavailable",
+                )
+                self._remember_unanswered(ino, error)
+                raise error
+            wait = READ_STALL_S
+        return [f.exception() if not f.cancelled() else asyncio.CancelledError() for f in needed]
+
+    def _raise_if_unanswered(self, ino: int) -> None:
+        unanswered = self._unanswered.get(ino)
+        if unanswered is not None:
+            if asyncio.get_running_loop().time() - unanswered[0] < UNANSWERED_MEMO_S:
+                raise unanswered[1]
+            del self._unanswered[ino]
+
+    def _remember_unanswered(self, ino: int, error: RemoteError) -> None:
+        if len(self._unanswered) >= MAX_OPEN_FDS:  # bounded: the oldest go first
+            del self._unanswered[next(iter(self._unanswered))]
+        self._unanswered[ino] = (asyncio.get_running_loop().time(), error)
 
     def _contiguous(self, fetch: FileFetch) -> int:
         if fetch.whole_digest is not None and not fetch.verified:
@@ -195,10 +249,7 @@ class RestoreService:
         if ino in self._opening:
             return await asyncio.shield(self._opening[ino])
         loop = asyncio.get_running_loop()
-        unanswered = self._unanswered.pop(ino, None)
-        if unanswered is not None and loop.time() - unanswered[0] < UNANSWERED_MEMO_S:
-            self._unanswered[ino] = unanswered
-            raise unanswered[1]
+        self._raise_if_unanswered(ino)
         future: asyncio.Future[FileFetch] = loop.create_future()
         self._opening[ino] = future
         try:
@@ -208,9 +259,7 @@ class RestoreService:
             return fetch
         except BaseException as exc:
             if isinstance(exc, RemoteError) and exc.kind == "unavailable":
-                if len(self._unanswered) >= MAX_OPEN_FDS:  # bounded: the oldest go first
-                    del self._unanswered[next(iter(self._unanswered))]
-                self._unanswered[ino] = (loop.time(), exc)
+                self._remember_unanswered(ino, exc)
             future.set_exception(exc)
             future.exception()  # retrieved: waiters re-raise it
             raise

@@ -51,9 +51,14 @@ LISTING_RETRY = RetryPolicy(attempts=1)
 #: while the remote refuses or drops them (503s, resets), but not for longer than this in all,
 #: then EIO (a black-holed remote costs the S3 read timeout per attempt).
 READ_RETRY = RetryPolicy(budget=30.0)
-#: For this long after the remote left the open of a file's fetch unanswered, reads of that
-#: file fail at once with the same error (the kernel retries a failed readahead right away).
+#: For this long after the remote left the open of a file's fetch (or a read) unanswered, reads
+#: of that file fail at once with the same error (the kernel retries a failed readahead right away).
 UNANSWERED_MEMO_S = 10.0
+#: A read whose chunks make no progress for this long fails (EIO): each request has its own
+#: retries, and a manifest, then a chunk, then its retry each waiting out a silent remote
+#: made one read(2) take 100-120 s.  Progress (any chunk landing) restarts the wait: a
+#: whole-file fetch of a large file on a slow remote is not cut short.
+READ_STALL_S = READ_RETRY.budget or 30.0
 #: A listing attempt (with the manifests a compressed layout needs) gives up after this.
 LISTING_ATTEMPT_TIMEOUT_S = 20.0
 
