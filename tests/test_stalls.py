@@ -47,6 +47,20 @@ def _mount(factory: type[MountedFS], proxy: FaultProxy, url: str, data_path: str
     return fs
 
 
+def _durable_then_fresh_node(
+    factory: type[MountedFS], proxy: FaultProxy, url: str, name: str, data: bytes
+) -> MountedFS:
+    """Node A writes ckpt/``name`` and drains it; node B is mounted on a fresh cache (returned)."""
+    a = factory("node-a", url, ("--endpoint-url", proxy.endpoint))  # type: ignore[call-arg]
+    a.mount()
+    (a.path / "ckpt").mkdir()
+    (a.path / "ckpt" / name).write_bytes(data)
+    _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "25", str(a.path / "ckpt")], "node A's drain")
+    b = factory("node-b", url, ("--endpoint-url", proxy.endpoint))  # type: ignore[call-arg]
+    b.mount()
+    return b
+
+
 def _bounded(argv: list[str], what: str) -> subprocess.CompletedProcess[str]:
     """Run ``argv``; fail the test (not hang it) if it does not finish within BOUND_S."""
     try:
@@ -197,13 +211,8 @@ def test_a_read_of_a_file_the_hung_remote_holds_fails_within_its_bound(
     GET, then a chunk's, then their retries each waited out the silent remote on their own
     (one read(2) took 100-120 s, the next one as long again)."""
     proxy, url = s3_proxy
-    writer = _mount(mounted_factory, proxy, url, "passthrough")
-    (writer.path / "ckpt").mkdir()
     data = os.urandom(24 << 20)
-    (writer.path / "ckpt" / "model.pt").write_bytes(data)
-    _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "25", str(writer.path / "ckpt")], "the drain")
-    reader = mounted_factory("reader", url, ("--endpoint-url", proxy.endpoint))  # type: ignore[call-arg]
-    reader.mount()
+    reader = _durable_then_fresh_node(mounted_factory, proxy, url, "model.pt", data)
     reader.expect_log("event=request_failed")
     target = reader.path / "ckpt" / "model.pt"
     if cached_manifest:
@@ -227,14 +236,8 @@ def test_a_fresh_node_that_cannot_list_the_remote_says_eio_not_enoent(
     unknown, not absent. ENOENT (and an empty ls) told a restart script there was no
     checkpoint, and its next save went over node A's on the remote."""
     proxy, url = s3_proxy
-    a = mounted_factory("node-a", url, ("--endpoint-url", proxy.endpoint))  # type: ignore[call-arg]
-    a.mount()
-    (a.path / "ckpt").mkdir()
     original = os.urandom(1 << 20)
-    (a.path / "ckpt" / "step_100.pt").write_bytes(original)
-    _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "25", str(a.path / "ckpt")], "node A's drain")
-    b = mounted_factory("node-b", url, ("--endpoint-url", proxy.endpoint))  # type: ignore[call-arg]
-    b.mount()
+    b = _durable_then_fresh_node(mounted_factory, proxy, url, "step_100.pt", original)
     b.expect_log("event=list_failed")
     b.expect_log("event=listing_slow")
     proxy.blackhole()
