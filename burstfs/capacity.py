@@ -67,6 +67,13 @@ class TierCapacity:
         self._space_freed = trio.Event()
         self._full_waited: dict[int, float] = {}  # ino -> seconds its writes waited on a full tier
 
+    def room(self) -> int:
+        """The most bytes files may take on the tier (``--cache-size``, or the tier's file system
+        less ``--min-free``)."""
+        st = self.tier.statvfs()
+        room = max(0, st.f_blocks * st.f_frsize - self.policy.min_free)
+        return room if self.policy.cache_size is None else min(room, self.policy.cache_size)
+
     def fits(self, nbytes: int) -> bool:
         """``nbytes`` more fit on the tier now, without evicting anything: within the byte
         limit, and in the file system itself (less ``--min-free``), whoever else fills it."""
@@ -101,6 +108,15 @@ class TierCapacity:
         file has hit ENOSPC its writes that do not fit fail at once, until it is
         emptied (truncate to 0, ``O_TRUNC``).
         """
+        whole = inode.accounted if inode is not None else nbytes  # the file's claim, this one included
+        if not self.fits(nbytes) and whole > self.room():
+            # More than the tier can ever hold, every durable copy evicted: waiting for the drain
+            # would only end in the same ENOSPC, later, and blaming data not yet durable.
+            log.error("event=tier_too_small bytes=%d room=%d ino=%s", whole, self.room(), inode.ino if inode else None)
+            raise NoSpaceError(
+                f"{whole} bytes do not fit on the local tier ({self.room()} bytes with every durable file "
+                "evicted: --cache-size, less --min-free); raise --cache-size"
+            )
         if not self.fits(nbytes):
             spent = self._full_waited.get(inode.ino, 0.0) if inode is not None else 0.0
             started = time.monotonic()

@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import os
 import subprocess
+import sys
 import threading
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -910,3 +911,28 @@ def test_a_file_restored_by_reading_then_evicted_is_fetched_again_in_full(
     subprocess.run([str(BIN / "burstfs-admin"), "wait", str(reader.path)], check=True, capture_output=True, timeout=120)
     for path, content in files.items():
         assert (tmp_path / "remote" / path).read_bytes() == b"PTCH" + content[4:], path
+
+
+@fuse
+def test_a_file_larger_than_the_cache_size_is_refused_at_once_with_a_clear_error(
+    tmp_path: Path, mounted_factory: type[MountedFS]
+) -> None:
+    """A restore node with --cache-size smaller than a file: the read fails at once with ENOSPC
+    that names --cache-size (it waited twice --full-timeout for a drain that had nothing to do,
+    then blamed "data not yet durable")."""
+    url = f"file://{tmp_path / 'remote'}"
+    (tmp_path / "remote").mkdir()
+    writer = mounted_factory("writer", url)  # type: ignore[call-arg]
+    writer.mount()
+    (writer.path / "big.bin").write_bytes(os.urandom(24 * MiB))
+    wait_for(lambda: drained(writer, "big.bin"), what="drain")
+    reader = mounted_factory("reader", url, ("--cache-size", "8M"))  # type: ignore[call-arg]
+    reader.mount()
+    reader.expect_log("event=request_failed")
+    reading = f"open({str(reader.path / 'big.bin')!r}, 'rb').read(4096)"
+    try:
+        result = subprocess.run([sys.executable, "-c", reading], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the read waited for a drain that has nothing to free") from None
+    assert "No space left on device" in result.stderr, result.stderr
+    assert "event=tier_too_small" in reader.log_text() and "raise --cache-size" in reader.log_text()
