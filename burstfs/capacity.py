@@ -282,10 +282,10 @@ class TierCapacity:
 
     async def evict(self, inode: Inode) -> int:
         """Drop the local copy of a durable file (``burstfs-admin evict``); bytes freed."""
+        if inode.kind == "file" and inode.handles:  # also one partly fetched: its reader goes on
+            raise FsError(errno.EBUSY, "file is open")
         if inode.kind != "file" or not inode.local:
             return 0
-        if inode.handles:
-            raise FsError(errno.EBUSY, "file is open")
         freed = 0 if inode.dirty else await self._evict(inode)
         if not freed and inode.size:
             raise FsError(errno.EAGAIN, "file is not durable yet")

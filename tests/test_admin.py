@@ -337,6 +337,12 @@ def test_evict_and_prefetch(burst: MountedFS) -> None:
     with open(burst.path / "ck" / "a", "rb"):
         doc = admin_json("evict", burst.path / "ck" / "a", expect=1)
     assert doc["files"][0]["errno"] == errno.EBUSY
+    admin_json("evict", burst.path / "ck" / "a")
+    with open(burst.path / "ck" / "a", "rb") as partly:  # open, its first bytes fetched
+        assert partly.read(1000) == data[:1000]
+        doc = admin_json("evict", burst.path / "ck" / "a", expect=1)  # it said "evicted (0 B)"
+        assert doc["files"][0]["errno"] == errno.EBUSY
+        assert partly.read() == data[1000:]
     assert "nope: No such file or directory" in admin("evict", burst.path / "nope", expect=1).stderr
 
 
