@@ -70,6 +70,7 @@ class Mover:
         self._wakeup: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._main: asyncio.Task[None] | None = None  # the task of run(), cancelled by stop()
+        self._leaving = False  # run() is in its cleanup: stop() cancels nothing any more
         self._stopping = False
         self.in_flight: dict[int, str] = {}  # ino -> key its upload holds
         self.not_before: dict[int, float] = {}  # ino -> earliest retry time
@@ -158,9 +159,15 @@ class Mover:
         if loop is None or main is None:
             return
         try:
-            loop.call_soon_threadsafe(main.cancel)
+            loop.call_soon_threadsafe(self._cancel_main, main)
         except RuntimeError:  # the loop closed after we looked
             pass
+
+    def _cancel_main(self, main: asyncio.Task[None]) -> None:
+        """On the loop: a cancel that arrives once run() saw ``_stopping`` and left its loop would
+        hit its cleanup (the uploads' cancellation, the journal's close) instead."""
+        if not self._leaving:
+            main.cancel()
 
     async def db(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """A journal call, on the journal thread (the loop goes on meanwhile): the one way the
@@ -185,6 +192,7 @@ class Mover:
         """
         self._loop = asyncio.get_running_loop()
         self._main = asyncio.current_task()
+        self._leaving = False
         self._wakeup = asyncio.Event()
         self._journal_thread = JournalThread()
         if not self._journal_open:
@@ -273,6 +281,7 @@ class Mover:
                 raise
             asyncio.current_task().uncancel()  # type: ignore[union-attr]  # stop(): the end, not a crash
         finally:
+            self._leaving = True
             self._ready.clear()
             if gate is not None:
                 tasks.add(gate)
