@@ -258,10 +258,25 @@ class BurstCore:
     # -- file data (burstfs/datapath.py) ----------------------------------------------
 
     async def open(self, ino: int, flags: int) -> int:
+        await self._revalidate_listed(self.namespace.inode(ino))
         fh = await self.data.open(ino, flags)
         handle = self.data.handles[fh]
         self.plans.opened(handle.inode, handle.writable)
         return fh
+
+    async def _revalidate_listed(self, inode: Inode) -> None:
+        """An open of another node's file (``Inode.as_listed``) first merges its directory's
+        listing when one is due (``--list-ttl``, bounded by ``--remote-wait``): a rewrite or
+        delete by its owner is seen at the next open, not only at the next ``ls``.  If this
+        inode was replaced or forgotten, ESTALE makes the kernel look the name up again."""
+        if not inode.as_listed or inode.handles:
+            return
+        directory = self.inodes.get(inode.parent)
+        if directory is None or directory.kind != "dir":
+            return
+        await self.listings.refresh_bounded(directory)
+        if inode.parent == 0:
+            raise FsError(errno.ESTALE, "rewritten or removed on the remote by its owner: look the name up again")
 
     def backing_id(self, fh: int) -> int:
         """The passthrough backing id of a handle; 0 when its I/O comes to the daemon."""

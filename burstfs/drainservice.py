@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import trio
 
 from .errors import CorruptDataError, FsError, RemoteNotFound
+from .hooks import Listing
 from .journal import BROKEN, DONE, Journal
 from .mover import Mover
 
@@ -216,7 +217,7 @@ class DrainService:
             self.mover.stats.read_error(str(exc))
             raise FsError(errno.EIO, f"its remote object is gone: {exc}") from exc
 
-    async def list_dir(self, dir_key: str) -> tuple[list[tuple[str, int, float]], list[str]]:
+    async def list_dir(self, dir_key: str) -> Listing:
         assert self.mover.restore is not None
         return await self.on_mover_loop(self.mover.restore.list_dir(dir_key))
 

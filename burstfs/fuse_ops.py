@@ -81,6 +81,12 @@ def entry_attributes(inode: Inode) -> pyfuse3.EntryAttributes:
     return attr
 
 
+def _drop_kernel_entry(parent_ino: int, name: bytes) -> None:
+    """A name another node's rewrite or delete replaced: the kernel forgets its cached entry
+    (queued: a request of that directory may be in flight)."""
+    pyfuse3.invalidate_entry_async(parent_ino, name, ignore_enoent=True)
+
+
 class BurstOperations(pyfuse3.Operations):
     """pyfuse3 handlers; each is one call into the core."""
 
@@ -92,6 +98,7 @@ class BurstOperations(pyfuse3.Operations):
         self.writeback_cache = writeback_cache
         self.backing = backing
         self.initialized = trio.Event()  # set once the kernel's INIT is answered
+        core.listings.entry_dropped = _drop_kernel_entry
 
     @property
     def enable_writeback_cache(self) -> bool:  # type: ignore[override]

@@ -7,7 +7,20 @@ record, so wiring the drain side in (the daemon, tests) is one assignment.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import NamedTuple, Protocol
+
+
+class ListedFile(NamedTuple):
+    """One remote file of a directory listing; ``etag`` tells a rewrite of the same size
+    within the same second apart (None where the remote has none: a file remote's mtime does)."""
+
+    name: str
+    size: int
+    mtime: float
+    etag: str | None = None
+
+
+Listing = tuple[list[ListedFile], list[str]]
 
 
 class DrainHooks(Protocol):
@@ -45,8 +58,8 @@ class Fetcher(Protocol):
         """Make bytes [offset, offset+size) of ``ino`` local; returns the length of the
         gap-free local prefix of the file (its size once it is all local)."""
 
-    async def list_dir(self, dir_key: str) -> tuple[list[tuple[str, int, float]], list[str]]:
-        """(name, size, mtime) of the remote files directly under ``dir_key``, and subdirectory names."""
+    async def list_dir(self, dir_key: str) -> Listing:
+        """The remote files directly under ``dir_key``, and subdirectory names."""
 
     def forget(self, ino: int) -> None:
         """The file went away: drop any fetch state."""

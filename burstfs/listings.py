@@ -13,12 +13,13 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
 
 import trio
 import trio.lowlevel
 
 from .committer import GroupCommitter
-from .hooks import DrainLinks
+from .hooks import DrainLinks, ListedFile
 from .journal import META, REMOTE, ROOT_INO, Journal, Op, forget_listed_ops, insert_inode_op
 from .namespace import Namespace
 from .nodes import NAME_MAX, NEVER_LISTED, RESERVED_ROOT_NAME, Inode, Undo
@@ -101,6 +102,13 @@ class RemoteListings:
         self._in_flight: dict[int, tuple[trio.Event, list[bool], float, float]] = {}
         self._skipped_logged: set[str] = set()  # listed keys already logged as skipped
         self._seen: set[int] = set()  # directories listed (merged) in this life, or made here
+        # Another node's files (Inode.as_listed) -> the etag their object had when this mount first
+        # listed them: a rewrite of the same size within the same second changes only that.
+        self._etags: dict[int, str | None] = {}
+        #: Called with (directory inode, name) for each name a merge dropped or replaced: the
+        #: kernel's cached entry must go too (the FUSE front sets it), or a stat or an open by
+        #: that name would find the old inode until the entry times out.
+        self.entry_dropped: Callable[[int, bytes], None] = lambda directory, name: None
 
     async def refresh_bounded(self, directory: Inode) -> bool:
         """:meth:`refresh` for a request: wait at most ``wait`` for it.
@@ -194,12 +202,12 @@ class RemoteListings:
         at_root = directory.ino == ROOT_INO
         # Filter first (yielding on huge listings), then apply in one synchronous pass.
         wanted_files: list[tuple[bytes, int, int, str]] = []
-        remote_names: set[bytes] = set()
+        remote_versions: dict[bytes, tuple[int, int, str | None]] = {}  # name -> (size, mtime_ns, etag)
         for count, entry in enumerate(files, 1):
             if count % 1000 == 0:
                 await trio.lowlevel.checkpoint()  # a 100,000-object listing must not stall other requests
             try:
-                name, size, mtime = entry
+                name, size, mtime, etag = ListedFile(*entry)
                 raw = self._listed_name(dir_key, name, at_root)
                 size, mtime_ns = int(size), int(mtime * 1e9)
                 if size < 0:
@@ -209,7 +217,7 @@ class RemoteListings:
                 continue
             if raw is None:
                 continue
-            remote_names.add(raw)
+            remote_versions[raw] = (size, mtime_ns, etag)
             if prefix + name not in known_keys:
                 wanted_files.append((raw, size, mtime_ns, prefix + name))
         # A remote directory holding keys this node owns is its own layout from before
@@ -224,7 +232,7 @@ class RemoteListings:
                 continue
             if raw is not None and name not in owned_dirs:
                 wanted_dirs.append(raw)
-        return await self._merge(directory, prefix, now, wanted_files, wanted_dirs, remote_names)
+        return await self._merge(directory, prefix, now, wanted_files, wanted_dirs, remote_versions)
 
     async def _merge(
         self,
@@ -233,9 +241,16 @@ class RemoteListings:
         started: float,
         wanted_files: list[tuple[bytes, int, int, str]],
         wanted_dirs: list[bytes],
-        remote_names: set[bytes],
+        remote_versions: dict[bytes, tuple[int, int, str | None]],
     ) -> bool:
-        """Apply a filtered listing: no await from the checks to the commit's enqueue."""
+        """Apply a filtered listing: no await from the checks to the commit's enqueue.
+
+        A file known from an earlier listing and unchanged here (``Inode.as_listed``, its
+        copy fetched or not) whose object vanished is forgotten; one whose object's size or
+        mtime changed, or its etag since this mount listed it (its owner rewrote it), is
+        replaced by a new inode for the new object,
+        its fetched copy dropped: the next open reads the new bytes, never the old copy
+        (nor EIO for a digest that no longer matches).  An open file is left as it is."""
         if directory.children is None or (directory.parent == 0 and directory.ino != ROOT_INO):
             return False  # removed while it was listed
         undo = Undo()
@@ -244,26 +259,50 @@ class RemoteListings:
         for raw, size, mtime_ns, key in wanted_files:
             if raw in directory.children or key in recent:
                 continue  # made, renamed or deleted here meanwhile: local state wins
-            ops += self._add_listed(directory, raw, "file", size, mtime_ns, key, undo)
+            ops += self._add_listed(directory, raw, "file", size, mtime_ns, key, undo, remote_versions[raw][2])
         for raw in wanted_dirs:
             if raw in directory.children or prefix + os.fsdecode(raw) in recent:
                 continue
             ops += self._add_listed(directory, raw, "dir", 0, time.time_ns(), None, undo)
-        forgotten = []
+        forgotten: list[tuple[bytes, Inode]] = []
         for raw, ino in list(directory.children.items()):
             gone = self.namespace.inodes[ino]
-            if gone.listed and raw not in remote_names and not gone.handles and not gone.pending:
+            if gone.handles or gone.pending or not (gone.listed or gone.as_listed):
+                continue
+            listed = remote_versions.get(raw)
+            if listed is None:
                 ops += self._forget_listed_ops(directory, gone, undo)
-                forgotten.append(gone)
+                forgotten.append((raw, gone))
+                continue
+            size, mtime_ns, etag = listed
+            seen_etag = self._etags.setdefault(gone.ino, etag)
+            key = prefix + os.fsdecode(raw)
+            if (
+                gone.as_listed
+                and ((size, mtime_ns) != (gone.size, gone.mtime_ns) or etag != seen_etag)
+                and key not in recent
+            ):
+                log.info(
+                    "event=listed_file_changed key=%s ino=%d size=%d new_size=%d note=rewritten by its owner",
+                    key,
+                    gone.ino,
+                    gone.size,
+                    size,
+                )
+                ops += self._forget_listed_ops(directory, gone, undo)
+                forgotten.append((raw, gone))
+                ops += self._add_listed(directory, raw, "file", size, mtime_ns, key, undo, etag)
         if ops:
-            for gone in forgotten:
+            for _, gone in forgotten:
                 gone.pending += 1
             try:
                 await self.committer.commit(ops, undo=undo)
             finally:
-                for gone in forgotten:
+                for _, gone in forgotten:
                     gone.pending -= 1
-            for gone in forgotten:
+            for raw, gone in forgotten:
+                self._etags.pop(gone.ino, None)
+                self.entry_dropped(directory.ino, raw)
                 self.namespace.maybe_destroy(gone)
         self._seen.add(directory.ino)
         return True
@@ -310,13 +349,27 @@ class RemoteListings:
         return forget_listed_ops(inode.ino, inode.name, self.namespace.detach(directory, inode, undo))
 
     def _add_listed(
-        self, directory: Inode, name: bytes, kind: str, size: int, mtime_ns: int, key: str | None, undo: Undo
+        self,
+        directory: Inode,
+        name: bytes,
+        kind: str,
+        size: int,
+        mtime_ns: int,
+        key: str | None,
+        undo: Undo,
+        etag: str | None = None,
     ) -> list[Op]:
         mode = stat.S_IFDIR | 0o755 if kind == "dir" else stat.S_IFREG | 0o644
         inode = self.namespace.new_inode(directory, name, kind, mode, directory.uid, directory.gid)
         inode.size, inode.mtime_ns, inode.ctime_ns = size, mtime_ns, mtime_ns
         if kind == "file":
             inode.local, inode.listed = False, True
+            self._etags[inode.ino] = etag
+
+            def unseen() -> None:
+                self._etags.pop(inode.ino, None)
+
+            undo.add(unseen)
         self.namespace.attach(directory, inode, undo)
         row = self.namespace.row(inode, REMOTE if kind == "file" else META)
         row.remote_key = key

@@ -82,6 +82,19 @@ class Inode:
         return (1 if self.parent else 0) + len(self.links)
 
     @property
+    def as_listed(self) -> bool:
+        """A file known from the remote listing (another node's) and unchanged here since, its
+        copy fetched or not: never closed changed here (generation 0), not left incomplete, and
+        its metadata untouched (a rename, link, chmod, utime or xattr sets ctime).  A rewrite
+        or delete of its object by its owner replaces or forgets it here (listings.py)."""
+        return (
+            self.kind == "file"
+            and self.generation == 0
+            and not (self.dirty or self.new or self.incomplete)
+            and self.ctime_ns == self.mtime_ns
+        )
+
+    @property
     def named(self) -> bool:
         """Has a name (its own or a hard link's): not unlinked."""
         return bool(self.parent or self.links)

@@ -449,3 +449,34 @@ def test_a_cache_keeps_its_node_id_while_its_rounds_are_open(mounted_factory: ty
     admin("drain", n1.path, "--now")
     admin("wait", n0.path / "ckpt/step_1/.metadata", "--timeout", "60")
     assert bucket.latest("ckpt")["dir"] == "ckpt/step_1"
+
+
+def test_a_file_another_node_rewrites_or_removes_is_read_anew_here(
+    mounted_factory: type[MountedFS], bucket: Bucket
+) -> None:
+    """n1 read n0's ck/latest.pt (fetched: a local copy here), then n0 rewrote it with the
+    same size and removed ck/old.pt.  Once n1's listing is due again, an open of the name
+    reads n0's new bytes (it read the stale copy for good; after an evict, EIO until a
+    remount) and the removed file is gone (its fetched copy stayed forever)."""
+    n0 = node(mounted_factory, bucket, "n0")
+    n1 = node(mounted_factory, bucket, "n1", "--list-ttl", "0")
+    first, second = os.urandom(3 << 20), os.urandom(3 << 20)
+    write(n0, "ck/latest.pt", first)
+    write(n0, "ck/old.pt", b"old" * 1000)
+    admin("wait", n0.path / "ck")
+    assert (n1.path / "ck/latest.pt").read_bytes() == first
+    assert (n1.path / "ck/old.pt").read_bytes() == b"old" * 1000
+    assert state(n1, "ck/latest.pt") == "durable"  # fetched: a local copy
+    write(n0, "ck/latest.pt", second)
+    (n0.path / "ck/old.pt").unlink()
+    admin("wait", n0.path / "ck")
+    wait_for(lambda: "ck/old.pt" not in bucket.keys(), what="the delete of ck/old.pt")
+    assert (n1.path / "ck/latest.pt").read_bytes() == second
+    assert not (n1.path / "ck/old.pt").exists()
+    assert sorted(os.listdir(n1.path / "ck")) == ["latest.pt"]
+    third = os.urandom(3 << 20)
+    write(n0, "ck/latest.pt", third)
+    admin("wait", n0.path / "ck")
+    admin("evict", n1.path / "ck/latest.pt")
+    assert (n1.path / "ck/latest.pt").read_bytes() == third
+    assert "event=listed_file_changed" in n1.log_text()

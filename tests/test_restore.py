@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import types
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,6 +43,27 @@ MiB = 1 << 20
 
 def drained(fs: MountedFS, *names: str) -> bool:
     return all(file_state(fs.cache, name) == "durable" for name in names)
+
+
+def drained_then_reader(
+    factory: type[MountedFS],
+    url: str,
+    files: dict[str, bytes],
+    writer_args: Sequence[str] = (),
+    reader_args: Sequence[str] = (),
+    meanwhile: Callable[[], object] = lambda: None,
+) -> MountedFS:
+    """A writer mount drains ``files`` (top-level names) to ``url``; then (after ``meanwhile``)
+    a reader mount of it with a cache of its own, as a restore node has."""
+    writer = factory("w", url, tuple(writer_args))  # type: ignore[call-arg]
+    writer.mount()
+    for name, content in files.items():
+        (writer.path / name).write_bytes(content)
+    wait_for(lambda: drained(writer, *files), what="drain")
+    meanwhile()
+    reader = factory("r", url, tuple(reader_args))  # type: ignore[call-arg]
+    reader.mount()
+    return reader
 
 
 def write_checkpoint(fs: MountedFS) -> dict[str, bytes]:
@@ -135,14 +156,16 @@ def test_an_object_cut_short_at_a_chunk_boundary_gives_eio_never_a_shorter_file(
 ) -> None:
     """Every chunk left checks out, and the listing says the short size: only the manifest's
     size tells (it was served as a clean, shorter file)."""
-    writer = mounted_factory("w", remote.url, (*remote.extra_args, "--part-size", "5M"))  # type: ignore[call-arg]
-    writer.mount()
     content = os.urandom(12 * MiB)
-    (writer.path / "ckpt.pt").write_bytes(content)
-    wait_for(lambda: drained(writer, "ckpt.pt"), what="drain")
-    remote.write("ckpt.pt", content[: 5 * MiB])
-    reader = mounted_factory("r", remote.url, remote.extra_args)  # type: ignore[call-arg]
-    reader.mount()
+    args = remote.extra_args
+    reader = drained_then_reader(
+        mounted_factory,
+        remote.url,
+        {"ckpt.pt": content},
+        (*args, "--part-size", "5M"),
+        args,
+        meanwhile=lambda: remote.write("ckpt.pt", content[: 5 * MiB]),
+    )
     reader.expect_log("event=corrupt_data")
     with pytest.raises(OSError) as err:
         (reader.path / "ckpt.pt").read_bytes()
@@ -155,12 +178,8 @@ def test_an_object_deleted_after_it_was_listed_gives_eio_and_a_log_line(
     mounted_factory: type[MountedFS], remote: RemoteTarget
 ) -> None:
     """stat still shows the file (listed), so ENOENT from read() was a contradiction."""
-    writer = mounted_factory("w", remote.url, remote.extra_args)  # type: ignore[call-arg]
-    writer.mount()
-    (writer.path / "ckpt.pt").write_bytes(os.urandom(3 * MiB))
-    wait_for(lambda: drained(writer, "ckpt.pt"), what="drain")
-    reader = mounted_factory("r", remote.url, remote.extra_args)  # type: ignore[call-arg]
-    reader.mount()
+    files = {"ckpt.pt": os.urandom(3 * MiB)}
+    reader = drained_then_reader(mounted_factory, remote.url, files, remote.extra_args, remote.extra_args)
     reader.expect_log("event=remote_object_gone")
     assert os.stat(reader.path / "ckpt.pt").st_size == 3 * MiB
     remote.delete("ckpt.pt")
@@ -920,14 +939,9 @@ def test_a_file_larger_than_the_cache_size_is_refused_at_once_with_a_clear_error
     """A restore node with --cache-size smaller than a file: the read fails at once with ENOSPC
     that names --cache-size (it waited twice --full-timeout for a drain that had nothing to do,
     then blamed "data not yet durable")."""
-    url = f"file://{tmp_path / 'remote'}"
     (tmp_path / "remote").mkdir()
-    writer = mounted_factory("writer", url)  # type: ignore[call-arg]
-    writer.mount()
-    (writer.path / "big.bin").write_bytes(os.urandom(24 * MiB))
-    wait_for(lambda: drained(writer, "big.bin"), what="drain")
-    reader = mounted_factory("reader", url, ("--cache-size", "8M"))  # type: ignore[call-arg]
-    reader.mount()
+    url = f"file://{tmp_path / 'remote'}"
+    reader = drained_then_reader(mounted_factory, url, {"big.bin": os.urandom(24 * MiB)}, (), ("--cache-size", "8M"))
     reader.expect_log("event=request_failed")
     reading = f"open({str(reader.path / 'big.bin')!r}, 'rb').read(4096)"
     try:
@@ -936,3 +950,29 @@ def test_a_file_larger_than_the_cache_size_is_refused_at_once_with_a_clear_error
         raise AssertionError("the read waited for a drain that has nothing to free") from None
     assert "No space left on device" in result.stderr, result.stderr
     assert "event=tier_too_small" in reader.log_text() and "raise --cache-size" in reader.log_text()
+
+
+def test_a_read_arriving_just_after_the_fetch_completed_fetches_nothing_again(tmp_path: Path) -> None:
+    """A kernel readahead asked before the first read's answer marked the file local: it
+    arrived once the fetch had completed and opened a second fetch of the whole file, which
+    got the chunks it asked for again (and kept a descriptor until the file was evicted)."""
+    journal = FakeJournal()
+    svc = service(tmp_path, journal)
+    content = os.urandom(8 * CHUNK)
+
+    async def body() -> None:
+        await put_with_manifest(svc.store, "done", content)
+        journal.add(7, "done", len(content))
+        assert await svc.ensure_local(7, 0, len(content)) == len(content)
+        fetched = svc.fetched_bytes
+        assert await svc.ensure_local(7, 6 * CHUNK, 2 * CHUNK) == len(content)  # the late readahead
+        await settle(svc)
+        assert svc.fetched_bytes == fetched and not svc._files and svc.open_fds == 0
+        svc.forget(7)  # evicted: the next read fetches again
+        assert await svc.ensure_local(7, 6 * CHUNK, 2 * CHUNK) < len(content)
+        await settle(svc)
+        assert svc.fetched_bytes > fetched
+        await svc.aclose()
+
+    run_async(body)
+    assert svc.tier.path(7).read_bytes()[: 8 * CHUNK] == content

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 from ..errors import CorruptDataError, FsError, RemoteError
+from ..hooks import ListedFile, Listing
 from ..journal import Journal
 from ..journal.thread import JournalCall
 from ..localtier import LocalTier
@@ -46,6 +47,10 @@ async def call_inline(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) 
     return fn(*args, **kwargs)
 
 
+#: How many completed fetches RestoreService remembers (for readaheads that arrive late).
+COMPLETED_MEMO = 4096
+
+
 class RestoreService:
     """Fetches remote-only (evicted or listed) files into the local tier."""
 
@@ -75,6 +80,11 @@ class RestoreService:
         # open neither creates the data file nor registers a fetch (the file went away or was
         # replaced meanwhile).  Its data file being created in a thread: let_go() waits for that.
         self._open_tokens: dict[int, object] = {}
+        # Fetches completed lately: ino -> (size, the journal record's task).  A kernel readahead
+        # asked before the first read's answer marked the file local arrives after the fetch
+        # completed, and must not open a second fetch of the whole file.  Bounded (the race is
+        # milliseconds wide); forget() drops an entry (the file was evicted or replaced).
+        self._completed: dict[int, tuple[int, asyncio.Future[None]]] = {}
         self._creating: dict[int, asyncio.Future[None]] = {}
         self._compressed: bool | None = None
         self.listing_retry = LISTING_RETRY
@@ -96,8 +106,8 @@ class RestoreService:
         """Bytes landed on the tier by fetches, ranged and streamed."""
         return self._ranged_bytes + self.streams.fetched_bytes
 
-    async def list_dir(self, dir_key: str) -> tuple[list[tuple[str, int, float]], list[str]]:
-        """(name, size, mtime) of files and names of subdirectories under ``dir_key``.
+    async def list_dir(self, dir_key: str) -> Listing:
+        """The files (name, size, mtime, etag) and names of subdirectories under ``dir_key``.
 
         A listing gives stored sizes; when the remote holds compressed objects
         (see :data:`LAYOUT_KEY`), the file sizes come from their manifests.
@@ -111,7 +121,7 @@ class RestoreService:
                 kind="unavailable",
             ) from None
 
-    async def _list_dir_once(self, dir_key: str) -> tuple[list[tuple[str, int, float]], list[str]]:
+    async def _list_dir_once(self, dir_key: str) -> Listing:
         """list_dir's one attempt (``listing_retry``), without a bound of its own."""
         remote = self.store.remote
         files, subdirs = await self.listing_retry.call(remote, remote.list_dir, dir_key, what=f"list {dir_key or '/'}")
@@ -126,7 +136,7 @@ class RestoreService:
                     sizes[key] = manifest.size
 
             await asyncio.gather(*(logical_size(info.key) for info in files))
-        return [(info.key[len(prefix) :], sizes[info.key], info.mtime) for info in files], subdirs
+        return [ListedFile(info.key[len(prefix) :], sizes[info.key], info.mtime, info.etag) for info in files], subdirs
 
     async def _compressed_layout(self) -> bool:
         if self._compressed is None:
@@ -143,6 +153,13 @@ class RestoreService:
         below that without asking again.
         """
         self._raise_if_unanswered(ino)
+        completed = self._completed.get(ino)
+        if completed is not None:
+            size, recorded = completed
+            if not recorded.done() or (not recorded.cancelled() and recorded.exception() is None):
+                await asyncio.shield(recorded)
+                return size
+            del self._completed[ino]  # its record failed: fetch it again
         opened = asyncio.get_running_loop().time()
         fetch = await self._opened(ino)
         if fetch.size == 0:
@@ -443,6 +460,9 @@ class RestoreService:
         # so a reader that goes away does not drop it.  No reader learns the file is local (and so
         # nothing can evict it, and forget it here) before the record landed.
         fetch.recorded = self._tasks.start(self._record_fetched(fetch))
+        if len(self._completed) >= COMPLETED_MEMO:
+            del self._completed[next(iter(self._completed))]
+        self._completed[fetch.ino] = (fetch.size, fetch.recorded)
         await asyncio.shield(fetch.recorded)
         return fetch.size
 
@@ -471,6 +491,7 @@ class RestoreService:
         """
         self._open_tokens.pop(ino, None)
         self._unanswered.pop(ino, None)
+        self._completed.pop(ino, None)
         fetch = self._files.pop(ino, None)
         if fetch is None:
             return
