@@ -74,7 +74,6 @@ class BurstCore:
         self.links = DrainLinks(drain, fetcher)  # shared with the data path and the listings
         tombstones = Tombstones()
         self.io_paths = IOPaths(self.tier, backing)
-        self.xattrs = ExtendedAttributes(journal, self.committer)
         self.dir_handles: dict[int, list[tuple[bytes, int]]] = {}
         self._next_fh = itertools.count(1)  # one numbering for file and directory handles
         self.namespace = Namespace(
@@ -88,6 +87,7 @@ class BurstCore:
             self.namespace, journal, self.committer, self.links, tombstones, ttl=list_ttl, wait=listing_wait
         )
         self.inodes = self.namespace.inodes  # the one inode table
+        self.xattrs = ExtendedAttributes(journal, self.committer, self.links, self.namespace.path_of)
         self.publisher = Publisher(self.committer, journal.max_close_seq() + 1)
         self.capacity = TierCapacity(self.tier, journal, capacity, self.inodes, self._forget_fetch)
         self.reaper = TierReaper(self.tier, self.capacity)  # run by the daemon's nursery

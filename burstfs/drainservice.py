@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import errno
+import json
 import logging
 import threading
 import time
@@ -25,9 +26,10 @@ from typing import Any, TypeVar
 
 import trio
 
-from .errors import CorruptDataError, FsError, RemoteNotFound
+from .errors import BurstfsError, CorruptDataError, FsError, RemoteNotFound
 from .hooks import Listing
 from .journal import BROKEN, DONE, Journal
+from .latest import find_latest, missing_root
 from .mover import Mover
 
 log = logging.getLogger("burstfs.drain")
@@ -36,6 +38,10 @@ T = TypeVar("T")
 
 # fsync(2) in --fsync remote mode polls the journal this often while it waits.
 DURABLE_POLL_S = 0.05
+# user.burstfs.latest of a directory: the longest its getxattr waits for the remote, and how
+# many newer checkpoints it passed over it names (an xattr holds at most 64 KiB).
+LATEST_XATTR_S = 30.0
+LATEST_SKIPPED_SHOWN = 20
 # A mover that died is restarted after this many seconds, doubling per crash up to the cap;
 # a mover that ran this long before it died starts the backoff over.
 RESTART_BACKOFF_S = 1.0
@@ -216,6 +222,32 @@ class DrainService:
             log.error("event=remote_object_gone ino=%d error=%s", ino, exc)
             self.mover.stats.read_error(str(exc))
             raise FsError(errno.EIO, f"its remote object is gone: {exc}") from exc
+
+    async def latest_under(self, dir_key: str) -> str:
+        remote = self.mover.remote
+        if remote is None:
+            raise FsError(errno.EIO, "no remote is configured")
+        missing = missing_root(remote.url)
+        if missing is not None:
+            log.warning("event=latest_failed dir=%s error=%s", dir_key or "/", missing)
+            raise FsError(errno.EIO, missing)
+        try:
+            found, skipped = await self.on_mover_loop(asyncio.wait_for(find_latest(remote, dir_key), LATEST_XATTR_S))
+        except TimeoutError:
+            log.warning("event=latest_failed dir=%s error=no answer within %.0fs", dir_key or "/", LATEST_XATTR_S)
+            raise FsError(errno.ETIMEDOUT, f"the remote did not answer within {LATEST_XATTR_S:.0f}s") from None
+        except BurstfsError as exc:
+            log.warning("event=latest_failed dir=%s error=%s", dir_key or "/", exc)
+            raise FsError(errno.EIO, f"the remote cannot be read: {exc}") from exc
+        document = {
+            "remote": str(remote.url),
+            "dir": found.dir if found else None,
+            "marker": found.marker if found else None,
+            "committed_at": found.committed_at if found else None,
+            "files": found.files if found else 0,
+            "skipped": [{"dir": d, "reason": r[:300]} for d, r in skipped[:LATEST_SKIPPED_SHOWN]],
+        }
+        return json.dumps(document)
 
     async def list_dir(self, dir_key: str) -> Listing:
         assert self.mover.restore is not None

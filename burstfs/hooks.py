@@ -46,6 +46,11 @@ class DrainHooks(Protocol):
     def release_drain(self, ino: int) -> None:
         """No writable open of ``ino`` is left (RELEASE), or it was fsync'd: a held generation drains."""
 
+    async def latest_under(self, dir_key: str) -> str:
+        """The newest complete checkpoint under ``dir_key`` as a JSON document (``dir`` null:
+        none), read from the remote by the daemon (``user.burstfs.latest``); bounded, raises
+        FsError when the remote cannot say."""
+
     async def closed_in(self, ino: int, dir_key: str, name: bytes) -> None:
         """``ino`` was closed in ``dir_key``: it joins this node's round there; return once
         this node's part in the checkpoint is announced, or after a short bound."""

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from typing import Any
 
 from .commitgroups import COMMITS_PREFIX, commit_written_ms, dir_of, parse_record, record_files
+from .config import RemoteURL
 from .errors import CorruptDataError, RemoteError
 from .objects import Manifest, manifest_key
 from .remote import Remote, RetryPolicy
@@ -82,6 +84,15 @@ def _points_to_steps(dir_key: str, commit_key: str, committed: dict[str, tuple[f
     marker = commit_key.rpartition("/")[2].rsplit("@", 2)[0]  # <marker>@<node>@<id>.commit
     below = f"{dir_key}/" if dir_key else ""
     return marker in POINTER_MARKERS and any(d != dir_key and d.startswith(below) for d in committed)
+
+
+def missing_root(url: RemoteURL) -> str | None:
+    """Why a file remote's directory cannot be read (None: it is there, or not a file remote):
+    else it lists as empty, and "no checkpoint" would be the wrong answer."""
+    if url.scheme != "file" or os.path.isdir(url.prefix):
+        return None
+    problem = "is not a directory" if os.path.exists(url.prefix) else "does not exist"
+    return f"{url}: remote directory {url.prefix} {problem}"
 
 
 async def find_latest(remote: Remote, subdir: str = "") -> tuple[Checkpoint | None, list[tuple[str, str]]]:

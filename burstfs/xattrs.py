@@ -5,24 +5,38 @@ from __future__ import annotations
 
 import errno
 import time
+from collections.abc import Callable
 
 import trio
 
 from .committer import GroupCommitter
 from .errors import FsError
+from .hooks import DrainLinks
 from .journal import WRITING, Journal, remove_xattr_op, set_xattr_op
 from .nodes import Inode
 
 XATTR_USER = b"user."
 XATTR_RESERVED = b"user.burstfs."  # computed, read-only attributes (drain state)
+#: Of a directory: the newest complete checkpoint under it, read from the remote by the
+#: daemon (client.latest for a user without the cache's journal).  Not listed: ``cp -a``
+#: and ``rsync -X`` would read the remote for every directory they copy.
+LATEST_XATTR = XATTR_RESERVED + b"latest"
+#: One answer serves a directory's getxattr calls this long: a caller asks for the size,
+#: then the value, and the two must agree.
+LATEST_MEMO_S = 1.0
 
 
 class ExtendedAttributes:
     """The extended attributes of inodes; every change is committed before it returns."""
 
-    def __init__(self, journal: Journal, committer: GroupCommitter) -> None:
+    def __init__(
+        self, journal: Journal, committer: GroupCommitter, links: DrainLinks, path_of: Callable[[Inode], str | None]
+    ) -> None:
         self.journal = journal
         self.committer = committer
+        self.links = links  # user.burstfs.latest asks the drain side
+        self.path_of = path_of
+        self._latest: dict[int, tuple[float, bytes]] = {}  # directory -> (monotonic time, answer)
 
     async def get(self, inode: Inode, name: bytes) -> bytes:
         if name.startswith(XATTR_RESERVED):
@@ -33,7 +47,10 @@ class ExtendedAttributes:
             raise FsError(errno.ENODATA) from None
 
     async def reserved(self, inode: Inode, name: bytes) -> bytes:
-        """``user.burstfs.*``: the file's drain state, read from the journal."""
+        """``user.burstfs.*``: the file's drain state, read from the journal; a directory's
+        newest complete checkpoint (``latest``), read from the remote."""
+        if inode.kind == "dir" and name == LATEST_XATTR:
+            return await self.latest(inode)
         await self.committer.settle()  # a new file's row may still be deferred
         row = await trio.to_thread.run_sync(self.journal.state_row, inode.ino)  # hard links: least drained name
         if row is None or inode.kind != "file":
@@ -49,6 +66,19 @@ class ExtendedAttributes:
         if key not in values or (not values[key] and key != "state"):
             raise FsError(errno.ENODATA)
         return values[key].encode()
+
+    async def latest(self, directory: Inode) -> bytes:
+        now = time.monotonic()
+        memo = self._latest.get(directory.ino)
+        if memo is not None and now - memo[0] < LATEST_MEMO_S:
+            return memo[1]
+        dir_key = self.path_of(directory)
+        if self.links.drain is None or dir_key is None:
+            raise FsError(errno.ENODATA)
+        answer = (await self.links.drain.latest_under(dir_key)).encode()
+        self._latest = {ino: m for ino, m in self._latest.items() if now - m[0] < LATEST_MEMO_S}
+        self._latest[directory.ino] = (time.monotonic(), answer)
+        return answer
 
     def names(self, inode: Inode) -> list[bytes]:
         names = list(inode.xattrs)

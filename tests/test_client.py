@@ -14,6 +14,7 @@ import pytest
 from conftest import BIN, FUSE_OK, MountedFS, wait_for
 
 from burstfs import client
+from burstfs.xattrs import LATEST_MEMO_S
 
 pytestmark = [pytest.mark.fuse, pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse, fusermount3 and root")]
 
@@ -178,3 +179,59 @@ def test_wait_by_xattrs_for_users_without_the_control_socket(fs: MountedFS) -> N
         db.execute("UPDATE inodes SET state='failed', error='injected' WHERE name=?", (b"a",))
     with pytest.raises(client.DrainFailedError):
         _wait_by_xattrs([fs.path / "ck"], None, time.monotonic())
+
+
+# client.latest as a job's user under a mount root made: imported as root (this machine's
+# python is not readable by others), then the effective uid is nobody's: no control socket,
+# no journal, no remote credentials of the daemon.
+_LATEST_AS_NOBODY = """
+import encodings.idna, encodings.latin_1, encodings.unicode_escape, json, os, sys
+import burstfs.admin.checkpoints, burstfs.latest, burstfs.remote
+from burstfs import client
+os.chdir(sys.argv[1])  # entered as root: the directories above the mount point are private
+os.setegid(65534)
+os.seteuid(65534)
+try:
+    print(json.dumps({"latest": str(client.latest("run"))}))
+except client.ClientError as exc:
+    print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+"""
+
+
+def test_latest_for_a_user_without_the_control_socket_asks_the_daemon_through_the_mount(
+    mounted_factory: type[MountedFS],
+) -> None:
+    """A Slurm job's user under the prolog's root mount: client.latest failed with "permission
+    denied on control.sock", so train_example.py refused to resume any job run as a user."""
+    import json
+
+    fs = mounted_factory("n", None, ("--allow-other",))  # type: ignore[call-arg]
+    fs.mount()
+    os.chmod(fs.path, 0o755)
+
+    def latest_as_nobody() -> dict[str, str]:
+        result = subprocess.run(
+            [sys.executable, "-c", _LATEST_AS_NOBODY, str(fs.path)], capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == 0, result.stderr
+        answer: dict[str, str] = json.loads(result.stdout)
+        return answer
+
+    (fs.path / "run").mkdir()
+    assert latest_as_nobody() == {"latest": "None"}
+    for step in (1, 2):
+        (fs.path / f"run/step_{step}").mkdir()
+        (fs.path / f"run/step_{step}/__0_0.distcp").write_bytes(os.urandom(20_000))
+        (fs.path / f"run/step_{step}/.metadata").write_bytes(b"metadata")
+    client.wait_durable(fs.path / "run")
+    wait_for(lambda: client.latest(fs.path / "run") == fs.path / "run/step_2", what="step 2 published")
+    time.sleep(LATEST_MEMO_S)  # the answer of the first call served only its own size probe
+    assert latest_as_nobody() == {"latest": str(fs.path / "run/step_2")}
+    remote = fs.remote_dir
+    remote.rename(remote.with_name("moved"))  # the remote cannot be read: never "None"
+    try:
+        time.sleep(LATEST_MEMO_S)
+        answer = latest_as_nobody()
+    finally:
+        remote.with_name("moved").rename(remote)
+    assert answer.get("error") == "ClientError", answer

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
@@ -13,11 +14,14 @@ import click
 
 from ..config import S3Options, parse_remote_url
 from ..errors import BurstfsError, ConfigError
+from ..mountinfo import find_burstfs_mount
 from ..status import SCHEMA
+from ..xattrs import LATEST_XATTR
 from .common import (
     EXIT_ERROR,
     EXIT_UNKNOWN,
     EXIT_USAGE,
+    AccessDenied,
     AdminError,
     emit_json,
     json_option,
@@ -88,7 +92,7 @@ def latest_checkpoint(
     ``path`` of ``remote_url`` (no mount); see latest.find_latest."""
     import asyncio
 
-    from ..latest import find_latest
+    from ..latest import find_latest, missing_root
     from ..remote import open_remote
 
     try:
@@ -98,7 +102,10 @@ def latest_checkpoint(
         else:
             if path is None:
                 raise AdminError("give a PATH inside a mount, or --remote URL", EXIT_USAGE)
-            target = resolve([Path(path)], None)
+            try:
+                target = resolve([Path(path)], None)
+            except AccessDenied:  # a job's user under a mount root made: the daemon reads the remote
+                return latest_through_mount(Path(path))
             with target.journal() as journal:
                 url, s3 = remote_of(journal, target.cache_dir)
             s3 = dataclasses.replace(s3, endpoint_url=endpoint_url or s3.endpoint_url, region=region or s3.region)
@@ -107,9 +114,9 @@ def latest_checkpoint(
             s3.endpoint()  # a bad $AWS_ENDPOINT_URL, said as such (botocore raises a bare ValueError)
     except ConfigError as exc:
         raise AdminError(str(exc), EXIT_USAGE) from None
-    if url.scheme == "file" and not os.path.isdir(url.prefix):  # else it would list as empty: "no checkpoint"
-        problem = "is not a directory" if os.path.exists(url.prefix) else "does not exist"
-        raise AdminError(f"{url}: remote directory {url.prefix} {problem}", EXIT_UNKNOWN)
+    missing = missing_root(url)
+    if missing is not None:
+        raise AdminError(missing, EXIT_UNKNOWN)
 
     async def look() -> Any:
         remote = open_remote(url, s3)
@@ -137,6 +144,35 @@ def latest_checkpoint(
         committed_at=found.committed_at if found else None,
         files=found.files if found else 0,
         skipped=[{"dir": d, "reason": r} for d, r in skipped],
+    )
+
+
+def latest_through_mount(path: Path) -> Latest:
+    """``latest`` of a directory in a mount this user may not administer (no control socket,
+    no journal): its ``user.burstfs.latest``, which the daemon answers from the remote."""
+    found = find_burstfs_mount(path)
+    if found is None:
+        raise AdminError(f"{path} is not inside a burstfs mount", EXIT_USAGE)
+    mountpoint = found[0]
+    try:
+        doc = json.loads(os.getxattr(path, LATEST_XATTR.decode()))
+    except OSError as exc:
+        problem = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise AdminError(
+            f"{path}: the mount cannot say which checkpoint is the newest ({problem})", EXIT_UNKNOWN
+        ) from None
+    except ValueError as exc:
+        raise AdminError(f"{path}: the mount's answer is not JSON ({exc})", EXIT_UNKNOWN) from None
+    subdir = os.path.relpath(os.path.realpath(path), mountpoint)
+    return Latest(
+        remote=doc["remote"],
+        subdir="" if subdir == "." else subdir,
+        dir=doc["dir"],
+        path=None if doc["dir"] is None else str(mountpoint / doc["dir"]),
+        marker=doc["marker"],
+        committed_at=doc["committed_at"],
+        files=doc["files"],
+        skipped=doc["skipped"],
     )
 
 
