@@ -133,14 +133,35 @@ class BurstCore:
         self.links.namespace_changed()
 
     async def rmdir(self, parent_ino: int, name: bytes) -> None:
+        await self._listed_in_full(self.namespace.child(parent_ino, name))
         await self.namespace.rmdir(parent_ino, name)
 
     async def rename(
         self, old_parent_ino: int, old_name: bytes, new_parent_ino: int, new_name: bytes, flags: int
     ) -> None:
+        await self._listed_in_full(self.namespace.child(old_parent_ino, old_name))
+        target = self.namespace.dir(new_parent_ino).children.get(new_name)  # type: ignore[union-attr]
+        if target is not None:
+            await self._listed_in_full(self.inodes[target])
         if await self.namespace.rename(old_parent_ino, old_name, new_parent_ino, new_name, flags):
             self.links.namespace_changed()
             await self._join_rounds(self.namespace.child(new_parent_ino, new_name))
+
+    async def _listed_in_full(self, top: Inode) -> None:
+        """A directory about to be renamed, removed or replaced: each directory at or under it
+        that holds nothing here and that no listing reached yet (a fresh cache over a filled
+        remote, ``RemoteListings.unseen``) is listed first.  Else the rename would move none
+        of the remote files there (they came back under the old name), and rmdir, or a rename
+        over it, would pass a directory that is not empty.  EIO if one cannot be listed."""
+        pending = [top]
+        while pending:
+            directory = pending.pop()
+            unseen = directory.kind == "dir" and self.listings.unseen(directory)
+            if unseen and not await self.listings.refresh_bounded(directory):
+                self._never_listed(directory)
+            pending += [
+                child for ino in (directory.children or {}).values() if (child := self.inodes[ino]).kind == "dir"
+            ]
 
     async def _join_rounds(self, moved: Inode) -> None:
         """Files renamed into a directory (a file, or every file of a directory) join this node's

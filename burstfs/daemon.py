@@ -43,6 +43,7 @@ from .log import setup_logging
 from .metrics import start_metrics
 from .mountinfo import FSNAME_PREFIX, device_of, find_burstfs_mount, mounts
 from .mover import Mover
+from .recovery import stamp_alive
 from .remote import open_remote
 from .sdnotify import SystemdNotifier
 
@@ -201,6 +202,12 @@ def _refuse_data_without_journal(cache: Path) -> None:
         )
 
 
+#: The mount's probe of the remote tries again after a temporary failure, after these pauses.
+CHECK_RETRY_PAUSES_S = (0.5, 2.0)
+#: Failures that say nothing about the configuration: the remote may answer in a moment.
+TEMPORARY_KINDS = frozenset({"unavailable", "unreachable"})
+
+
 def _other_remote(config: MountConfig, recorded: str) -> ConfigError:
     return ConfigError(
         f"cache dir {config.cache_dir} holds files for remote {recorded}, not {config.remote}; "
@@ -208,21 +215,62 @@ def _other_remote(config: MountConfig, recorded: str) -> ConfigError:
     )
 
 
-def check_remote(config: MountConfig, timeout: float = 20.0) -> None:
-    """Fail the mount early when the remote is unreachable or misconfigured."""
+def check_remote(config: MountConfig, timeout: float = 20.0) -> str | None:
+    """Fail the mount early when the remote is misconfigured (no bucket, access denied, not S3
+    at that address) or, for a cache never mounted on it, unreachable.
+
+    A temporary failure (a 503, a reset) is tried again, within ``timeout``.  A cache that
+    was mounted on this remote before mounts anyway, with a warning: a daemon restarted
+    during an outage (a crash, the watchdog, an upgrade) must go on taking checkpoints, and
+    its drain waits for the remote as it would have without the restart.  Returns the
+    warning then (the daemon logs it once its log is open), else None.
+    """
 
     async def probe() -> None:
         remote = open_remote(config.remote, config.s3)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         try:
-            await asyncio.wait_for(remote.check(), timeout)
-        except TimeoutError:
-            raise RemoteError(
-                f"remote {config.remote} did not answer within {timeout:.0f}s", kind="unreachable"
-            ) from None
+            for pause in (*CHECK_RETRY_PAUSES_S, None):
+                try:
+                    await asyncio.wait_for(remote.check(), max(0.1, deadline - loop.time()))
+                    return
+                except TimeoutError:
+                    raise RemoteError(
+                        f"remote {config.remote} did not answer within {timeout:.0f}s", kind="unreachable"
+                    ) from None
+                except RemoteError as exc:
+                    if exc.kind not in TEMPORARY_KINDS or pause is None or loop.time() + pause >= deadline:
+                        raise
+                await asyncio.sleep(pause)
         finally:
             await remote.close()
 
-    asyncio.run(probe())
+    try:
+        asyncio.run(probe())
+    except RemoteError as exc:
+        if exc.kind not in TEMPORARY_KINDS or not _mounted_on(config):
+            raise
+        sys.stderr.write(
+            f"burstfs: warning: {exc}; cache {config.cache_dir} was mounted on this remote before, so it "
+            "mounts anyway: closes are journaled as ever and drain once the remote answers\n"
+        )
+        return str(exc)
+    return None
+
+
+def _mounted_on(config: MountConfig) -> bool:
+    """Whether the cache dir's journal says it was mounted on ``config.remote`` before."""
+    if not _journal_present(config.cache_dir):
+        return False
+    try:
+        journal = Journal(config.cache_dir, readonly=True)
+    except (BurstfsError, sqlite3.Error):
+        return False
+    try:
+        return journal.get_meta("remote") == str(config.remote)
+    finally:
+        journal.close()
 
 
 def open_cache(config: MountConfig) -> tuple[CacheLock, Journal, MountConfig]:
@@ -319,6 +367,7 @@ async def serve(config: MountConfig, ops: BurstOperations, on_ready: Callable[[]
             await nursery.start(core.plans.run)
         await nursery.start(serve_control, config, core, drain)
         nursery.start_soon(_stop_on_signals, nursery.cancel_scope)
+        nursery.start_soon(stamp_alive, config.cache_dir)
         nursery.start_soon(set_read_ahead, config.mountpoint, config.read_ahead, ops.initialized)
         if core.links.fetcher is not None:  # a fresh cache sees the remote's root from the start
             await core.listings.refresh_bounded(core.namespace.dir(ROOT_INO))
@@ -402,11 +451,17 @@ def mount(config: MountConfig, *, foreground: bool) -> int:
     """``burstfs mount``: returns the process exit code once the mount is live (or failed)."""
     os.umask(PRIVATE_UMASK)  # before the first file in the cache (or a temp file on the remote) exists
     preflight(config)
-    check_remote(config)
+    unavailable = check_remote(config)
     log_file = config.cache_dir / "burstfs.log"
+
+    def log_unavailable() -> None:
+        if unavailable is not None:
+            log.warning("event=remote_unavailable_at_mount remote=%s error=%s", config.remote, unavailable)
+
     if foreground:
         secure_cache_dir(config.cache_dir)
         setup_logging(config.log_level, log_file=log_file, stderr=True)
+        log_unavailable()
         run_mount(config, on_ready=lambda: None)
         return 0
     read_fd, write_fd = os.pipe()
@@ -434,6 +489,7 @@ def mount(config: MountConfig, *, foreground: bool) -> int:
     try:
         secure_cache_dir(config.cache_dir)
         setup_logging(config.log_level, log_file=log_file, stderr=False)
+        log_unavailable()
         run_mount(config, on_ready=ready)
     except BaseException as exc:  # the parent prints it; the log keeps the details
         code = 1

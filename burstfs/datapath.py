@@ -25,7 +25,7 @@ from .digests import StreamingDigests
 from .errors import BurstfsError, FsError, to_errno
 from .hooks import DrainLinks
 from .iopath import IOPaths
-from .journal import update_inode_op
+from .journal import held_close_op, released_op, update_inode_op
 from .localtier import LocalTier
 from .namespace import Namespace, now_ns
 from .nodes import Handle, Inode, Undo
@@ -395,7 +395,10 @@ class DataPath:
         undo = Undo()
         ops = self.publisher.publish_ops(inode, undo, writer_left=self._has_writer(inode))
         # Held until RELEASE (which wakes the drain): a dup'd descriptor of this open file
-        # (``cmd > file``) or another open may still be writing.
+        # (``cmd > file``), a forked child or another open may still be writing.  Journaled
+        # too: a crash before the release leaves the file incomplete (its later writes may
+        # have died in the kernel's cache), never a torn version drained over the last one.
+        ops.append(held_close_op(inode.ino, inode.generation))
         self.links.hold_drain(inode.ino, inode.generation)
         await self.committer.commit(ops, undo=undo)
         if self.links.drain is not None and (dir_key := self.namespace.dir_key_of(inode)) is not None:
@@ -413,8 +416,11 @@ class DataPath:
             if last_writer:
                 if self.publisher.unpublished(inode) and inode.named:
                     undo = Undo()
-                    await self.committer.commit(self.publisher.publish_ops(inode, undo, writer_left=False), undo=undo)
+                    ops = [*self.publisher.publish_ops(inode, undo, writer_left=False), released_op(inode.ino)]
+                    await self.committer.commit(ops, undo=undo)
                     self.links.file_closed()
+                else:  # rides with the next commit: a crash before it lands is within RELEASE_GRACE_S
+                    self.committer.defer([released_op(inode.ino)], Undo())
                 inode.digests = None  # the last writer is gone (kept if the commit failed)
             if inode.handles == 1 and not inode.local and inode.accounted:
                 await self.capacity.count_held_blocks(inode)  # its fetch claimed the whole file
@@ -438,7 +444,7 @@ class DataPath:
         ops = []
         if publish and inode.named:
             ops = self.publisher.publish_ops(inode, undo, writer_left=self._has_writer(inode))
-        await self.committer.commit(ops, sync=True, undo=undo)
+        await self.committer.commit([*ops, released_op(inode.ino)], sync=True, undo=undo)
         if ops:
             self.links.file_closed()
         self.links.release_drain(inode.ino)  # fsync asks for this version: it drains while still open

@@ -1,7 +1,8 @@
 """Recovery: the in-memory namespace rebuilt from the journal at start.
 
 A clean stop and a crash look the same here: files open for writing are
-flagged incomplete (their data file is all there is of them), files unlinked
+flagged incomplete (their data file is all there is of them; also one whose
+close was journaled while a descriptor of it stayed open), files unlinked
 while open are dropped, hard links' extra names are attached to their inodes,
 and data files with no row are removed.
 """
@@ -12,6 +13,9 @@ import logging
 import os
 import stat
 import time
+from pathlib import Path
+
+import trio
 
 from .journal import (
     DRAINING,
@@ -40,6 +44,39 @@ log = logging.getLogger("burstfs.namespace")
 CLOSED_LOCAL = frozenset({STAGED, DRAINING, DURABLE})
 #: A data file's mtime may pass its record's time by this much before it counts as written after.
 CLOCK_SLACK_S = 1.0
+#: The daemon touches this file in the cache dir every ALIVE_PERIOD_S (stamp_alive).
+ALIVE_FILE = "alive"
+ALIVE_PERIOD_S = 0.5
+#: RELEASE follows the last close(2) of an open file within milliseconds: a journaled close
+#: not released after this long (while the daemon lived) had a descriptor still open.
+RELEASE_GRACE_S = 2.0
+
+
+def _last_alive(cache_dir: Path) -> float | None:
+    try:
+        return (cache_dir / ALIVE_FILE).stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def _held_open(held: tuple[int, float] | None, row: InodeRow, last_alive: float | None) -> bool:
+    """A FLUSH journaled ``row``'s generation and no RELEASE followed while the daemon lived on
+    for RELEASE_GRACE_S: a descriptor of the open file stayed open for writing (a forked
+    child's exec or a dup closed, the writer went on), so writes may have died in the kernel's
+    cache.  Within the grace it was the writer's own close(2), RELEASE still on its way."""
+    if held is None or held[0] != row.generation or last_alive is None:  # None: no daemon stamped it
+        return False
+    return last_alive - held[1] > RELEASE_GRACE_S
+
+
+async def stamp_alive(cache_dir: Path) -> None:
+    """Touch CACHE/alive every ALIVE_PERIOD_S while the daemon runs: after a crash its mtime
+    says how long the daemon lived after a journaled close (``_held_open``)."""
+    path = cache_dir / ALIVE_FILE
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+    while True:
+        os.utime(path, follow_symlinks=False)
+        await trio.sleep(ALIVE_PERIOD_S)
 
 
 def recover(journal: Journal, tier: LocalTier) -> tuple[dict[int, Inode], int]:
@@ -67,6 +104,8 @@ def recover(journal: Journal, tier: LocalTier) -> tuple[dict[int, Inode], int]:
         rows = [root]
     ops: list[Op] = []
     last_row = max(row.ino for row in rows)
+    held = journal.held_closes()
+    last_alive = _last_alive(tier.cache_dir)
     link_rows = [row for row in rows if row.link_of is not None]
     linked = {row.link_of for row in link_rows if row.parent}
     for row in rows:
@@ -78,6 +117,8 @@ def recover(journal: Journal, tier: LocalTier) -> tuple[dict[int, Inode], int]:
         why = None
         if row.state == WRITING:
             why = "open for writing when the daemon stopped"
+        elif row.kind == "file" and row.state in CLOSED_LOCAL and _held_open(held.get(row.ino), row, last_alive):
+            why = "open for writing when the daemon stopped (a close of one of its descriptors was journaled)"
         elif row.kind == "file" and row.state in CLOSED_LOCAL and _written_after_close(tier, row):
             why = "written after its last close when the daemon stopped"
         if why is not None:
@@ -88,6 +129,8 @@ def recover(journal: Journal, tier: LocalTier) -> tuple[dict[int, Inode], int]:
             ops.extend(recovered_incomplete_ops(row.ino, row.size, row.error))
             log.warning("event=recover_incomplete ino=%d name=%s reason=%r", row.ino, row.name, why)
         inodes[row.ino] = inode_from_row(row)
+    if held:
+        ops.append(("DELETE FROM held_closes", ()))
     for ino, name, value in journal.xattrs():
         if ino in inodes:
             inodes[ino].xattrs[name] = value

@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import MountedFS, burstfs, force_unmount
+from conftest import MountedFS, burstfs, force_unmount, wait_for
+
+from burstfs.recovery import ALIVE_PERIOD_S, RELEASE_GRACE_S
 
 pytestmark = pytest.mark.fuse
 
@@ -179,6 +181,40 @@ def test_kill_9_of_a_file_still_written_after_a_close_or_fsync_is_incomplete(bur
     time.sleep(0.5)  # the drain had its chance
     published = burst.remote_dir / "ckpt.pt"
     assert not published.exists() or published.read_bytes() == b"part1-"  # at most the fsync'd version
+
+
+def test_kill_9_while_a_forked_child_closed_the_writers_descriptor_keeps_the_previous_version(
+    burst: MountedFS,
+) -> None:
+    """v1 is durable; a trainer rewrites it, spawns a subprocess halfway (the child's exec
+    closes its copy of the descriptor: a FLUSH), writes on, and the daemon dies before the
+    trainer's own close.  Through the daemon the later bytes were still in the kernel's
+    cache, so the tier held exactly the child's "close": it drained as durable after the
+    remount, a torn file over v1.  The file is incomplete; the remote keeps v1.  (A crash
+    within RELEASE_GRACE_S of such a close cannot be told from one right after the writer's
+    own close(2), which must drain: test_kill_9_after_a_thousand_small_files.)"""
+    import subprocess
+
+    p = burst.path / "ckpt.pt"
+    v1 = os.urandom(2 << 20)
+    p.write_bytes(v1)
+    wait_for(lambda: journal_state(burst.cache, "ckpt.pt") == ["durable"], what="v1 durable")
+    with open(p, "wb") as f:
+        f.write(os.urandom(1 << 20))
+        f.flush()
+        subprocess.run(["true"], check=True, close_fds=False)
+        f.write(os.urandom(1 << 20))
+        f.flush()
+        time.sleep(RELEASE_GRACE_S + 2 * ALIVE_PERIOD_S)  # the trainer writes on
+        burst.kill()
+        try:
+            f.close()
+        except OSError:
+            pass  # the connection is gone
+    burst.mount()
+    assert journal_state(burst.cache, "ckpt.pt") == ["incomplete"]
+    time.sleep(0.5)  # the drain had its chance
+    assert (burst.remote_dir / "ckpt.pt").read_bytes() == v1
 
 
 def test_kill_9_after_a_thousand_small_files(burst: MountedFS) -> None:

@@ -976,3 +976,41 @@ def test_a_read_arriving_just_after_the_fetch_completed_fetches_nothing_again(tm
 
     run_async(body)
     assert svc.tier.path(7).read_bytes()[: 8 * CHUNK] == content
+
+
+@fuse
+def test_a_directory_no_listing_reached_yet_is_listed_before_a_rename_or_rmdir(
+    tmp_path: Path, mounted_factory: type[MountedFS]
+) -> None:
+    """A fresh cache over a filled remote; d and d/sub were never opened here.  `mv d d2`
+    returned 0 but moved nothing (d2 empty, d back at the next listing, the objects never
+    moved), and `rmdir d` and a rename over d passed a directory the remote fills."""
+    (tmp_path / "remote").mkdir()
+    url = f"file://{tmp_path / 'remote'}"
+    writer = mounted_factory("w", url)  # type: ignore[call-arg]
+    writer.mount()
+    (writer.path / "d/sub").mkdir(parents=True)
+    (writer.path / "d/x").write_bytes(b"x" * 5000)
+    (writer.path / "d/sub/y").write_bytes(b"y" * 7000)
+    (writer.path / "e/sub").mkdir(parents=True)
+    (writer.path / "e/sub/z").write_bytes(b"z" * 3000)
+    wait_for(lambda: drained(writer, "x", "y", "z"), what="drain")
+    writer.unmount()
+    reader = mounted_factory("r", url)  # type: ignore[call-arg]
+    reader.mount()
+    assert sorted(os.listdir(reader.path)) == ["d", "e"]  # d, e known only from the root's listing
+    with pytest.raises(OSError) as err:
+        os.rmdir(reader.path / "e")
+    assert err.value.errno == errno.ENOTEMPTY
+    (reader.path / "empty").mkdir()
+    with pytest.raises(OSError) as err:
+        os.rename(reader.path / "empty", reader.path / "e")
+    assert err.value.errno == errno.ENOTEMPTY
+    os.rename(reader.path / "d", reader.path / "d2")
+    assert (reader.path / "d2/x").read_bytes() == b"x" * 5000
+    assert (reader.path / "d2/sub/y").read_bytes() == b"y" * 7000
+    subprocess.run([str(BIN / "burstfs-admin"), "wait", str(reader.path)], check=True, capture_output=True, timeout=60)
+    assert (tmp_path / "remote/d2/sub/y").read_bytes() == b"y" * 7000
+    gone = (tmp_path / "remote/d/x", tmp_path / "remote/d/sub/y")
+    wait_for(lambda: not any(p.exists() for p in gone), what="the old objects deleted")
+    assert sorted(os.listdir(reader.path)) == ["d2", "e", "empty"]

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import BIN, DATA_PATHS, FUSE_OK, MountedFS, wait_for
+from conftest import BIN, DATA_PATHS, FUSE_OK, MountedFS, burstfs, wait_for
 from faultproxy import FaultProxy
 from s3server import fresh_bucket
 
@@ -411,3 +411,54 @@ def test_outage_headline_comes_while_requests_are_still_retried() -> None:
     stats.retried("put ckpt/c.pt: slow", time.time() - 1)
     stats.bytes_drained_recent.append((time.time(), 1))
     assert outage_of(stats) is None
+
+
+def test_a_mount_rides_out_one_503_and_a_daemon_restarted_in_an_outage_comes_back(
+    mounted_factory: type[MountedFS], s3_proxy: tuple[FaultProxy, str]
+) -> None:
+    """One 503 on the mount's probe failed the mount ("cannot reach", exit 1): a Slurm prolog
+    drained the node for it.  And a daemon killed while the remote was down could not be
+    mounted again until the remote came back: no checkpoint could be taken meanwhile."""
+    proxy, url = s3_proxy
+    proxy.fail_next(1, status=503)
+    fs = _mount(mounted_factory, proxy, url, "daemon")
+    (fs.path / "before.pt").write_bytes(b"b" * 10_000)
+    _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "25", str(fs.path)], "the drain")
+    proxy.fail_next(10_000, status=503)
+    (fs.path / "staged.pt").write_bytes(b"s" * 10_000)
+    fs.kill()
+    fs.expect_log("event=drain_error")
+    fs.expect_log("event=request_failed")
+    started = time.monotonic()
+    remount = burstfs(
+        "mount",
+        str(fs.path),
+        "--cache",
+        str(fs.cache),
+        "--remote",
+        url,
+        "--endpoint-url",
+        proxy.endpoint,
+        *DATA_PATHS["daemon"],
+        check=False,
+    )
+    assert remount.returncode == 0, remount.stderr
+    assert "mounts anyway" in remount.stderr and time.monotonic() - started < 20
+    (fs.path / "during.pt").write_bytes(b"d" * 10_000)  # checkpoints go on during the outage
+    proxy.clear()
+    _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "60", str(fs.path)], "the drain after the outage")
+    fresh = mounted_factory("fresh", url, ("--endpoint-url", proxy.endpoint))  # type: ignore[call-arg]
+    proxy.fail_next(10_000, status=503)
+    refused = burstfs(
+        "mount",
+        str(fresh.path),
+        "--cache",
+        str(fresh.cache),
+        "--remote",
+        url,
+        "--endpoint-url",
+        proxy.endpoint,
+        check=False,
+    )
+    assert refused.returncode == 1 and "503" in refused.stderr, refused.stderr  # a cache never mounted there: refused
+    proxy.clear()

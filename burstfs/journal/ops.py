@@ -108,6 +108,17 @@ def recovered_incomplete_ops(ino: int, size: int, error: str) -> list[Op]:
     ]
 
 
+def held_close_op(ino: int, generation: int) -> Op:
+    """A close(2) journaled ``generation`` while the open file may live on (FLUSH comes before
+    RELEASE, and a forked child's exec or a dup'd descriptor sends one too), and when."""
+    return ("INSERT OR REPLACE INTO held_closes VALUES (?, ?, ?)", (ino, generation, time.time()))
+
+
+def released_op(ino: int) -> Op:
+    """The last writable open of ``ino`` was released (or fsync asked for its bytes)."""
+    return ("DELETE FROM held_closes WHERE ino=?", (ino,))
+
+
 #: The delete reason of an unlinked name's object (see unlink_ops).
 UNLINK_LISTED = "unlink_listed"
 _UNLINK_REASON = f"CASE WHEN generation = 0 THEN '{UNLINK_LISTED}' ELSE 'unlink' END"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _BASE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -96,6 +96,17 @@ MIGRATIONS: dict[int, _Migration] = {
     3: _Migration(
         (("inodes", "link_of", "INTEGER"),),
         ("CREATE INDEX IF NOT EXISTS inodes_by_link ON inodes(link_of) WHERE link_of IS NOT NULL",),
+    ),
+    # Closes journaled before the open file's release (FLUSH comes first; a forked child's exec
+    # or a dup closed sends one too while the writer goes on): until the last writer's release
+    # the tier may lack writes still in the kernel's cache (recovery.py).  An older burstfs
+    # would drain such a file as closed.
+    4: _Migration(
+        (),
+        (
+            "CREATE TABLE IF NOT EXISTS held_closes "
+            "(ino INTEGER PRIMARY KEY, generation INTEGER NOT NULL, flushed_at REAL NOT NULL)",
+        ),
     ),
 }
 

@@ -125,6 +125,11 @@ class Journal:
     def xattrs(self) -> Iterator[tuple[int, bytes, bytes]]:
         yield from self.query("SELECT ino, name, value FROM xattrs")
 
+    def held_closes(self) -> dict[int, tuple[int, float]]:
+        """ino -> (generation, wall time) of closes journaled before their open file's release."""
+        rows = self.query("SELECT ino, generation, flushed_at FROM held_closes")
+        return {int(ino): (int(generation), float(at)) for ino, generation, at in rows}
+
     def path_of(self, ino: int) -> str | None:
         """The file's path relative to the mount root, or None if it is unlinked."""
         with self._db.lock:
