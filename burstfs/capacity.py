@@ -228,7 +228,13 @@ class TierCapacity:
         (what ``statfs`` counts as free besides the unused part of the limit)."""
         if self.policy.evict == "none":
             return 0
-        rows = await trio.to_thread.run_sync(self.journal.evictable)
+        return self._reclaimable(await trio.to_thread.run_sync(self.journal.evictable))
+
+    def evictable_bytes_blocking(self) -> int:
+        """:meth:`evictable_bytes` in the caller's own thread (the metrics server's)."""
+        return 0 if self.policy.evict == "none" else self._reclaimable(self.journal.evictable())
+
+    def _reclaimable(self, rows: list[tuple[int, int]]) -> int:
         total = 0
         for ino, _ in rows:
             inode = self.inodes.get(ino)

@@ -39,7 +39,7 @@ import trio
 from .config import MountConfig
 from .errors import BurstfsError, FsError
 from .journal import ROOT_INO, Journal
-from .status import SCHEMA, drain_eta, journal_events, journal_status, list_files, outage_of
+from .status import SCHEMA, drain_eta, drain_rate, journal_events, journal_status, list_files, outage_of
 from .verify import check_local_all, check_remote_all, files_to_verify, report
 
 if TYPE_CHECKING:  # burstfs-admin imports this module: keep the mover (aiobotocore) out of its start-up
@@ -272,7 +272,7 @@ class ControlServer:
         if self.drain is not None:
             stats = self.drain.mover.stats
             outage = outage_of(stats)
-            throughput = 0.0 if outage else stats.throughput()  # an outage stops the drain now, not in 30 s
+            throughput = drain_rate(stats, outage)
             doc["drain"].update(
                 outage=outage,
                 throughput_bps=throughput,

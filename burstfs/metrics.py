@@ -10,7 +10,6 @@ so the mover reports each durable file through ``Mover.on_durable``.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +23,7 @@ from .core import BurstCore
 from .drainservice import DrainService
 from .errors import ConfigError
 from .journal import FILE_STATES, QUEUED, Journal
+from .status import drain_rate, outage_of
 
 log = logging.getLogger("burstfs.metrics")
 
@@ -59,14 +59,17 @@ class BurstCollector(Collector):
         yield GaugeMetricFamily(
             "burstfs_queue_depth", "Files waiting to drain or draining.", value=sum(f for f, _ in queued)
         )
-        st = os.statvfs(self.core.tier.data_dir)
+        # What the mount reports (df on it): within --cache-size, less --min-free, durable copies free.
+        fs = self.core.capacity.statfs(self.core.capacity.evictable_bytes_blocking())
         yield GaugeMetricFamily(
             "burstfs_local_tier_capacity_bytes",
-            "Size of the file system holding the local tier.",
-            value=st.f_blocks * st.f_frsize,
+            "Bytes the local tier may hold (its file system, or --cache-size).",
+            value=fs.blocks * fs.block_size,
         )
         yield GaugeMetricFamily(
-            "burstfs_local_tier_free_bytes", "Free bytes on the local tier.", value=st.f_bavail * st.f_frsize
+            "burstfs_local_tier_free_bytes",
+            "Bytes a write can still take on the local tier (durable local copies count as free).",
+            value=fs.blocks_free * fs.block_size,
         )
         if self.drain is None:
             return
@@ -83,7 +86,9 @@ class BurstCollector(Collector):
             "burstfs_drained_files", "Files made durable since the mount started.", value=stats.files_drained
         )
         yield GaugeMetricFamily(
-            "burstfs_drain_throughput_bytes_per_second", "Drain rate over the last 30 s.", value=stats.throughput()
+            "burstfs_drain_throughput_bytes_per_second",
+            "Drain rate over the last 30 s (0 during an outage, as status says).",
+            value=drain_rate(stats, outage_of(stats)),
         )
         errors = CounterMetricFamily("burstfs_drain_errors", "Drain errors by kind.", labels=["kind"])
         for kind, count in dict(stats.errors_by_kind).items():

@@ -132,6 +132,12 @@ def short_reason(message: str) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+def drain_rate(stats: Any, outage: dict[str, Any] | None) -> float:
+    """The drain's rate over the last 30 s; 0 during an ``outage`` (:func:`outage_of`): an
+    outage stops the drain now, not 30 s later.  Status and the metric say the same."""
+    return 0.0 if outage else float(stats.throughput())
+
+
 def outage_of(stats: Any, now: float | None = None) -> dict[str, Any] | None:
     """The drain's trouble since its last progress: ``{"since", "reason", "kind", "errors",
     "unreachable"}``, or None while files drain (or nothing failed).

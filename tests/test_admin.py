@@ -486,6 +486,19 @@ def test_metrics_endpoint(mounted_factory: Any) -> None:
         listening = [line.split()[1] for line in tcp if line.split()[3] == "0A"]
     assert f"0100007F:{port:04X}" in listening and f"00000000:{port:04X}" not in listening
 
+    full = mounted_factory(
+        "full", extra_args=("--metrics-addr", f"127.0.0.1:{port + 1}", "--cache-size", "16M", "--drain-delay", "3600")
+    )
+    full.mount()
+    (full.path / "staged.bin").write_bytes(os.urandom(12 << 20))
+    with urllib.request.urlopen(f"http://127.0.0.1:{port + 1}/metrics", timeout=10) as response:
+        tier = _samples(response.read().decode())
+    # What the mount reports (df), within --cache-size: it read the host's file system (the
+    # runbook's "tier will fill" alert never fired).
+    df = os.statvfs(full.path)
+    assert tier["burstfs_local_tier_capacity_bytes"] == df.f_blocks * df.f_frsize <= 16 << 20
+    assert tier["burstfs_local_tier_free_bytes"] == df.f_bavail * df.f_frsize <= 4 << 20
+
     bad = mounted_factory("bad", extra_args=("--metrics-addr", "9100"))
     result = burstfs(
         "mount", str(bad.path), "--cache", str(bad.cache), "--remote", bad.remote_url, *bad.extra_args, check=False

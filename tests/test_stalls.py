@@ -390,6 +390,19 @@ def test_outage_headline_uses_the_error_kind_and_the_first_failed_attempt() -> N
     assert outage is not None and outage["since"] > first, outage
 
 
+def test_the_drain_rate_is_zero_during_an_outage_in_status_and_the_metric() -> None:
+    """The metric kept the last 30 s average of the uploads before the outage (9.4 MB/s while
+    status said 0 B/s): a dashboard showed the drain moving when it was not."""
+    from burstfs.mover import MoverStats
+    from burstfs.status import drain_rate, outage_of
+
+    stats = MoverStats()
+    stats.bytes_drained_recent.append((time.time() - 5, 50 << 20))
+    assert drain_rate(stats, outage_of(stats)) > 0
+    stats.error("unavailable", "s3://b: put: 503 Service Unavailable")
+    assert drain_rate(stats, outage_of(stats)) == 0.0
+
+
 def test_outage_headline_comes_while_requests_are_still_retried() -> None:
     """A remote that never answers costs a read timeout per attempt: the headline comes with the
     first retry, says how many, and goes once any request is answered."""
