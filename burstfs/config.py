@@ -139,11 +139,19 @@ def check_endpoint_url(url: str, source: str = "--endpoint-url") -> str:
         port_ok = parts.port is None or parts.port > 0
     except ValueError:
         port_ok = False
+    key = "endpoint-url" if source == "--endpoint-url" else None
     if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
         raise ConfigError(
             f"{source} {redact_url(url)!r}: not an S3 endpoint; expected http://HOST[:PORT] or https://HOST[:PORT] "
             "(e.g. http://127.0.0.1:9000)",
-            "endpoint-url" if source == "--endpoint-url" else None,
+            key,
+        )
+    if parts.username is not None or parts.password is not None:
+        # botocore signs every request itself and refuses an URL that carries credentials.
+        raise ConfigError(
+            f"{source} {redact_url(url)!r}: credentials in the URL are not used for S3; give them as "
+            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a profile or an instance role instead",
+            key,
         )
     return url
 

@@ -187,7 +187,7 @@ def test_temporary_faults_retry_and_bytes_stay_identical(remote_mount: MountedFS
     wait_for(lambda: durable(remote_mount, "faulty.bin"), timeout=120, what="drain through faults")
     assert remote.read("faulty.bin") == content
     assert remote.proxy.injected >= 3
-    remote_mount.expect_log("remote retry")
+    remote_mount.expect_log("event=remote_retry")
 
 
 def test_fsync_remote_waits_until_durable(mounted_factory: type[MountedFS], remote: RemoteTarget) -> None:

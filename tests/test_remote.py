@@ -463,7 +463,7 @@ def test_retrying_retries_temp_failures(tmp_path: Path, caplog: pytest.LogCaptur
     with caplog.at_level(logging.WARNING, logger="burstfs.remote"):
         assert asyncio.run(retrying(remote, flaky, what="get k", base_delay=0.001)) == "ok"
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 2 and lines[0].startswith("remote retry what='get k' attempt=1 delay=")
+    assert len(lines) == 2 and lines[0].startswith("event=remote_retry what='get k' attempt=1 delay=")
 
 
 def test_retrying_gives_up_a_silent_attempt_and_stops_at_its_budget(tmp_path: Path) -> None:
@@ -548,7 +548,7 @@ def test_multipart_survives_503_and_resets(s3_endpoint: str, caplog: pytest.LogC
         with caplog.at_level(logging.WARNING, logger="burstfs.remote"):
             run(remote, body)
         assert proxy.injected == 9
-    retries = [r.getMessage() for r in caplog.records if r.getMessage().startswith("remote retry")]
+    retries = [r.getMessage() for r in caplog.records if r.getMessage().startswith("event=remote_retry")]
     assert any("SlowDown" in line for line in retries) and any("complete" in line for line in retries)
 
 

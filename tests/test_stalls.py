@@ -155,7 +155,7 @@ def test_a_healed_black_hole_drains_without_a_restart_and_reads_fail_in_bounded_
     answers without waiting for listings (20 s per directory)."""
     proxy, url = s3_proxy
     fs = _mount(mounted_factory, proxy, url, "passthrough", "--list-ttl", "1")
-    fs.expect_log("remote retry")
+    fs.expect_log("event=remote_retry")
     fs.expect_log("event=request_failed")
     proxy.blackhole()
     names = [f"ckpt/step_{step}/shard.pt" for step in range(3)]
@@ -188,7 +188,7 @@ def test_a_put_whose_body_the_remote_never_reads_is_sent_again_on_a_new_connecti
     connection (it used to wait for good: only a restart drained it)."""
     proxy, url = s3_proxy
     fs = _mount(mounted_factory, proxy, url, "passthrough", "--part-size", "12M")
-    fs.expect_log("remote retry")
+    fs.expect_log("event=remote_retry")
     fs.expect_log("event=request_failed")
     proxy.stall_next(1, match=lambda line: line.startswith("PUT ") and "/model.pt" in line)
     data = os.urandom(12 << 20)
@@ -268,7 +268,7 @@ def test_unmount_does_not_wait_for_a_pass_stuck_on_a_hung_remote(
     and the next mount drains them (the unmount used to wait up to 30 s for the pass)."""
     proxy, url = s3_proxy
     fs = _mount(mounted_factory, proxy, url, "passthrough")
-    fs.expect_log("remote retry")
+    fs.expect_log("event=remote_retry")
     (fs.path / "ck").mkdir()
     proxy.blackhole()
     data = os.urandom(1 << 20)

@@ -82,7 +82,7 @@ async def retrying(
                     kind="unavailable",
                 ) from exc
             log.warning(
-                "remote retry what=%r attempt=%d delay=%.2f error=%r", what, attempt, delay, describe_error(exc)
+                "event=remote_retry what=%r attempt=%d delay=%.2f error=%r", what, attempt, delay, describe_error(exc)
             )
             if on_retry is not None:
                 on_retry(f"{what}: {describe_error(exc)}", time.time() - (loop.time() - started))
