@@ -34,7 +34,7 @@ from .config import MountConfig, default_node_id, parse_metrics_addr
 from .control import serve_control
 from .core import BurstCore
 from .drainservice import DrainService
-from .errors import BurstfsError, ConfigError, RemoteError
+from .errors import THROTTLED, BurstfsError, ConfigError, RemoteError
 from .fuse_ops import BurstOperations
 from .headroom import drop_reserve_if_full
 from .journal import ROOT_INO, Journal
@@ -205,7 +205,7 @@ def _refuse_data_without_journal(cache: Path) -> None:
 #: The mount's probe of the remote tries again after a temporary failure, after these pauses.
 CHECK_RETRY_PAUSES_S = (0.5, 2.0)
 #: Failures that say nothing about the configuration: the remote may answer in a moment.
-TEMPORARY_KINDS = frozenset({"unavailable", "unreachable"})
+TEMPORARY_KINDS = frozenset({"unavailable", "unreachable", THROTTLED})
 
 
 def _other_remote(config: MountConfig, recorded: str) -> ConfigError:

@@ -42,6 +42,9 @@ class RemoteError(BurstfsError):
         self.kind = kind
 
 
+#: The RemoteError kind of requests the store kept refusing for their rate (503 SlowDown):
+#: temporary like "unavailable", but the remote answers.
+THROTTLED = "throttled"
 #: RemoteError kinds that belong to one object (its key or its size): that file fails,
 #: the drain goes on.  Everything else permanent (no bucket, access denied, full)
 #: halts the drain until the remote answers again.
@@ -75,7 +78,7 @@ def error_scope(exc: BaseException) -> str:
     """
     if not isinstance(exc, RemoteError):
         return OBJECT
-    if exc.kind in ("unavailable", "not_found"):
+    if exc.kind in ("unavailable", THROTTLED, "not_found"):
         return RETRY
     if exc.kind in OBJECT_ERROR_KINDS:
         return OBJECT

@@ -121,6 +121,9 @@ class FaultyRemote:
     def is_temp_failure(self, exc: BaseException) -> bool:
         return isinstance(exc, InjectedTempFailure) or self._inner.is_temp_failure(exc)
 
+    def is_throttling(self, exc: BaseException) -> bool:
+        return self._inner.is_throttling(exc)
+
     def list_all(self, prefix: str = "") -> Any:
         return self._inner.list_all(prefix)
 

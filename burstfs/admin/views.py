@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from ..cachelock import CacheLock
+from ..errors import THROTTLED
 from ..journal import FILE_STATES
 from ..progress import Progress, fmt_bytes, fmt_duration
 from ..status import (
@@ -76,6 +77,8 @@ def _print_status(doc: dict[str, Any]) -> None:
             headline = "LOCAL TIER FAILING"  # the journal on the tier (full, damaged): not the remote
         elif outage.get("kind") == RETRYING_KIND:
             headline, count = "REMOTE RETRYING", f"{outage['errors']} retries, no request succeeded since"
+        elif outage.get("kind") == THROTTLED:
+            headline = "REMOTE THROTTLING"  # it answers "slow down": the drain backs off
         else:
             headline = f"REMOTE {'UNREACHABLE' if outage['unreachable'] else 'FAILING'}"
         click.echo(

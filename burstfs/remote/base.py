@@ -173,6 +173,10 @@ class Remote(abc.ABC):
     def is_temp_failure(self, exc: BaseException) -> bool:
         """True if ``exc`` is worth retrying (throttling, 5xx, timeouts, dropped connections)."""
 
+    def is_throttling(self, exc: BaseException) -> bool:
+        """True if ``exc`` is the store asking for fewer requests (S3's 503 SlowDown)."""
+        return False
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Release connections and threads."""

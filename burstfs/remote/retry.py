@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..errors import RemoteError
+from ..errors import THROTTLED, RemoteError
 
 if TYPE_CHECKING:
     from .base import Remote
@@ -77,6 +77,11 @@ async def retrying(
             spent = budget is not None and loop.time() - started + delay >= budget
             if attempt >= attempts or spent:
                 tries = f"{attempt} attempts in {loop.time() - started:.0f}s"
+                if remote.is_throttling(exc):  # it answers: asks for fewer requests, not unreachable
+                    raise RemoteError(
+                        f"{what}: remote {remote.url} throttled the requests for {tries}: {describe_error(exc)}",
+                        kind=THROTTLED,
+                    ) from exc
                 raise RemoteError(
                     f"{what}: remote {remote.url} unavailable after {tries}: {describe_error(exc)}",
                     kind="unavailable",

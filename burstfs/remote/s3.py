@@ -28,7 +28,7 @@ from ..errors import RemoteError, RemoteNotFound
 from .base import INTERNAL_DIR, ObjectInfo, Remote, UploadedPart
 from .pool import run_workers
 from .retry import RetryPolicy
-from .s3client import ChecksumMismatch, S3Session, error_code, is_temp_failure
+from .s3client import ChecksumMismatch, S3Session, error_code, is_temp_failure, is_throttling
 
 log = logging.getLogger("burstfs.remote")
 
@@ -476,6 +476,9 @@ class S3Remote(Remote):
 
     def is_temp_failure(self, exc: BaseException) -> bool:
         return is_temp_failure(exc)
+
+    def is_throttling(self, exc: BaseException) -> bool:
+        return is_throttling(exc)
 
     async def close(self) -> None:
         await self.session.close()

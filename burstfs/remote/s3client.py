@@ -45,6 +45,8 @@ _TEMP_CODES = frozenset(
     }
 )
 _TEMP_STATUS = frozenset({500, 502, 503, 504})
+#: Of those, the codes that say "too many requests": the store answers, and asks us to slow down.
+_THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded"})
 _TEMP_EXCEPTIONS: tuple[type[BaseException], ...] = (
     botocore.exceptions.EndpointConnectionError,
     botocore.exceptions.ConnectionClosedError,
@@ -79,6 +81,11 @@ def is_temp_failure(exc: BaseException) -> bool:
         code, status = error_code(exc)
         return status in _TEMP_STATUS or code in _TEMP_CODES
     return isinstance(exc, (*_TEMP_EXCEPTIONS, ChecksumMismatch))
+
+
+def is_throttling(exc: BaseException) -> bool:
+    """Whether the store refused ``exc``'s request for its rate (503 SlowDown and the like)."""
+    return isinstance(exc, botocore.exceptions.ClientError) and error_code(exc)[0] in _THROTTLE_CODES
 
 
 #: The slowest a request body may go up before the request is given up (see S3Session.call).
