@@ -14,7 +14,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import trio
 
@@ -82,6 +82,10 @@ class DataPath:
         self.digest_chunk_size = digest_chunk_size
         self.daemon_written_bytes = 0  # bytes clients wrote through the daemon (passthrough bypasses it)
         self.handles: dict[int, Handle] = {}
+        #: Called with an inode whose write failed: the kernel's cached pages and size of it hold
+        #: bytes the tier does not (the write-back cache sent them at close), and must go.  The
+        #: FUSE front sets it.
+        self.kernel_cache_stale: Callable[[int], None] = lambda ino: None
 
     # -- attributes -----------------------------------------------------------------
 
@@ -333,6 +337,7 @@ class DataPath:
             # now lacks bytes it sent, so it must never drain as if complete.
             code = to_errno(exc)
             inode.incomplete = f"a write failed with {errno.errorcode.get(code, code)}"
+            self._lost_write(inode, end)
             raise
         if end > inode.size:
             inode.size = end
@@ -340,6 +345,22 @@ class DataPath:
         inode.last_access = time.monotonic()
         inode.mtime_ns = inode.ctime_ns = now_ns()
         return written
+
+    def _lost_write(self, inode: Inode, end: int) -> None:
+        """A write failed (a full tier): the kernel, which sent it from its write-back cache,
+        already counts its bytes in the file's size, and keeps that size whatever we answer.
+        The data file grows to it (a hole: no room needed), so stat, ``burstfs-admin ls`` and
+        the tier agree, and the kernel's cached pages go: the lost bytes read as zeros, never
+        as bytes the tier does not hold.  The file is ``incomplete``: it never drains."""
+        if end > inode.size:
+            fd = self.tier.fd(inode.ino)
+            try:
+                if fd is not None:
+                    os.ftruncate(fd, end)
+                inode.size = end
+            except OSError as exc:
+                log.warning("event=lost_write_size ino=%d error=%s", inode.ino, exc)
+        self.kernel_cache_stale(inode.ino)
 
     async def fallocate(self, fh: int, offset: int, length: int, mode: int) -> None:
         """fallocate(2): the default mode and ``FALLOC_FL_KEEP_SIZE`` (see ``burstfs.fallocate``).

@@ -99,6 +99,24 @@ class BurstOperations(pyfuse3.Operations):
         self.backing = backing
         self.initialized = trio.Event()  # set once the kernel's INIT is answered
         core.listings.entry_dropped = _drop_kernel_entry
+        core.data.kernel_cache_stale = self._drop_kernel_cache
+        self._invalidating: set[int] = set()  # inodes whose cache drop is queued
+
+    def _drop_kernel_cache(self, ino: int) -> None:
+        """The kernel forgets its cached pages and attributes of ``ino`` (one drop queued per
+        inode at a time).  From a thread of its own: the kernel waits for the write-back in
+        flight, which the current request is part of."""
+        if ino not in self._invalidating:
+            self._invalidating.add(ino)
+            trio.lowlevel.spawn_system_task(self._invalidate_inode, ino)
+
+    async def _invalidate_inode(self, ino: int) -> None:
+        try:
+            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino)
+        except OSError as exc:  # ENOENT: the kernel forgot the inode meanwhile
+            log.info("event=invalidate_skipped ino=%d error=%s", ino, exc)
+        finally:
+            self._invalidating.discard(ino)
 
     @property
     def enable_writeback_cache(self) -> bool:  # type: ignore[override]

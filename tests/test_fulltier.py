@@ -175,3 +175,40 @@ def test_writers_that_go_on_after_enospc_leave_the_journal_its_room(
     fs.mount()
     for name, content in contents.items():
         assert (fs.path / name).read_bytes() == content, name
+
+
+def test_a_file_whose_writes_failed_at_close_shows_what_the_tier_holds(
+    mounted_factory: type[MountedFS], tmp_path: Path
+) -> None:
+    """Through the daemon (write-back cache) a full --cache-size fails the writes at close:
+    the file is incomplete without those bytes on the tier, yet stat said 12 MiB where the
+    daemon said 8 and a read returned all of them from the kernel's cache, until that cache
+    was dropped and the file shrank.  Now the size agrees everywhere and the lost bytes
+    read as zeros."""
+    fs = mounted_factory(
+        "cs", None, ("--no-passthrough", "--cache-size", "24M", "--drain-delay", "3600", "--full-timeout", "1")
+    )  # type: ignore[call-arg]
+    fs.expect_log("event=tier_full")
+    fs.expect_log("event=request_failed")
+    fs.mount()
+    for i in range(2):
+        (fs.path / f"f{i}").write_bytes(os.urandom(8 * MiB))
+    late = fs.path / "late"
+    sent = os.urandom(12 * MiB)
+    with pytest.raises(OSError) as err:
+        late.write_bytes(sent)
+    assert err.value.errno == errno.ENOSPC
+    state = subprocess.run(
+        [str(BIN / "burstfs-admin"), "ls", str(fs.path), "--json"], capture_output=True, text=True, check=True
+    ).stdout
+    import json
+
+    (row,) = [f for f in json.loads(state)["files"] if f["path"].endswith("late")]
+    assert row["state"] == "incomplete" and row["size"] == os.stat(late).st_size == 12 * MiB, row
+    on_tier = (fs.cache / "data" / f"{os.stat(late).st_ino:016x}").read_bytes()
+    landed = len(on_tier.rstrip(b"\0"))
+    assert landed < len(sent) and on_tier[:landed] == sent[:landed]
+    wait_for(lambda: late.read_bytes() == on_tier, what="the kernel's cached pages of the lost bytes dropped")
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    assert os.stat(late).st_size == 12 * MiB and late.read_bytes() == on_tier
