@@ -139,20 +139,19 @@ class BurstCore:
     async def rename(
         self, old_parent_ino: int, old_name: bytes, new_parent_ino: int, new_name: bytes, flags: int
     ) -> None:
+        # Not the target: every node of a checkpoint renames its own temp directory onto the
+        # name the first one made (docs/SEMANTICS.md "Many nodes").
         await self._listed_in_full(self.namespace.child(old_parent_ino, old_name))
-        target = self.namespace.dir(new_parent_ino).children.get(new_name)  # type: ignore[union-attr]
-        if target is not None:
-            await self._listed_in_full(self.inodes[target])
         if await self.namespace.rename(old_parent_ino, old_name, new_parent_ino, new_name, flags):
             self.links.namespace_changed()
             await self._join_rounds(self.namespace.child(new_parent_ino, new_name))
 
     async def _listed_in_full(self, top: Inode) -> None:
-        """A directory about to be renamed, removed or replaced: each directory at or under it
-        that holds nothing here and that no listing reached yet (a fresh cache over a filled
-        remote, ``RemoteListings.unseen``) is listed first.  Else the rename would move none
-        of the remote files there (they came back under the old name), and rmdir, or a rename
-        over it, would pass a directory that is not empty.  EIO if one cannot be listed."""
+        """A directory about to be renamed or removed: each directory at or under it that
+        holds nothing here and that no listing reached yet (a fresh cache over a filled
+        remote, ``RemoteListings.unseen``) is listed first.  Else the rename would take none
+        of the remote files there along (they came back under the old name), and rmdir would
+        pass a directory that is not empty.  EIO if one cannot be listed."""
         pending = [top]
         while pending:
             directory = pending.pop()
@@ -290,7 +289,7 @@ class BurstCore:
         listing when one is due (``--list-ttl``, bounded by ``--remote-wait``): a rewrite or
         delete by its owner is seen at the next open, not only at the next ``ls``.  If this
         inode was replaced or forgotten, ESTALE makes the kernel look the name up again."""
-        if not inode.as_listed or inode.handles:
+        if not inode.as_listed or inode.writers:
             return
         directory = self.inodes.get(inode.parent)
         if directory is None or directory.kind != "dir":

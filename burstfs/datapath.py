@@ -219,6 +219,7 @@ class DataPath:
             self.links.drain.writing_in(inode.ino, dir_key, inode.name)
         self.tier.acquire(inode.ino)
         inode.handles += 1
+        inode.writers += writable
         fh = next(self._next_fh)
         self.handles[fh] = Handle(inode, writable)
         return fh
@@ -251,6 +252,7 @@ class DataPath:
         handle = self.handles.pop(fh)
         self.io_paths.close(handle.inode, handle)
         handle.inode.handles -= 1
+        handle.inode.writers -= handle.writable
         self.tier.release(handle.inode.ino)
         self.namespace.maybe_destroy(handle.inode)
 
@@ -449,6 +451,7 @@ class DataPath:
             if last_writer:
                 self.links.release_drain(inode.ino)  # what its closes journaled drains now
             inode.handles -= 1
+            inode.writers -= handle.writable
             self.tier.release(inode.ino)
             self.namespace.maybe_destroy(inode)
 

@@ -250,7 +250,9 @@ class RemoteListings:
         mtime changed, or its etag since this mount listed it (its owner rewrote it), is
         replaced by a new inode for the new object,
         its fetched copy dropped: the next open reads the new bytes, never the old copy
-        (nor EIO for a digest that no longer matches).  An open file is left as it is."""
+        (nor EIO for a digest that no longer matches).  A file open for writing is left as
+        it is; a reader goes on with the inode it opened: what it fetched of the old version,
+        EIO for the rest (its object is gone), never the new version's bytes."""
         if directory.children is None or (directory.parent == 0 and directory.ino != ROOT_INO):
             return False  # removed while it was listed
         undo = Undo()
@@ -267,8 +269,8 @@ class RemoteListings:
         forgotten: list[tuple[bytes, Inode]] = []
         for raw, ino in list(directory.children.items()):
             gone = self.namespace.inodes[ino]
-            if gone.handles or gone.pending or not (gone.listed or gone.as_listed):
-                continue
+            if gone.writers or gone.pending or not (gone.listed or gone.as_listed):
+                continue  # a reader keeps the inode it opened (detached), a writer keeps its file
             listed = remote_versions.get(raw)
             if listed is None:
                 ops += self._forget_listed_ops(directory, gone, undo)

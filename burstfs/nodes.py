@@ -63,6 +63,7 @@ class Inode:
     local: bool = True  # data complete on the local tier
     lookups: int = 0  # kernel references (lookup/forget)
     handles: int = 0  # open file handles
+    writers: int = 0  # of them, open for writing
     last_access: float = 0.0  # monotonic time of the last open/read/write (eviction order)
     listed: bool = False  # known only from a remote listing (state remote)
     listed_at: float = NEVER_LISTED  # directories: monotonic time of the last remote listing merge

@@ -479,4 +479,16 @@ def test_a_file_another_node_rewrites_or_removes_is_read_anew_here(
     admin("wait", n0.path / "ck")
     admin("evict", n1.path / "ck/latest.pt")
     assert (n1.path / "ck/latest.pt").read_bytes() == third
+    # A reader holds it open (nothing fetched yet) while n0 rewrites it: the next open reads
+    # the new bytes at once (it was EIO while the closed handle's release was on its way).
+    fourth = os.urandom(3 << 20)
+    with open(n1.path / "ck/latest.pt", "rb") as held:
+        write(n0, "ck/latest.pt", fourth)
+        admin("wait", n0.path / "ck")
+        assert (n1.path / "ck/latest.pt").read_bytes() == fourth
+        try:
+            assert held.read() == third  # what it opened, or EIO: never the new bytes
+        except OSError as exc:
+            assert exc.errno == errno.EIO
+    assert (n1.path / "ck/latest.pt").read_bytes() == fourth
     assert "event=listed_file_changed" in n1.log_text()
