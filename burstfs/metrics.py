@@ -10,6 +10,7 @@ so the mover reports each durable file through ``Mover.on_durable``.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -85,10 +86,16 @@ class BurstCollector(Collector):
         yield CounterMetricFamily(
             "burstfs_drained_files", "Files made durable since the mount started.", value=stats.files_drained
         )
+        outage = outage_of(stats)
         yield GaugeMetricFamily(
             "burstfs_drain_throughput_bytes_per_second",
             "Drain rate over the last 30 s (0 during an outage, as status says).",
-            value=drain_rate(stats, outage_of(stats)),
+            value=drain_rate(stats, outage),
+        )
+        yield GaugeMetricFamily(
+            "burstfs_remote_outage_seconds",
+            "Seconds since the drain's trouble began (status' headline; 0 while it drains).",
+            value=max(0.0, time.time() - outage["since"]) if outage else 0.0,
         )
         errors = CounterMetricFamily("burstfs_drain_errors", "Drain errors by kind.", labels=["kind"])
         for kind, count in dict(stats.errors_by_kind).items():

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 from conftest import BIN, FUSE_OK, MountedFS, burstfs, wait_for
+from s3server import free_port
 
 from burstfs.committer import DEFER_S
 
@@ -446,12 +447,6 @@ def test_control_socket_is_owner_only(burst: MountedFS) -> None:
 # -- metrics -------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _samples(text: str) -> dict[str, float]:
     return {
         line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
@@ -463,7 +458,7 @@ def _samples(text: str) -> dict[str, float]:
 def test_metrics_endpoint(mounted_factory: Any) -> None:
     if not FUSE_OK:
         pytest.skip("needs /dev/fuse, fusermount3 and root")
-    port = _free_port()
+    port = free_port()
     fs: MountedFS = mounted_factory(extra_args=("--metrics-addr", f"127.0.0.1:{port}"))
     fs.mount()
     checkpoint(fs, {"ck/a": os.urandom(64_000), "ck/b": b"bb"})
@@ -480,6 +475,7 @@ def test_metrics_endpoint(mounted_factory: Any) -> None:
     assert samples['burstfs_drain_latency_seconds_bucket{le="+Inf"}'] >= 2
     assert samples["burstfs_staged_bytes"] == 0 and samples["burstfs_queue_depth"] == 0
     assert samples["burstfs_fetched_bytes_total"] == 0 and samples["burstfs_drain_halted"] == 0
+    assert samples["burstfs_remote_outage_seconds"] == 0
     assert 0 < samples["burstfs_local_tier_free_bytes"] <= samples["burstfs_local_tier_capacity_bytes"]
     # Bound to the address given, not to every interface.
     with open("/proc/net/tcp") as tcp:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import MountedFS
+from s3server import free_port
 
 torch = pytest.importorskip("torch")
 
@@ -121,19 +121,13 @@ DCP_RANK = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_torch_distributed_checkpoint_four_ranks(burst: MountedFS) -> None:
     ckpt = burst.path / "dcp" / "step_500"
     world = 4
     env = dict(
         os.environ,
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
         WORLD_SIZE=str(world),
         GLOO_SOCKET_IFNAME="lo",
         OMP_NUM_THREADS="1",

@@ -13,13 +13,14 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import BIN, DATA_PATHS, FUSE_OK, MountedFS, burstfs, wait_for
 from faultproxy import FaultProxy
-from s3server import fresh_bucket
+from s3server import free_port, fresh_bucket
 
 pytestmark = pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse, fusermount3 and root")
 
@@ -316,7 +317,8 @@ def test_status_during_an_outage_has_a_headline_and_no_stale_rate(
     import json
 
     proxy, url = s3_proxy
-    fs = _mount(mounted_factory, proxy, url, "daemon")
+    port = free_port()
+    fs = _mount(mounted_factory, proxy, url, "daemon", "--metrics-addr", f"127.0.0.1:{port}")
     admin = str(Path(sys.executable).parent / "burstfs-admin")
     (fs.path / "before.pt").write_bytes(os.urandom(1 << 20))
     wait_for(lambda: os.getxattr(fs.path / "before.pt", "user.burstfs.state") == b"durable", what="durable")
@@ -358,6 +360,12 @@ def test_status_during_an_outage_has_a_headline_and_no_stale_rate(
     print(text)
     (headline,) = [line for line in text.splitlines() if line.startswith("REMOTE UNREACHABLE since")]
     assert "http://" not in headline and "Could not connect" in headline, headline
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    (outage_s,) = [
+        float(line.split()[1]) for line in metrics.splitlines() if line.startswith("burstfs_remote_outage_s")
+    ]
+    assert outage_s > 0 and "burstfs_drain_throughput_bytes_per_second 0.0" in metrics
 
 
 def test_outage_headline_uses_the_error_kind_and_the_first_failed_attempt() -> None:
