@@ -314,7 +314,10 @@ def test_a_file_that_lost_a_write_is_incomplete_not_staged(tmp_path: Path) -> No
         await core.flush(fh)
         await core.release(fh)
         row = db_rows(tmp_path, "SELECT state, size, error FROM inodes WHERE ino=?", (inode.ino,))
-        assert row == [(INCOMPLETE, 1000, "a write failed with ENOSPC")]
+        # Its size is the writer's (the kernel keeps that size whatever we say): the lost
+        # bytes are a hole on the tier, read as zeros, and the file never drains.
+        assert row == [(INCOMPLETE, 2000, "a write failed with ENOSPC")]
+        assert core.tier.path(inode.ino).read_bytes() == b"b" * 1000 + b"\0" * 1000
         assert await core.getxattr(inode.ino, b"user.burstfs.error") == b"a write failed with ENOSPC"
         # Emptied and written again in full, it is an ordinary closed file (also when it was
         # empty already: O_TRUNC still counts).
@@ -327,7 +330,7 @@ def test_a_file_that_lost_a_write_is_incomplete_not_staged(tmp_path: Path) -> No
             await core.write(fh, 0, b"b" * 5000)
         await core.release(fh)
         assert db_rows(tmp_path, "SELECT state FROM inodes WHERE ino=?", (inode.ino,)) == [(INCOMPLETE,)]
-        assert core.namespace.inode(inode.ino).size == 0
+        assert core.namespace.inode(inode.ino).size == 5000
         await core.unlink(ROOT_INO, b"first")  # frees its 3000 bytes
         fh = await core.open(inode.ino, os.O_WRONLY | os.O_TRUNC)
         await core.write(fh, 0, b"c" * 2000)
