@@ -11,7 +11,6 @@ listings are told which keys this mount removed (``remember_removed``).
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
 import os
 import stat
@@ -62,6 +61,39 @@ def check_new_name(parent: Inode, name: bytes) -> None:
         raise FsError(errno.EPERM, ".burstfs is reserved at the root of the mount")
 
 
+# Inode numbers are handed out from blocks of this many, each block journaled before its
+# first number is used: a restarted daemon starts past the last block.
+INO_BLOCK = 1 << 20
+_META_INO_BLOCK_END = "ino_block_end"
+
+
+class InodeNumbers:
+    """Inode (and link row) numbers that are never handed out twice in one cache.
+
+    Numbering from the highest row left after a restart gave a removed file's number
+    to the next new inode, and what still named the old file by number (a round's
+    journaled members: ``commitgroups.py``) then meant the new one -- a directory a
+    round waited on to be durable held its commit marker for good.  A block is
+    journaled once per INO_BLOCK numbers (a write on the caller's thread then)."""
+
+    def __init__(self, journal: Journal, last_row: int) -> None:
+        self.journal = journal
+        journaled_end = int(self.journal.get_meta(_META_INO_BLOCK_END) or 0)
+        self._next = max(last_row + 1, journaled_end)
+        self._end = self._next
+        self._journal_block()
+
+    def _journal_block(self) -> None:
+        self._end = self._next + INO_BLOCK
+        self.journal.set_meta(_META_INO_BLOCK_END, str(self._end))
+
+    def take(self) -> int:
+        if self._next >= self._end:
+            self._journal_block()
+        number, self._next = self._next, self._next + 1
+        return number
+
+
 class Namespace:
     """The inodes of one mount by number, and the names that link them."""
 
@@ -80,7 +112,7 @@ class Namespace:
         self.remember_removed = remember_removed  # a key this mount removed: listings must not bring it back
         self.on_destroy = on_destroy  # a file inode is gone: drop its data and what is counted for it
         self.inodes, last_row = recover(journal, tier)
-        self._next_ino = itertools.count(last_row + 1)  # hard links' rows take numbers too
+        self._numbers = InodeNumbers(journal, last_row)  # hard links' rows take numbers too
 
     def inode(self, ino: int) -> Inode:
         try:
@@ -142,7 +174,7 @@ class Namespace:
                 mode |= stat.S_ISGID
         now = now_ns()
         inode = Inode(
-            next(self._next_ino), kind, mode, uid, gid, parent.ino, name, atime_ns=now, mtime_ns=now, ctime_ns=now
+            self._numbers.take(), kind, mode, uid, gid, parent.ino, name, atime_ns=now, mtime_ns=now, ctime_ns=now
         )
         if kind == "dir":
             inode.children = {}
@@ -256,7 +288,7 @@ class Namespace:
             raise FsError(errno.EEXIST)
         if (parent.parent == 0 and parent.ino != ROOT_INO) or not inode.named:
             raise FsError(errno.ENOENT)  # removed meanwhile
-        row = next(self._next_ino)
+        row = self._numbers.take()
         undo = Undo()
         times = (parent.mtime_ns, parent.ctime_ns, inode.ctime_ns)
         hardlinks.add_name(parent, inode, row, new_name, undo)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from journaltree import JournalTree
 
+from burstfs import namespace
 from burstfs.errors import ConfigError
 from burstfs.journal import (
     BROKEN,
@@ -604,3 +605,17 @@ def test_the_journal_thread_runs_calls_in_order_off_the_loop(journal: Journal, t
         thread.close()
     assert ran_on and ran_on[0] != loop_thread
     assert tree.state(ino) == DRAINING
+
+
+def test_inode_numbers_are_never_handed_out_twice_across_restarts(
+    journal: Journal, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block of numbers is journaled before its first is used: a daemon restarted
+    after using some starts past them, even where the rows with those numbers are gone."""
+    monkeypatch.setattr(namespace, "INO_BLOCK", 3)
+    first = namespace.InodeNumbers(journal, last_row=1)
+    taken = [first.take() for _ in range(5)]  # crosses a block
+    assert taken == [2, 3, 4, 5, 6]
+    again = namespace.InodeNumbers(journal, last_row=1)  # every row but the root removed
+    assert again.take() > max(taken)
+    assert namespace.InodeNumbers(journal, last_row=100).take() == 101  # rows past the blocks: after them

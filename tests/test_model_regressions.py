@@ -7,8 +7,10 @@ checks.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -73,5 +75,36 @@ def test_a_renamed_file_that_will_not_drain_leaves_no_object_at_its_old_name(nod
         assert "a/latest" not in objects
         (state,) = node.rows("SELECT state FROM inodes WHERE ino=?", (node.resolve("latest"),))[0]
         assert state == "staged"  # held back by the torn shard: never published
+    finally:
+        node.stop()
+
+
+def test_a_round_member_removed_before_a_crash_does_not_hold_a_marker_through_a_reused_number(
+    node: Node, tmp_path: Path
+) -> None:
+    """Found by the model suite (a root marker staged for good): a file written into a
+    round and removed before the daemon died left its inode number among the round's
+    journaled members; the restarted daemon numbered from the highest row left, so
+    the next new inode (a directory) took that number, and the round waited for a
+    directory to be durable -- the marker behind it never drained."""
+    write(node, "shard", b"a shard")
+    shard = node.resolve("shard")
+    node.call(node.core.unlink, ROOT_INO, b"shard")
+    journaled = time.monotonic() + 10
+    while node.rows("SELECT ino FROM inodes WHERE ino=?", (shard,)) or not any(
+        shard in json.loads(value)["members"]
+        for (value,) in node.rows("SELECT value FROM meta WHERE key LIKE 'group:%'")
+    ):
+        assert time.monotonic() < journaled, "the removal or the round was never journaled"
+        time.sleep(0.01)
+    node.faults.crashed = True
+    node.stop()
+    node = Node(node.cache, node.side, node.options)
+    try:
+        c = node.call(node.core.mkdir, ROOT_INO, b"c", 0o755, UID, GID)
+        assert c.ino != shard  # a number is never handed out twice in one cache
+        write(node, "latest", b"marker")
+        assert node.drain_until_idle() == "idle", node.pending()
+        assert remote_files(tmp_path / "remote") == {"latest": b"marker"}
     finally:
         node.stop()
