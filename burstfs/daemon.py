@@ -17,6 +17,8 @@ import signal
 import socket
 import sqlite3
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -323,6 +325,31 @@ def _keep_node_id(config: MountConfig, journal: Journal) -> MountConfig:
     return dataclasses.replace(config, drain=dataclasses.replace(config.drain, node_id=wanted))
 
 
+class StartupWatch:
+    """Names the step a slow start-up is in, every ``warn_every`` seconds, until the mount is
+    ready: ``burstfs mount`` waits for the daemon, and a silent wait says nothing about why.
+    A thread of its own, so a step that blocks the trio loop (or runs before it) is named too."""
+
+    def __init__(self, warn_every: float = 10.0) -> None:
+        self.started = time.monotonic()
+        self.step = "opening the cache"
+        self._ready = threading.Event()
+        self._warn_every = warn_every
+        threading.Thread(target=self._watch, name="startup-watch", daemon=True).start()
+
+    def enter(self, step: str) -> None:
+        self.step = step
+
+    def ready(self) -> float:
+        """Stop watching; returns the seconds the start-up took."""
+        self._ready.set()
+        return time.monotonic() - self.started
+
+    def _watch(self) -> None:
+        while not self._ready.wait(self._warn_every):
+            log.warning("event=start_slow step=%r seconds=%.0f", self.step, time.monotonic() - self.started)
+
+
 async def set_read_ahead(mountpoint: Path, nbytes: int, initialized: trio.Event) -> None:
     """Kernel readahead of the mount.  The default 128 KiB turns a 1 GiB sequential
     read into 8192 requests; 1 MiB requests cut the per-request cost 8x.
@@ -349,7 +376,9 @@ def fuse_options(config: MountConfig) -> set[str]:
     return options
 
 
-async def serve(config: MountConfig, ops: BurstOperations, on_ready: Callable[[], None]) -> None:
+async def serve(
+    config: MountConfig, ops: BurstOperations, on_ready: Callable[[], None], watch: StartupWatch
+) -> None:
     """Run the mount until it is unmounted or the daemon is told to stop."""
     core = ops.core
     drain = core.links.drain if isinstance(core.links.drain, DrainService) else None
@@ -357,24 +386,35 @@ async def serve(config: MountConfig, ops: BurstOperations, on_ready: Callable[[]
     systemd = SystemdNotifier.from_environment()  # a no-op outside a Type=notify unit
     async with trio.open_nursery() as nursery:
         if drain is not None:  # the mover's thread lives as long as this nursery
+            watch.enter("starting the mover")
             await nursery.start(drain.run)
         if metrics is not None:
             nursery.start_soon(metrics.run)
+        watch.enter("starting the committer, reaper and headroom tasks")
         await nursery.start(core.committer.run)
         await nursery.start(core.reaper.run)
         await nursery.start(core.headroom.run)
         if config.read_plans and core.links.fetcher is not None:
             await nursery.start(core.plans.run)
+        watch.enter("opening the control socket")
         await nursery.start(serve_control, config, core, drain)
         nursery.start_soon(_stop_on_signals, nursery.cancel_scope)
         nursery.start_soon(stamp_alive, config.cache_dir)
         nursery.start_soon(set_read_ahead, config.mountpoint, config.read_ahead, ops.initialized)
         if core.links.fetcher is not None:  # a fresh cache sees the remote's root from the start
+            watch.enter("listing the remote's root")
             await core.listings.refresh_bounded(core.namespace.dir(ROOT_INO))
         on_ready()
+        startup_s = watch.ready()
         systemd.ready(f"mounted at {config.mountpoint}")
         nursery.start_soon(systemd.keep_alive)
-        log.info("event=mounted mountpoint=%s cache=%s remote=%s", config.mountpoint, config.cache_dir, config.remote)
+        log.info(
+            "event=mounted mountpoint=%s cache=%s remote=%s startup_s=%.2f",
+            config.mountpoint,
+            config.cache_dir,
+            config.remote,
+            startup_s,
+        )
         await pyfuse3.main(min_tasks=4, max_tasks=64)
         systemd.stopping(f"unmounted {config.mountpoint}; files not yet durable stay staged in {config.cache_dir}")
         nursery.cancel_scope.cancel()
@@ -405,8 +445,10 @@ def passthrough_backing(config: MountConfig) -> passthrough.BackingFiles | None:
 
 def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
     """Mount, serve until unmounted, then leave the cache consistent for the next start."""
+    watch = StartupWatch()
     lock, journal, config = open_cache(config)
     try:
+        watch.enter("recovering the cache")
         backing = passthrough_backing(config)
         drain = DrainService(
             Mover(config.cache_dir, config.remote, config.s3, config.drain), journal, intent_wait=config.remote_wait
@@ -424,13 +466,14 @@ def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
             fetcher=drain,
         )
         ops = BurstOperations(core, writeback_cache=config.writeback_cache, backing=backing)
+        watch.enter("mounting (fusermount3)")
         try:
             pyfuse3.init(ops, str(config.mountpoint), fuse_options(config))
         except RuntimeError as exc:
             raise BurstfsError(f"mounting {config.mountpoint} failed: {exc}") from exc
         unmounted = False
         try:
-            trio.run(serve, config, ops, on_ready)
+            trio.run(serve, config, ops, on_ready, watch)
             unmounted = True
         finally:
             pyfuse3.close(unmount=not unmounted or _mounted_here(config))
@@ -443,6 +486,7 @@ def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
             sum(b for _, b in pending),
         )
     finally:
+        watch.ready()  # a start-up that failed is not slow: the failure is logged
         journal.close()
         lock.release()
 
@@ -493,7 +537,7 @@ def mount(config: MountConfig, *, foreground: bool) -> int:
         run_mount(config, on_ready=ready)
     except BaseException as exc:  # the parent prints it; the log keeps the details
         code = 1
-        log.error("event=daemon_failed error=%s", exc)
+        log.error("event=daemon_failed error=%s", exc, exc_info=exc)  # a nursery's sub-exceptions too
         if not status.closed:
             message = str(exc) if isinstance(exc, BurstfsError) else "".join(traceback.format_exception(exc))
             status.write(f"error {2 if isinstance(exc, ConfigError) else 1}: burstfs: {message}\n")

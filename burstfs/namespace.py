@@ -80,7 +80,6 @@ class InodeNumbers:
         self.journal = journal
         journaled_end = int(self.journal.get_meta(_META_INO_BLOCK_END) or 0)
         self._next = max(last_row + 1, journaled_end)
-        self._end = self._next
         self._journal_block()
 
     def _journal_block(self) -> None:

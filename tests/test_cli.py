@@ -7,10 +7,12 @@ refused mount leaves nothing mounted and changes nothing in an existing cache.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from conftest import BIN, FUSE_OK, MountedFS, burstfs, force_unmount, is_mounted
 from burstfs.cachelock import secure_cache_dir
 from burstfs.committer import DEFER_S
 from burstfs.config import MountConfig, parse_remote_url
-from burstfs.daemon import preflight
+from burstfs.daemon import StartupWatch, preflight
 from burstfs.errors import ConfigError
 from burstfs.mountinfo import device_of
 
@@ -630,3 +632,18 @@ def test_unmount_after_a_crash_counts_incomplete_files_apart(mounted_factory: ty
     assert "1 files (1000 bytes) are not durable yet" in result.stdout, result.stdout
     (incomplete,) = [line for line in result.stdout.splitlines() if "are incomplete" in line]
     assert incomplete.startswith("1 files (") and "will not drain" in incomplete, result.stdout
+
+
+def test_a_slow_start_up_names_the_step_it_waits_in(caplog: pytest.LogCaptureFixture) -> None:
+    """A `burstfs mount` that waited on its daemon for a minute left nothing in the log to say
+    where the daemon was: the watch names the step every interval, and stops once ready."""
+    caplog.set_level(logging.WARNING, logger="burstfs.daemon")
+    watch = StartupWatch(warn_every=0.05)
+    watch.enter("starting the mover")
+    time.sleep(0.3)  # the step blocks, as a hung one would
+    took = watch.ready()
+    slow = [r.getMessage() for r in caplog.records if "event=start_slow" in r.getMessage()]
+    assert slow and all("step='starting the mover'" in m for m in slow), slow
+    assert took >= 0.3
+    time.sleep(0.2)
+    assert len([r for r in caplog.records if "event=start_slow" in r.getMessage()]) == len(slow)  # stopped
