@@ -376,9 +376,7 @@ def fuse_options(config: MountConfig) -> set[str]:
     return options
 
 
-async def serve(
-    config: MountConfig, ops: BurstOperations, on_ready: Callable[[], None], watch: StartupWatch
-) -> None:
+async def serve(config: MountConfig, ops: BurstOperations, on_ready: Callable[[], None], watch: StartupWatch) -> None:
     """Run the mount until it is unmounted or the daemon is told to stop."""
     core = ops.core
     drain = core.links.drain if isinstance(core.links.drain, DrainService) else None
