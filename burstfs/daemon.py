@@ -535,7 +535,8 @@ def mount(config: MountConfig, *, foreground: bool) -> int:
         run_mount(config, on_ready=ready)
     except BaseException as exc:  # the parent prints it; the log keeps the details
         code = 1
-        log.error("event=daemon_failed error=%s", exc, exc_info=exc)  # a nursery's sub-exceptions too
+        # A refusal says all in its message; anything else (a nursery's sub-exceptions) needs its traceback.
+        log.error("event=daemon_failed error=%s", exc, exc_info=None if isinstance(exc, BurstfsError) else exc)
         if not status.closed:
             message = str(exc) if isinstance(exc, BurstfsError) else "".join(traceback.format_exception(exc))
             status.write(f"error {2 if isinstance(exc, ConfigError) else 1}: burstfs: {message}\n")
