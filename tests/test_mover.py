@@ -433,6 +433,43 @@ def test_wake_after_the_mover_stopped_does_not_raise(tmp_path: Path) -> None:
     mover.drain_now()
 
 
+def test_a_burst_of_wakes_hops_to_the_mover_once_and_no_wake_is_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each close woke the mover's loop with a hop of its own (three or four per small file),
+    and on 2 cores the FUSE thread then waited for the GIL.  Wakes now coalesce until the next
+    pass -- which must never lose one: with the idle rescan off, a lost wake leaves a closed
+    file undrained and this test times out."""
+    monkeypatch.setattr(mover_timing, "IDLE_RESCAN_S", 3600.0)
+    mover, front, _ = make_mover(tmp_path)
+    service = drainservice_module.DrainService(mover, front.journal)
+    service.start()
+    try:
+        service.wait_ready()
+        loop = mover.loop
+        assert loop is not None
+        hops: list[object] = []
+        hop = loop.call_soon_threadsafe
+
+        def counted(callback: Callable[..., object], *args: object) -> asyncio.Handle:
+            hops.append(callback)
+            return hop(callback, *args)
+
+        monkeypatch.setattr(loop, "call_soon_threadsafe", counted)
+        for _ in range(1000):
+            service.file_closed()
+        assert 1 <= len(hops) <= 3, len(hops)  # one per pass that began meanwhile, not one per close
+        for i in range(40):  # closes racing with the passes they start: each one still drains
+            ino = front.write(f"f{i}.bin", b"x" * (i + 1))
+            service.file_closed()
+            deadline = time.monotonic() + 10
+            while front.row(ino).state != DURABLE:
+                assert time.monotonic() < deadline, f"f{i}.bin never drained: its wake was lost"
+                time.sleep(0.001)
+    finally:
+        service.stop()
+
+
 def test_a_dead_mover_is_restarted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mover, front, _ = make_mover(tmp_path)
     monkeypatch.setattr(drainservice_module, "RESTART_BACKOFF_S", 0.01)
