@@ -313,7 +313,13 @@ class Node:
                 result = await result
             return result
 
-        return trio.from_thread.run(run, trio_token=self._token)
+        try:
+            return trio.from_thread.run(run, trio_token=self._token)
+        except trio.RunFinishedError:  # the loop died (a Crash in the committer) after the check above
+            self._trio_thread.join(10)
+            if self.trio_error is None:
+                raise
+            raise Crash() from self.trio_error
 
     def resolve(self, path: str) -> int:
         """The inode of ``path`` (no remote lookup); KeyError if absent."""
@@ -422,30 +428,36 @@ class Node:
         faults = self.faults
         faults.gate_open = True
         try:
-            deadline = time.monotonic() + timeout
-            self.mover.drain_now()
-            quiet, last = 0, None
-            while time.monotonic() < deadline:
-                if faults.crashed:
-                    return "crashed"
-                if self.drain.last_crash is not None:
-                    raise AssertionError(f"the mover died: {self.drain.last_crash!r}")
-                if faults.held.is_set():
-                    return "held"
-                if self.mover.stats.halted is not None:
-                    return "halted"
-                # A call past the gate (one held back while the model's interleaving runs, an
-                # intent record) is work in progress even when the journal shows none.
-                signature = (faults.events, faults.in_flight, self.pending(tolerated()))
-                quiet = quiet + 1 if signature == last and not signature[1] and not signature[2] else 0
-                last = signature
-                if quiet >= 3:
-                    return "idle"
-                time.sleep(0.003)
-                self.mover.wake()
-            raise AssertionError(f"the drain is wedged: {self.pending(tolerated())}; {self.gate_state()}")
+            outcome = self._drain_with_gate_open(timeout, tolerated)
         finally:
-            faults.gate_open = False
+            with faults.lock:  # a countable event after the last look may have crashed the node
+                faults.gate_open = False
+        return "crashed" if faults.crashed else outcome
+
+    def _drain_with_gate_open(self, timeout: float, tolerated: Callable[[], frozenset[str]]) -> str:
+        faults = self.faults
+        deadline = time.monotonic() + timeout
+        self.mover.drain_now()
+        quiet, last = 0, None
+        while time.monotonic() < deadline:
+            if faults.crashed:
+                return "crashed"
+            if self.drain.last_crash is not None:
+                raise AssertionError(f"the mover died: {self.drain.last_crash!r}")
+            if faults.held.is_set():
+                return "held"
+            if self.mover.stats.halted is not None:
+                return "halted"
+            # A call past the gate (one held back while the model's interleaving runs, an
+            # intent record) is work in progress even when the journal shows none.
+            signature = (faults.events, faults.in_flight, self.pending(tolerated()))
+            quiet = quiet + 1 if signature == last and not signature[1] and not signature[2] else 0
+            last = signature
+            if quiet >= 3:
+                return "idle"
+            time.sleep(0.003)
+            self.mover.wake()
+        raise AssertionError(f"the drain is wedged: {self.pending(tolerated())}; {self.gate_state()}")
 
     def drain_until_idle_while_held(self, quiet_polls: int = 10) -> None:
         """With one call held, let everything else the mover can do happen."""
