@@ -313,6 +313,64 @@ def test_check_missing_directory(tmp_path: Path) -> None:
     assert info.value.kind == "no_directory" and not (tmp_path / "absent").exists()
 
 
+def test_a_file_remote_replaced_by_an_empty_directory_is_refused_until_it_is_back(tmp_path: Path) -> None:
+    """A parallel file system unmounted under the daemon leaves an empty mount point at the
+    remote's path. It listed as an empty remote and took uploads onto the local disk as durable."""
+    root = tmp_path / "remote"
+    root.mkdir()
+    remote = FileRemote(parse_remote_url(f"file://{root}"))
+
+    async def body() -> None:
+        await remote.check()
+        await remote.put_object("ck/a", b"1")
+        root.rename(tmp_path / "away")
+        root.mkdir()  # the mount point left behind
+        calls: list[Callable[[], Awaitable[object]]] = [
+            lambda: remote.put_object("ck/b", b"2"),
+            lambda: remote.list_dir("ck"),
+            lambda: remote.head("ck/a"),
+            lambda: remote.get_object("ck/a"),
+            lambda: remote.delete("ck/a"),
+            remote.check,  # the halted drain's probe
+        ]
+        for call in calls:
+            with pytest.raises(RemoteError, match=r"no longer holds \.burstfs/") as info:
+                await call()
+            assert info.value.kind == "no_directory"
+        assert list(root.iterdir()) == []  # nothing written into the impostor
+        root.rmdir()
+        with pytest.raises(RemoteError, match="does not exist") as missing:
+            await remote.list_dir("ck")
+        assert missing.value.kind == "no_directory"  # not an empty listing
+        (tmp_path / "away").rename(root)
+        await remote.check()
+        assert await remote.get_object("ck/a") == b"1"
+
+    run(remote, body)
+
+
+def test_a_file_remote_keeps_its_internal_dir_when_its_last_record_goes(tmp_path: Path) -> None:
+    """The internal dir tells the remote from an empty directory in its place: never pruned."""
+    remote = FileRemote(parse_remote_url(f"file://{tmp_path}"))
+
+    async def body() -> None:
+        await remote.put_object(f"{INTERNAL_DIR}/groups/ck/n@1.intent", b"{}")
+        (tmp_path / INTERNAL_DIR / "tmp").rmdir()  # temp files' dir, made again at the next write
+        await remote.delete(f"{INTERNAL_DIR}/groups/ck/n@1.intent")
+
+    run(remote, body)
+    assert (tmp_path / INTERNAL_DIR).is_dir()
+    assert not (tmp_path / INTERNAL_DIR / "groups").exists()  # the rest is pruned as before
+
+
+def test_a_directory_never_used_as_a_remote_lists_as_it_is(tmp_path: Path) -> None:
+    """Without the internal dir ever seen (`burstfs-admin latest` over a plain directory), files list."""
+    (tmp_path / "a").write_bytes(b"1")
+    remote = FileRemote(parse_remote_url(f"file://{tmp_path}"))
+    files, _ = run(remote, lambda: remote.list_dir(""))
+    assert [f.key for f in files] == ["a"]
+
+
 def test_check_not_a_directory(tmp_path: Path) -> None:
     (tmp_path / "file").write_bytes(b"")
     remote = FileRemote(parse_remote_url(f"file://{tmp_path}/file"))

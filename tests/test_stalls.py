@@ -285,6 +285,42 @@ def test_unmount_does_not_wait_for_a_pass_stuck_on_a_hung_remote(
     assert (fs.path / "ck" / "shard.pt").read_bytes() == data
 
 
+def test_a_file_remote_whose_file_system_unmounts_halts_the_drain_and_resumes_after(
+    mounted_factory: type[MountedFS],
+) -> None:
+    """The parallel file system under a file:// remote goes away and leaves its empty mount
+    point: the next checkpoint stayed staged until then, but went "durable" onto the local disk
+    under the mount point, and was lost once the real file system came back."""
+    fs = mounted_factory("pfs", None, ())  # type: ignore[call-arg]
+    fs.mount()
+    (fs.path / "ck").mkdir()
+    (fs.path / "ck" / "step_1.pt").write_bytes(b"one")
+    _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "25", str(fs.path / "ck")], "the first drain")
+    away = fs.root / "remote.unmounted"
+    fs.remote_dir.rename(away)
+    fs.remote_dir.mkdir()  # the mount point left behind
+    data = os.urandom(1 << 20)
+    (fs.path / "ck" / "step_2.pt").write_bytes(data)
+    status = [str(BIN / "burstfs-admin"), "status", str(fs.path)]
+    wait_for(
+        lambda: "no longer holds .burstfs/" in subprocess.run(status, capture_output=True, text=True).stdout,
+        timeout=BOUND_S,
+        what="the halted drain in status",
+    )
+    waited = subprocess.run(
+        [str(BIN / "burstfs-admin"), "wait", "--timeout", "5", str(fs.path / "ck")], capture_output=True, text=True
+    )
+    assert waited.returncode != 0 and "no longer holds .burstfs/" in waited.stderr
+    assert list(fs.remote_dir.iterdir()) == []  # nothing went onto the mount point's disk
+    assert (fs.path / "ck" / "step_1.pt").read_bytes() == b"one"  # the namespace still shows both
+    assert (fs.path / "ck" / "step_2.pt").read_bytes() == data
+    fs.remote_dir.rmdir()
+    away.rename(fs.remote_dir)  # the file system is back
+    wait_for(lambda: (fs.remote_dir / "ck" / "step_2.pt").exists(), timeout=60, what="the drain after the heal")
+    _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "25", str(fs.path / "ck")], "the drain after the heal")
+    assert (fs.remote_dir / "ck" / "step_2.pt").read_bytes() == data
+
+
 def test_status_counts_a_sparse_file_by_its_allocated_bytes(mounted_factory: type[MountedFS]) -> None:
     """Issue 11 #4: 'burstfs holds' is what the data files take, not their logical sizes."""
     fs = mounted_factory("sparse", None, ("--no-passthrough",))  # type: ignore[call-arg]

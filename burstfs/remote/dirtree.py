@@ -46,6 +46,9 @@ class DirTree:
     def __init__(self, url: RemoteURL) -> None:
         self.url = url
         self.root = Path(url.prefix)
+        # Set once the root was seen holding INTERNAL_DIR (or made to by ``check``): from then
+        # on a root without it is not an empty remote but another directory in its place.
+        self.established = False
 
     def parts(self, key: str) -> list[str]:
         """The components of ``key``; refuses keys that could escape the directory."""
@@ -64,13 +67,28 @@ class DirTree:
             kind="refused",
         )
 
-    def open_root(self, create: bool) -> int:
+    def open_root(self) -> int:
+        """A descriptor on the root, which must exist and, once established, hold INTERNAL_DIR.
+
+        A parallel file system unmounted under a running daemon leaves its mount point: an
+        empty directory at the root's path.  Taken for the remote, it would list as empty
+        and take this node's uploads onto the local disk as "durable"; every call on it is
+        refused instead (a remote-wide error: the drain halts and resumes once it is back).
+        """
         try:
-            return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except (FileNotFoundError, NotADirectoryError):
-            if create:
-                raise RemoteError(f"remote directory {self.root} does not exist", kind="no_directory") from None
-            raise
+            raise RemoteError(f"remote directory {self.root} does not exist", kind="no_directory") from None
+        if _is_dir(fd, INTERNAL_DIR):
+            self.established = True
+        elif self.established:
+            os.close(fd)
+            raise RemoteError(
+                f"remote directory {self.root} no longer holds {INTERNAL_DIR}/: another directory is in its "
+                "place (a file system unmounted under it?); nothing is written or read there until it is back",
+                kind="no_directory",
+            )
+        return fd
 
     def open_dir(self, parts: Sequence[str], *, create: bool, key: str) -> int:
         """A descriptor on ``root/parts...``, reached without following any symlink.
@@ -79,7 +97,7 @@ class DirTree:
         NotADirectoryError for a missing path or a file in the way, and
         ``RemoteError(kind="refused")`` for a symlink.
         """
-        root = self.open_root(create)
+        root = self.open_root()
         if not parts:
             return root
         if _openat2_usable():
@@ -252,10 +270,7 @@ class DirTree:
         """Unlink the object at ``key`` (never through a link) and prune the directories it
         leaves empty, as S3 has no empty "directories"; a missing object is no error."""
         # Keep every directory descriptor: the prune below works on them, never on paths.
-        try:
-            fds = [self.open_root(create=False)]
-        except (FileNotFoundError, NotADirectoryError):
-            return
+        fds = [self.open_root()]
         try:
             for i, name in enumerate(parts[:-1]):
                 try:
@@ -275,8 +290,8 @@ class DirTree:
                 if exc.errno == errno.EPERM and _is_dir(fds[-1], parts[-1]):
                     return
                 raise
-            # Like S3, a "directory" exists only while it holds objects.
-            for depth in range(len(parts) - 1, 0, -1):
+            # Like S3, a "directory" exists only while it holds objects; INTERNAL_DIR stays (open_root).
+            for depth in range(len(parts) - 1, 1 if parts[0] == INTERNAL_DIR else 0, -1):
                 try:
                     os.rmdir(parts[depth - 1], dir_fd=fds[depth - 1])
                 except OSError:  # not empty, or already gone

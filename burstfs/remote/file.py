@@ -93,8 +93,9 @@ class FileRemote(Remote):
             if not self.root.is_dir():
                 raise RemoteError(f"remote path {self.root} is not a directory", kind="not_a_directory")
             try:
-                with self.tree.temp():
+                with self.tree.temp():  # makes INTERNAL_DIR in a new remote directory
                     pass
+                self.tree.established = True
             except OSError as exc:
                 if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                     raise
