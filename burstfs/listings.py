@@ -43,6 +43,9 @@ LISTING_BACKOFF = 30.0
 #: A directory of the remote no listing has reached yet (``unseen``) is listed again this
 #: soon after a failed attempt, not after the TTL: its lookups fail with EIO meanwhile.
 UNSEEN_RETRY_S = 1.0
+#: The per-inode memos (etags, directories seen) are swept of inodes gone from the namespace
+#: once they hold this many entries, and then whenever they have doubled since the last sweep.
+MEMO_SWEEP_MIN = 4096
 
 
 class Tombstones:
@@ -109,6 +112,7 @@ class RemoteListings:
         #: kernel's cached entry must go too (the FUSE front sets it), or a stat or an open by
         #: that name would find the old inode until the entry times out.
         self.entry_dropped: Callable[[int, bytes], None] = lambda directory, name: None
+        self._memo_sweep_at = MEMO_SWEEP_MIN
 
     async def refresh_bounded(self, directory: Inode) -> bool:
         """:meth:`refresh` for a request: wait at most ``wait`` for it.
@@ -307,7 +311,18 @@ class RemoteListings:
                 self.entry_dropped(directory.ino, raw)
                 self.namespace.maybe_destroy(gone)
         self._seen.add(directory.ino)
+        self._sweep_memos()
         return True
+
+    def _sweep_memos(self) -> None:
+        """Drop the memos of inodes gone from the namespace (a listed file removed here, a
+        directory deleted): over a long run, checkpoints come and go, and so must their entries."""
+        if len(self._etags) + len(self._seen) < self._memo_sweep_at:
+            return
+        alive = self.namespace.inodes
+        self._etags = {ino: etag for ino, etag in self._etags.items() if ino in alive}
+        self._seen = {ino for ino in self._seen if ino in alive}
+        self._memo_sweep_at = max(MEMO_SWEEP_MIN, 2 * (len(self._etags) + len(self._seen)))
 
     def made_here(self, directory: Inode) -> None:
         """``directory`` was just made on this node: what it holds is known (nothing)."""

@@ -72,6 +72,7 @@ from typing import Any  # noqa: E402
 import trio  # noqa: E402
 from test_core import open_core  # noqa: E402
 
+from burstfs import listings  # noqa: E402
 from burstfs.committer import DEFER_S  # noqa: E402
 from burstfs.core import BurstCore, Inode  # noqa: E402
 from burstfs.errors import BurstfsError  # noqa: E402
@@ -634,5 +635,32 @@ def test_the_first_listing_of_a_directory_may_take_longer(tmp_path: Path) -> Non
             with pytest.raises(BurstfsError) as missing:  # a later one is not: answered from local entries
                 await core.lookup(ROOT_INO, b"other.pt")
             assert missing.value.errno == errno.ENOENT
+
+    run_flaky(tmp_path, body)
+
+
+def test_listing_memos_let_go_of_checkpoints_removed_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long run lists other nodes' checkpoints and removes the old ones (keep-last-N): the
+    memo of a listed file went only when a listing dropped it, and that of a listed directory
+    never, so every checkpoint ever seen stayed in the daemon's memory."""
+    monkeypatch.setattr(listings, "MEMO_SWEEP_MIN", 8)
+
+    async def body(core: BurstCore) -> None:
+        remote = FakeRemote({})
+        listed(core, remote)
+        for step in range(20):
+            name = f"step{step}"
+            remote.listing[""] = ([], [name])
+            remote.listing[name] = ([(f"shard{i}", 5, 1.0) for i in range(5)], [])
+            assert await core.listings.refresh(core.namespace.inode(ROOT_INO))
+            directory = core.namespace.child(ROOT_INO, name.encode())
+            assert await core.listings.refresh(directory)
+            assert len(directory.children) == 5  # type: ignore[arg-type]
+            for i in range(5):
+                await core.unlink(directory.ino, f"shard{i}".encode())
+            await core.rmdir(ROOT_INO, name.encode())
+            remote.listing.pop(name)
+        memos = len(core.listings._etags) + len(core.listings._seen)
+        assert memos <= 2 * 8, f"{memos} memo entries for 20 checkpoints removed here"
 
     run_flaky(tmp_path, body)
