@@ -65,7 +65,7 @@ def test_streaming_digests_overwrite_among_pending_writes_is_not_an_error() -> N
 # -- #3: a failed journal commit leaves no ghost ---------------------------------------------
 
 import threading  # noqa: E402
-from collections.abc import Awaitable, Callable, Iterable  # noqa: E402
+from collections.abc import Awaitable, Callable, Iterable, Sequence  # noqa: E402
 from contextlib import AbstractAsyncContextManager  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -96,16 +96,28 @@ class FlakyJournal(Journal):
         self.gate: threading.Event | None = None
         self.entered = threading.Event()
 
+    def try_apply(self, ops: Sequence[Op]) -> bool:
+        """A failing transaction fails on the request loop too, unless the test holds it at
+        the gate: that needs the worker thread."""
+        if self.fail_next and ops:
+            if self.gate is not None:
+                return False
+            self._fail()
+        return super().try_apply(ops)
+
     def apply(self, ops: Iterable[Op]) -> None:
         ops = list(ops)
         if self.fail_next and ops:
-            self.fail_next -= 1
-            self.failed += 1
-            self.entered.set()
-            if self.gate is not None:
-                self.gate.wait(10)
-            raise sqlite3.OperationalError(DISK_FULL)
+            self._fail()
         super().apply(ops)
+
+    def _fail(self) -> None:
+        self.fail_next -= 1
+        self.failed += 1
+        self.entered.set()
+        if self.gate is not None:
+            self.gate.wait(10)
+        raise sqlite3.OperationalError(DISK_FULL)
 
 
 def flaky_core(cache: Path) -> AbstractAsyncContextManager[BurstCore]:

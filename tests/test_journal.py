@@ -36,10 +36,12 @@ from burstfs.journal import (
     InodeRow,
     Journal,
     close_ops,
+    connection,
     link_ops,
     mark_writing_op,
     recovered_incomplete_ops,
     schema,
+    set_meta_op,
     unchanged_close_op,
     unlink_name_ops,
     unlink_ops,
@@ -619,3 +621,28 @@ def test_inode_numbers_are_never_handed_out_twice_across_restarts(
     again = namespace.InodeNumbers(journal, last_row=1)  # every row but the root removed
     assert again.take() > max(taken)
     assert namespace.InodeNumbers(journal, last_row=100).take() == 101  # rows past the blocks: after them
+
+
+def test_try_apply_never_waits_for_a_busy_journal(journal: Journal, tmp_path: Path) -> None:
+    """False, and nothing applied, while another thread holds the journal or another
+    connection a write transaction: the request loop then commits in a thread instead."""
+    op = set_meta_op("try", "1")
+    results: list[bool] = []
+    with journal._db.lock:
+        holder = threading.Thread(target=lambda: results.append(journal.try_apply([op])))
+        holder.start()
+        holder.join()
+    assert results == [False]
+    other = sqlite3.connect(tmp_path / "journal.db", isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        started = time.monotonic()
+        assert journal.try_apply([op]) is False
+        assert time.monotonic() - started < 1  # not the 30 s busy timeout
+        other.execute("ROLLBACK")
+    finally:
+        other.close()
+    assert journal.get_meta("try") is None
+    assert journal.try_apply([op]) is True
+    assert journal.get_meta("try") == "1"
+    assert journal.query("PRAGMA busy_timeout") == [(connection.BUSY_TIMEOUT_MS,)]

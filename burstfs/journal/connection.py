@@ -3,11 +3,19 @@
 Durability: WAL mode with ``synchronous=NORMAL`` survives a crash of the daemon
 (the WAL is written before a commit returns); :meth:`Database.sync` additionally
 fsyncs the WAL for fsync(2) callers who want power-loss safety on a persistent tier.
+
+A small commit can run on the caller's thread without waiting (:meth:`Database.try_apply`):
+it either finds the journal free at once or does nothing.  WAL checkpoints (which copy pages
+and fsync the database file) are never left to SQLite's automatic checkpoint at commit, which
+would run one on whichever thread commits: a blocking transaction runs one after every
+``CHECKPOINT_EVERY_COMMITS`` commits, and a caller of ``try_apply`` runs
+:meth:`Database.checkpoint` in a worker thread once :attr:`Database.checkpoint_due`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sqlite3
 import threading
@@ -18,6 +26,14 @@ from typing import Any
 from ..errors import BurstfsError
 from .rows import ROOT_INO, Op
 from .schema import check_readable, migrate
+
+log = logging.getLogger("burstfs.journal")
+
+#: How long a writer waits for another connection's write transaction before it fails.
+BUSY_TIMEOUT_MS = 30000
+#: The WAL is folded into the database file after about this many commits (a close writes about
+#: seven pages: some 4 MiB, as SQLite's own automatic checkpoint would let it grow).
+CHECKPOINT_EVERY_COMMITS = 150
 
 
 class Database:
@@ -45,8 +61,10 @@ class Database:
             self.connection = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self.connection.execute("PRAGMA journal_mode=WAL")
             self.connection.execute("PRAGMA synchronous=NORMAL")
-        self.connection.execute("PRAGMA busy_timeout=30000")
+            self.connection.execute("PRAGMA wal_autocheckpoint=0")
+        self.connection.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         self.lock = threading.Lock()
+        self._commits_since_checkpoint = 0
         try:
             with self.lock:
                 if readonly:
@@ -67,23 +85,60 @@ class Database:
         with self.lock:
             db = self.connection
             db.execute("BEGIN IMMEDIATE")
-            try:
+            with _committed(db):
                 yield db
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            try:
-                db.execute("COMMIT")
-            except BaseException:  # a full disk, an I/O error: end the transaction, or every later BEGIN fails
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
-                raise
+            self._commits_since_checkpoint += 1
+            if self.checkpoint_due:
+                self._checkpoint_locked()
 
     def apply(self, ops: Iterable[Op]) -> None:
         """Run ``ops`` in one transaction (the group commit)."""
         with self.transaction() as db:
-            for sql, params in ops:
-                db.execute(sql, params)
+            _run(db, ops)
+
+    def try_apply(self, ops: Iterable[Op]) -> bool:
+        """Run ``ops`` in one transaction if nobody else is writing to the journal, without
+        waiting for anybody (neither this journal's lock nor another connection's write
+        transaction): False, and nothing done, if somebody is."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            db = self.connection
+            db.execute("PRAGMA busy_timeout=0")
+            try:
+                db.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:
+                if exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY:  # extended codes too
+                    return False
+                raise
+            finally:
+                db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            with _committed(db):
+                _run(db, ops)
+            self._commits_since_checkpoint += 1  # never a checkpoint here: see checkpoint_due
+            return True
+        finally:
+            self.lock.release()
+
+    @property
+    def checkpoint_due(self) -> bool:
+        """True once enough commits went into the WAL that it is time to :meth:`checkpoint`."""
+        return self._commits_since_checkpoint >= CHECKPOINT_EVERY_COMMITS
+
+    def checkpoint(self) -> None:
+        """Copy what the WAL holds into the database file (as far as no reader needs it), so
+        the WAL does not grow without bound.  Blocking: a worker thread's job."""
+        with self.lock:
+            self._checkpoint_locked()
+
+    def _checkpoint_locked(self) -> None:
+        """Never raises: the commits before it are done, and a caller told otherwise would
+        apply them again.  One that fails (a full disk) is tried again after as many commits."""
+        self._commits_since_checkpoint = 0
+        try:
+            self.connection.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        except sqlite3.Error as exc:
+            log.warning("event=journal_checkpoint_failed path=%s error=%s", self.path, exc)
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         with self.lock:
@@ -92,7 +147,9 @@ class Database:
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         """One statement in its own transaction; returns the number of rows changed."""
         with self.lock:
-            return self.connection.execute(sql, params).rowcount
+            changed = self.connection.execute(sql, params).rowcount
+            self._commits_since_checkpoint += 1
+            return changed
 
     def sync(self) -> None:
         """fsync the WAL so that committed records survive a power loss too."""
@@ -134,6 +191,27 @@ class Database:
                 "SELECT ino, name FROM inodes WHERE parent=? AND ino!=?", (ROOT_INO, ROOT_INO)
             )
         ]
+
+
+@contextlib.contextmanager
+def _committed(db: sqlite3.Connection) -> Iterator[None]:
+    """Around the body of a transaction begun on ``db``: COMMIT after it, ROLLBACK on error."""
+    try:
+        yield
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    try:
+        db.execute("COMMIT")
+    except BaseException:  # a full disk, an I/O error: end the transaction, or every later BEGIN fails
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
+
+
+def _run(db: sqlite3.Connection, ops: Iterable[Op]) -> None:
+    for sql, params in ops:
+        db.execute(sql, params)
 
 
 def _unusable(path: Path, exc: sqlite3.DatabaseError) -> str:

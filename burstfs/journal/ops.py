@@ -7,7 +7,6 @@ database.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -17,11 +16,14 @@ from typing import Any
 from .rows import INODE_COLUMNS, InodeRow, Op
 from .states import DURABLE, INCOMPLETE, META, STAGED, WRITING, state_marks
 
+_INSERT_INODE = (
+    f"INSERT OR REPLACE INTO inodes ({', '.join(INODE_COLUMNS)}) VALUES ({', '.join('?' * len(INODE_COLUMNS))})"
+)
+
 
 def insert_inode_op(row: InodeRow) -> Op:
-    values = dataclasses.astuple(row)
-    marks = ", ".join("?" * len(values))
-    return (f"INSERT OR REPLACE INTO inodes ({', '.join(INODE_COLUMNS)}) VALUES ({marks})", values)
+    # Field by field: dataclasses.astuple deep-copies every value (a third of a create's time).
+    return (_INSERT_INODE, tuple(getattr(row, name) for name in INODE_COLUMNS))
 
 
 def update_inode_op(ino: int, **fields: Any) -> Op:

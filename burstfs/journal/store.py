@@ -53,6 +53,19 @@ class Journal:
         """Run ``ops`` in one transaction (the group commit)."""
         self._db.apply(ops)
 
+    def try_apply(self, ops: Sequence[Op]) -> bool:
+        """``apply`` if nobody else is writing to the journal right now; never waits (False: nothing done)."""
+        return self._db.try_apply(ops)
+
+    @property
+    def checkpoint_due(self) -> bool:
+        """True once commits by ``try_apply`` grew the WAL enough to ``checkpoint`` it."""
+        return self._db.checkpoint_due
+
+    def checkpoint(self) -> None:
+        """Fold the WAL into the database file (blocking: a worker thread's job)."""
+        self._db.checkpoint()
+
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         return self._db.query(sql, params)
 
