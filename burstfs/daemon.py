@@ -330,6 +330,11 @@ class StartupWatch:
     ready: ``burstfs mount`` waits for the daemon, and a silent wait says nothing about why.
     A thread of its own, so a step that blocks the trio loop (or runs before it) is named too."""
 
+    #: After this many warnings, each thread's stack goes into the log once: the step's name
+    #: says where the start-up waits, the stacks say on what (a hang seen twice in CI left
+    #: nothing else to go on).
+    STACKS_AFTER_WARNINGS = 2
+
     def __init__(self, warn_every: float = 10.0) -> None:
         self.started = time.monotonic()
         self.step = "opening the cache"
@@ -346,8 +351,21 @@ class StartupWatch:
         return time.monotonic() - self.started
 
     def _watch(self) -> None:
+        warnings = 0
         while not self._ready.wait(self._warn_every):
             log.warning("event=start_slow step=%r seconds=%.0f", self.step, time.monotonic() - self.started)
+            warnings += 1
+            if warnings == self.STACKS_AFTER_WARNINGS:
+                log.warning("event=start_slow_stacks step=%r\n%s", self.step, thread_stacks())
+
+
+def thread_stacks() -> str:
+    """Every thread's current stack, innermost call last, for a log line about a hang."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        parts.append(f"thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}")
+    return "\n".join(parts)
 
 
 async def set_read_ahead(mountpoint: Path, nbytes: int, initialized: trio.Event) -> None:

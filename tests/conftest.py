@@ -63,9 +63,19 @@ class MountedFS:
         self.remote_dir.mkdir(parents=True, exist_ok=True)
 
     def mount(self, *args: str) -> None:
-        burstfs(
-            "mount", str(self.path), "--cache", str(self.cache), "--remote", self.remote_url, *self.extra_args, *args
-        )
+        try:
+            burstfs(
+                "mount",
+                str(self.path),
+                "--cache",
+                str(self.cache),
+                "--remote",
+                self.remote_url,
+                *self.extra_args,
+                *args,
+            )
+        except subprocess.TimeoutExpired as exc:  # the daemon's log says which step it hung in, and on what
+            raise AssertionError(f"{exc}; the daemon's log ends:\n{self.log_text()[-20000:]}") from None
         assert is_mounted(self.path)
 
     def unmount(self, *args: str) -> None:

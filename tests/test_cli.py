@@ -647,3 +647,6 @@ def test_a_slow_start_up_names_the_step_it_waits_in(caplog: pytest.LogCaptureFix
     assert took >= 0.3
     time.sleep(0.2)
     assert len([r for r in caplog.records if "event=start_slow" in r.getMessage()]) == len(slow)  # stopped
+    stacks = [m for m in slow if "event=start_slow_stacks" in m]
+    # Once, after the second warning, with this (blocked) thread's stack in it.
+    assert len(stacks) == 1 and "test_a_slow_start_up_names_the_step_it_waits_in" in stacks[0], slow
