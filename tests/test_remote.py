@@ -349,6 +349,31 @@ def test_a_file_remote_replaced_by_an_empty_directory_is_refused_until_it_is_bac
     run(remote, body)
 
 
+def test_a_look_that_began_before_the_internal_dir_was_made_is_no_impostor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """32 first puts into a new remote directory: a thread's look for .burstfs/ began before
+    another thread made it, and by the time it checked, a third had seen it and set the flag.
+    That read as "the remote was replaced" and failed the put (test_list_pagination, 3 runs in 100)."""
+    from burstfs.remote import dirtree
+
+    tree = dirtree.DirTree(parse_remote_url(f"file://{tmp_path}"))
+    looked_before_mkdir = dirtree._lstat_mode
+
+    def look_then_others_make_it(dir_fd: int, name: str) -> int | None:
+        mode = looked_before_mkdir(dir_fd, name)  # missing: no thread made it yet
+        (tmp_path / INTERNAL_DIR).mkdir(exist_ok=True)
+        tree.established = True  # another thread saw it meanwhile
+        return mode
+
+    monkeypatch.setattr(dirtree, "_lstat_mode", look_then_others_make_it)
+    os.close(tree.open_root())  # no RemoteError
+    monkeypatch.setattr(dirtree, "_lstat_mode", looked_before_mkdir)
+    (tmp_path / INTERNAL_DIR).rmdir()
+    with pytest.raises(RemoteError, match=r"no longer holds \.burstfs/"):
+        tree.open_root()  # once established, a missing internal dir is still refused
+
+
 def test_a_file_remote_keeps_its_internal_dir_when_its_last_record_goes(tmp_path: Path) -> None:
     """The internal dir tells the remote from an empty directory in its place: never pruned."""
     remote = FileRemote(parse_remote_url(f"file://{tmp_path}"))

@@ -79,9 +79,12 @@ class DirTree:
             fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except (FileNotFoundError, NotADirectoryError):
             raise RemoteError(f"remote directory {self.root} does not exist", kind="no_directory") from None
+        # Read the flag before looking: a look that began before another thread's mkdir of
+        # INTERNAL_DIR may miss it while that thread's next call already set the flag.
+        was_established = self.established
         if _is_dir(fd, INTERNAL_DIR):
             self.established = True
-        elif self.established:
+        elif was_established:
             os.close(fd)
             raise RemoteError(
                 f"remote directory {self.root} no longer holds {INTERNAL_DIR}/: another directory is in its "
