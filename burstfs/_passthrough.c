@@ -28,6 +28,13 @@
  * loop, in order with the file's other requests, and the daemon's reply (a bare
  * error code) is exactly what FALLOCATE expects.  The token is random per
  * daemon, so a setxattr(2) from a user can never pass for a fallocate.
+ *
+ * GETXATTR outside "user.": burstfs stores only user.* attributes, so every
+ * other name (security.capability, which the kernel asks for before the first
+ * write of every file, posix ACLs, selinux labels) is ENODATA.  Once
+ * answer_foreign_xattrs() was called, the read hook writes that reply itself
+ * and hands libfuse an EINTR (pyfuse3 then waits for the next request): a
+ * small file's create-write-close costs one Python request less.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -46,6 +53,7 @@
 /* Kernel protocol (include/uapi/linux/fuse.h), stable ABI. */
 #define OP_OPEN 14
 #define OP_SETXATTR 21
+#define OP_GETXATTR 22
 #define OP_FALLOCATE 43
 #define OP_INIT 26
 #define OP_CREATE 35
@@ -87,6 +95,9 @@ struct fallocate_in {
     uint64_t fh, offset, length;
     uint32_t mode, padding;
 };
+struct getxattr_in {
+    uint32_t size, padding;
+};
 /* FUSE_COMPAT_SETXATTR_IN_SIZE: pyfuse3 does not ask for FUSE_SETXATTR_EXT. */
 struct setxattr_in {
     uint32_t size, flags;
@@ -106,6 +117,8 @@ static int negotiated;          /* our INIT reply enabled it */
 static uint64_t init_unique;
 static int fallocate_enabled;
 static unsigned char fallocate_token[FALLOCATE_TOKEN_SIZE];
+static int foreign_xattrs_enabled;
+static uint64_t foreign_xattrs_answered;
 
 /* OPEN/CREATE requests awaiting a reply: unique -> opcode. */
 static struct { uint64_t unique; uint32_t opcode; } pending_ops[MAX_PENDING];
@@ -161,12 +174,42 @@ static ssize_t fallocate_as_setxattr(void *buf, size_t cap, ssize_t res) {
     return (ssize_t)total;
 }
 
+/* A GETXATTR request in buf (res bytes) of a name outside "user." (see the top). */
+static int is_foreign_getxattr(const void *buf, ssize_t res) {
+    static const char user[] = "user.";
+    const struct in_header *in = buf;
+    size_t at = sizeof *in + sizeof(struct getxattr_in);
+    if (in->opcode != OP_GETXATTR || res < (ssize_t)(at + 1) || in->len != (uint32_t)res)
+        return 0;
+    const char *name = (const char *)buf + at;
+    size_t room = (size_t)res - at;
+    if (memchr(name, 0, room) == NULL)
+        return 0; /* malformed: libfuse answers it */
+    return strncmp(name, user, sizeof user - 1) != 0;
+}
+
 static ssize_t hook_read(int fd, void *buf, size_t len, void *userdata) {
     (void)userdata;
     ssize_t res = read(fd, buf, len);
     if (res < (ssize_t)sizeof(struct in_header))
         return res;
     int saved = errno;
+    if (((struct in_header *)buf)->opcode == OP_GETXATTR) {
+        pthread_mutex_lock(&lock);
+        int answer = foreign_xattrs_enabled && is_foreign_getxattr(buf, res);
+        if (answer)
+            foreign_xattrs_answered++;
+        pthread_mutex_unlock(&lock);
+        if (answer) {
+            struct out_header reply = {
+                .len = sizeof reply, .error = -ENODATA, .unique = ((struct in_header *)buf)->unique};
+            (void)!write(fd, &reply, sizeof reply); /* ENOENT: the caller gave up; nothing to do */
+            errno = EINTR; /* no request for libfuse: pyfuse3 waits for the next one */
+            return -1;
+        }
+        errno = saved;
+        return res;
+    }
     if (((struct in_header *)buf)->opcode == OP_FALLOCATE) {
         pthread_mutex_lock(&lock);
         int enabled = fallocate_enabled;
@@ -292,8 +335,9 @@ static PyObject *py_request(PyObject *self, PyObject *args) {
 
 static PyObject *py_state(PyObject *self, PyObject *noargs) {
     pthread_mutex_lock(&lock);
-    PyObject *state = Py_BuildValue("{s:i,s:O}", "fuse_fd", hooked_fd, "kernel_offers",
-                                    kernel_offers ? Py_True : Py_False);
+    PyObject *state = Py_BuildValue("{s:i,s:O,s:K}", "fuse_fd", hooked_fd, "kernel_offers",
+                                    kernel_offers ? Py_True : Py_False, "foreign_xattrs_answered",
+                                    (unsigned long long)foreign_xattrs_answered);
     pthread_mutex_unlock(&lock);
     return state;
 }
@@ -335,13 +379,22 @@ static PyObject *py_enable_fallocate(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_answer_foreign_xattrs(PyObject *self, PyObject *noargs) {
+    pthread_mutex_lock(&lock);
+    foreign_xattrs_enabled = 1;
+    pthread_mutex_unlock(&lock);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"request", py_request, METH_VARARGS,
      "request(max_stack_depth, nosec): at INIT ask for passthrough (depth 0: do not) and HANDLE_KILLPRIV_V2."},
-    {"state", py_state, METH_NOARGS, "state() -> {fuse_fd, kernel_offers}."},
+    {"state", py_state, METH_NOARGS, "state() -> {fuse_fd, kernel_offers, foreign_xattrs_answered}."},
     {"attach", py_attach, METH_VARARGS, "attach(fh, backing_id): the reply to this open passes through."},
     {"enable_fallocate", py_enable_fallocate, METH_VARARGS,
      "enable_fallocate(token): FALLOCATE requests reach setxattr as 'burstfs.fallocate' (token + request)."},
+    {"answer_foreign_xattrs", py_answer_foreign_xattrs, METH_NOARGS,
+     "answer_foreign_xattrs(): GETXATTR of a name outside user.* is answered ENODATA by the read hook."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from . import passthrough
 from .config import MountConfig, parse_metrics_addr
 from .core import BurstCore
 from .drainservice import DrainService
@@ -71,6 +72,11 @@ class BurstCollector(Collector):
             "burstfs_local_tier_free_bytes",
             "Bytes a write can still take on the local tier (durable local copies count as free).",
             value=fs.blocks_free * fs.block_size,
+        )
+        yield CounterMetricFamily(
+            "burstfs_fuse_xattr_answered_in_shim",
+            "GETXATTR requests of names outside user.* answered ENODATA without the daemon (the passthrough shim).",
+            value=passthrough.foreign_xattrs_answered(),
         )
         if self.drain is None:
             return

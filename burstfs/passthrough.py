@@ -74,13 +74,24 @@ def request(enabled: bool) -> None:
     passthrough if ``enabled``, and always FUSE_HANDLE_KILLPRIV_V2 (see ``_passthrough.c``;
     the core keeps no setuid/setgid bits on files, so there is never a privilege to kill).
     FALLOCATE requests reach the daemon on either data path (``burstfs.fallocate``), unless
-    the shim was built before it could forward them (then fallocate(2) stays EOPNOTSUPP)."""
+    the shim was built before it could forward them (then fallocate(2) stays EOPNOTSUPP).
+    A GETXATTR of a name outside ``user.*`` (burstfs stores no other) is answered ENODATA by
+    the shim itself: the kernel asks for ``security.capability`` before each file's first write."""
     if _shim is not None:
         _shim.request(MAX_STACK_DEPTH if enabled else 0, True)
         if hasattr(_shim, "enable_fallocate"):
             _shim.enable_fallocate(fallocate.TOKEN)
         else:
             log.warning("event=fallocate state=off reason=the passthrough shim predates it: rebuild it")
+        if hasattr(_shim, "answer_foreign_xattrs"):
+            _shim.answer_foreign_xattrs()
+
+
+def foreign_xattrs_answered() -> int:
+    """GETXATTR requests the shim answered without the daemon (see :func:`request`)."""
+    if _shim is None:
+        return 0
+    return int(_shim.state().get("foreign_xattrs_answered", 0))
 
 
 def kernel_offers() -> bool:

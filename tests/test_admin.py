@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib.util
 import json
 import os
 import signal
@@ -477,6 +478,15 @@ def test_metrics_endpoint(mounted_factory: Any) -> None:
     assert samples["burstfs_fetched_bytes_total"] == 0 and samples["burstfs_drain_halted"] == 0
     assert samples["burstfs_remote_outage_seconds"] == 0
     assert 0 < samples["burstfs_local_tier_free_bytes"] <= samples["burstfs_local_tier_capacity_bytes"]
+    # A getxattr outside user.* is ENODATA; the shim answers it without the daemon (where built).
+    answered = samples["burstfs_fuse_xattr_answered_in_shim_total"]
+    for _ in range(3):
+        with pytest.raises(OSError) as exc:
+            os.getxattr(fs.path / "ck" / "a", "security.selinux")
+        assert exc.value.errno == errno.ENODATA
+    assert os.getxattr(fs.path / "ck" / "a", "user.burstfs.state") == b"durable"  # user.* reaches the daemon
+    if importlib.util.find_spec("burstfs._passthrough") is not None:
+        assert scrape()["burstfs_fuse_xattr_answered_in_shim_total"] == answered + 3
     # Bound to the address given, not to every interface.
     with open("/proc/net/tcp") as tcp:
         listening = [line.split()[1] for line in tcp if line.split()[3] == "0A"]
