@@ -77,6 +77,9 @@ class Mover:
         self.not_before: dict[int, float] = {}  # ino -> earliest retry time
         self.held_open: dict[int, int] = {}  # ino -> generation closed while another writer stays open
         self._skip_delay = False
+        # With --drain-delay, a pass that found no staged file old enough: until then (monotonic) no pass
+        # reads the queue again (each read scans every staged file; passes follow every close).
+        self._none_due_until = 0.0
         self._next_prune = 0.0
         self._next_stale_abort = 0.0
         self.bursts = WriterBursts()  # touched by the FUSE thread (DrainService)
@@ -427,6 +430,8 @@ class Mover:
         refused = False  # a row waits for room in its pool (the drain is not idle then)
         now = time.time()
         delay = 0.0 if self._skip_delay else self.options.delay
+        if delay > 0 and time.monotonic() < self._none_due_until:
+            return []
         # This runs after every close: read enough rows to fill the free slots past the
         # files in flight or backing off (and a few blocked markers), not the whole queue.
         limit = slots + len(self.in_flight) + len(self.not_before) + 32
@@ -436,9 +441,12 @@ class Mover:
             return self.is_marker_name(os.fsdecode(row.name))
 
         chosen: list[InodeRow] = []
-        for candidate in await self.db(
-            self.journal.drain.candidates, limit, closed_before=now - delay, is_marker=is_marker
-        ):
+        candidates = await self.db(self.journal.drain.candidates, limit, closed_before=now - delay, is_marker=is_marker)
+        if not candidates and delay > 0:
+            # A file closed from now on is due ``delay`` later; one made staged again with an
+            # older close (a requeue, a retry) waits at most this long past its due time.
+            self._none_due_until = time.monotonic() + min(delay, timing.IDLE_RESCAN_S)
+        for candidate in candidates:
             row = candidate.row
             if row.ino in self.in_flight or self.not_before.get(row.ino, 0) > now:
                 continue
