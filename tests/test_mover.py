@@ -492,13 +492,15 @@ def test_a_burst_of_wakes_hops_to_the_mover_once_and_no_wake_is_lost(
         hop = loop.call_soon_threadsafe
 
         def counted(callback: Callable[..., object], *args: object) -> asyncio.Handle:
-            hops.append(callback)
+            if getattr(callback, "__self__", None) is mover._wakeup:  # not the journal thread's results
+                hops.append(callback)
             return hop(callback, *args)
 
         monkeypatch.setattr(loop, "call_soon_threadsafe", counted)
         for _ in range(1000):
             service.file_closed()
-        assert 1 <= len(hops) <= 3, len(hops)  # one per pass that began meanwhile, not one per close
+        # One per pass that began meanwhile (a few on a loaded machine), not one per close.
+        assert 1 <= len(hops) <= 10, len(hops)
         for i in range(40):  # closes racing with the passes they start: each one still drains
             ino = front.write(f"f{i}.bin", b"x" * (i + 1))
             service.file_closed()

@@ -664,7 +664,9 @@ def test_read_timeout_is_retried(s3_endpoint: str) -> None:
         remote = s3_remote(proxy.endpoint, bucket, read_timeout=0.5)
 
         async def body() -> bytes:
-            await remote.put_object("slow", b"patience")
+            # Retried too: the first request builds the client's TLS contexts in a thread, which
+            # on a loaded machine outlasted the put's 0.5 s deadline (CI, once).
+            await retrying(remote, remote.put_object, "slow", b"patience", what="put slow", base_delay=0.01)
             proxy.delay_next(1, seconds=2.0, match="GET")
             return await retrying(remote, remote.get_object, "slow", what="get slow", base_delay=0.01)
 
