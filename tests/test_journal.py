@@ -568,6 +568,7 @@ def test_pending_deletes_come_with_the_holder_of_each_key(journal: Journal, tree
     tree.durable(new, new_generation)  # a live file owns "a" again: the delete must not run
     pending = journal.keys.pending_deletes_held(10)
     assert [(k, h) for _, k, _, h in pending] == [("a", new)]
+    assert journal.keys.pending_deletes_held(10, frozenset({"a"})) == []  # an upload in flight to "a"
     journal.keys.drop_deletes([request_id for request_id, *_ in pending])
     assert journal.keys.pending_deletes(10) == [] and journal.keys.owned_under("") == {"a"}
 

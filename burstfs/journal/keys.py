@@ -9,7 +9,7 @@ unlink is seen whole.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 from .connection import Database
 from .ops import event_op
@@ -60,14 +60,20 @@ class KeyOwnership:
             for i, k, r in self._db.query("SELECT id, key, reason FROM remote_deletes ORDER BY id LIMIT ?", (limit,))
         ]
 
-    def pending_deletes_held(self, limit: int) -> list[tuple[int, str, str, int | None]]:
+    def pending_deletes_held(
+        self, limit: int, skip_keys: Container[str] = frozenset()
+    ) -> list[tuple[int, str, str, int | None]]:
         """``(id, key, reason, holder)`` of queued remote deletes, oldest first, with the inode
-        that holds each key (owns it or uploads to it; None: free to delete), read at once."""
+        that holds each key (owns it or uploads to it; None: free to delete), read at once.
+        Keys in ``skip_keys`` (the uploads in flight, each with its intent here) are left out
+        before their holder is looked up: a drain of many small files has dozens."""
         with self._db.lock:
             rows = self._db.connection.execute(
                 "SELECT id, key, reason FROM remote_deletes ORDER BY id LIMIT ?", (limit,)
             ).fetchall()
-            return [(int(i), str(k), str(r), self._db.holder_locked(str(k), 0)) for i, k, r in rows]
+            return [
+                (int(i), str(k), str(r), self._db.holder_locked(str(k), 0)) for i, k, r in rows if k not in skip_keys
+            ]
 
     def drop_delete(self, request_id: int) -> None:
         self._db.execute("DELETE FROM remote_deletes WHERE id=?", (request_id,))

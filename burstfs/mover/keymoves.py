@@ -63,7 +63,8 @@ class KeyMoves:
         # One read of the queue with each key's holder: no claim or move runs during this
         # pass, and an upload in flight holds its key from its claim on, so a key free
         # now stays free until its delete.
-        pending = await self.mover.db(self.mover.journal.keys.pending_deletes_held, 500)
+        flying = frozenset(self.mover.in_flight.values())  # skipped below in any case
+        pending = await self.mover.db(self.mover.journal.keys.pending_deletes_held, 500, flying)
         owned = [
             row_id
             for row_id, key, _, holder in pending

@@ -432,9 +432,10 @@ class Mover:
         delay = 0.0 if self._skip_delay else self.options.delay
         if delay > 0 and time.monotonic() < self._none_due_until:
             return []
-        # This runs after every close: read enough rows to fill the free slots past the
-        # files in flight or backing off (and a few blocked markers), not the whole queue.
-        limit = slots + len(self.in_flight) + len(self.not_before) + 32
+        # This runs after every close and upload: read enough rows to fill the free slots past
+        # the files backing off (and a few blocked markers or files closed again while their
+        # upload is in flight), not the whole queue.  A file in flight is not staged: not read.
+        limit = slots + len(self.not_before) + 32
 
         # An incomplete file never becomes durable, so it holds a later marker back for good.
         def is_marker(row: InodeRow) -> bool:
