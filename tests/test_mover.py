@@ -246,6 +246,40 @@ def test_with_a_drain_delay_a_pass_does_not_read_the_queue_after_every_close(
     run_mover(mover, scenario)
 
 
+def test_small_uploads_that_end_wake_the_loop_by_the_batch_and_every_file_still_drains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass per small upload that ended was a fifth of the daemon's CPU over thousands of
+    small files: an ending small upload wakes the loop only once SMALL_REFILL slots are free.
+    With the idle rescan off, a batch that never woke it would leave files undrained."""
+    monkeypatch.setattr(mover_timing, "IDLE_RESCAN_S", 3600.0)
+    mover, front, remote = make_mover(tmp_path)
+    front.bursts = None
+    wakes: list[int] = []
+    wake = mover.wake
+    monkeypatch.setattr(mover, "wake", lambda: (wakes.append(1), wake())[1])
+    pool = mover_timing.SMALL_FILES_IN_FLIGHT
+
+    async def scenario() -> None:
+        await until(lambda: mover.loop is not None, "the mover's loop")
+        real_pool = mover._small_uploads
+        mover._small_uploads = {asyncio.create_task(asyncio.sleep(0)) for _ in range(pool)}
+        mover.upload_ended(4096)  # the pool still full but for this one: no pass yet
+        assert wakes == []
+        mover.upload_ended(mover_timing.SMALL_FILE_BYTES + 1)  # a large slot is free at once
+        assert len(wakes) == 1
+        mover._small_uploads = set(list(mover._small_uploads)[: pool - mover_timing.SMALL_REFILL + 1])
+        mover.upload_ended(4096)  # SMALL_REFILL slots free once this one leaves
+        assert len(wakes) == 2
+        mover._small_uploads = real_pool
+        inos = [front.write(f"f{i}", b"s" * 4096) for i in range(3 * pool)]
+        mover.wake()
+        await until(lambda: all(front.row(ino).state == DURABLE for ino in inos), "every small file durable")
+
+    run_mover(mover, scenario)
+    assert len([op for op, _ in remote.calls if op == "put"]) >= 3 * pool
+
+
 def test_large_uploads_yield_to_a_new_writer_and_small_files_do_not(tmp_path: Path) -> None:
     """While a file opened for writing moments ago is open, no large upload starts and one in
     flight sends no further part (small files still drain); the writer's close lets them go

@@ -77,6 +77,7 @@ class Mover:
         self.not_before: dict[int, float] = {}  # ino -> earliest retry time
         self.held_open: dict[int, int] = {}  # ino -> generation closed while another writer stays open
         self._skip_delay = False
+        self._small_uploads: set[asyncio.Task[None]] = set()  # run()'s small-file pool, for upload_ended
         # With --drain-delay, a pass that found no staged file old enough: until then (monotonic) no pass
         # reads the queue again (each read scans every staged file; passes follow every close).
         self._none_due_until = 0.0
@@ -111,6 +112,15 @@ class Mover:
             loop.call_soon_threadsafe(wakeup.set)
         except RuntimeError:  # the loop is closed: a close or rename must not fail for it
             self._wake_pending = False
+
+    def upload_ended(self, size: int) -> None:
+        """(Mover thread.) An upload of a ``size``-byte file ended, its task still in its pool:
+        wake the loop to refill -- for a small file only once SMALL_REFILL of the pool's slots
+        are free.  Until then the next upload to end, a close or the idle rescan wakes it."""
+        busy = len(self._small_uploads) - 1  # the ending task leaves its pool after this
+        if size <= timing.SMALL_FILE_BYTES and busy > timing.SMALL_FILES_IN_FLIGHT - timing.SMALL_REFILL:
+            return
+        self.wake()
 
     def namespace_changed(self) -> None:
         self.key_moves.changed()
@@ -232,7 +242,7 @@ class Mover:
         self.in_flight.clear()
         self.key_moves.restart()
         tasks: set[asyncio.Task[None]] = set()
-        small: set[asyncio.Task[None]] = set()  # the tasks of small files (their own pool)
+        small = self._small_uploads = set()  # the tasks of small files (their own pool)
         gate: asyncio.Task[None] | None = None
         failures = 0
         self._ready.set()

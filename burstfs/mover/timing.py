@@ -40,6 +40,10 @@ MISMATCH_RETRIES = 3
 # of small files is bound by request latency, not by two at a time (memory: 32 x 1 MiB).
 SMALL_FILE_BYTES = 1024 * 1024
 SMALL_FILES_IN_FLIGHT = 32
+# A small upload that ends wakes the loop only once this many of the pool's slots are free
+# (or the pool runs low): each pass reads the journal several times, and a pass per small
+# file made the passes a fifth of the daemon's CPU while thousands of small files drained.
+SMALL_REFILL = 8
 # A burst buffer absorbs the next burst first: while a file opened for writing in the last
 # WRITER_YIELD_S seconds is still open, large uploads read no further chunk and send no
 # further part (polling every WRITER_POLL_S); the cores go to the writers.  A file kept

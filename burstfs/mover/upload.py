@@ -98,7 +98,7 @@ class FileDrain:
                 await self._fail(ino, generation, exc)
         finally:
             self.mover.in_flight.pop(ino, None)
-            self.mover.wake()
+            self.mover.upload_ended(row.size)
 
     async def _yield_to_writers(self) -> None:
         """Wait while files opened for writing in the last WRITER_YIELD_S seconds are open."""
