@@ -84,7 +84,10 @@ def main() -> None:
         durable = client.wait_durable(run / f"step_{step:06d}", timeout=600)
         print(f"rank {rank}: step_{step:06d} durable ({durable.files} files, {durable.bytes} bytes)", flush=True)
     dist.barrier()
-    if rank == 0:  # now that the last one is durable, the older ones beyond two may go
+    if rank == 0:  # once every step is durable, the older ones beyond two may go
+        # An older step can become durable after the last (each step's commit round is its
+        # own): pruned before, the older ones would count as not durable and all be kept.
+        client.wait_durable(run, timeout=600)
         prune_checkpoints(checkpoints_in(run, "step_*"), keep_last=2)
     dist.destroy_process_group()
 
