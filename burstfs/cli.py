@@ -192,14 +192,15 @@ def config_check(file: Path) -> None:
         click.echo(line)
 
 
-def _left_behind(cache_dir: Path) -> dict[str, tuple[int, int]]:
-    """What a stopped mount leaves undrained, by fate (status.left_behind)."""
+def _left_behind(cache_dir: Path) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
+    """What a stopped mount leaves undrained, by fate (status.left_behind), and its remote
+    work beyond uploads (status.remote_work)."""
     from .journal import Journal
-    from .status import left_behind
+    from .status import left_behind, remote_work
 
     journal = Journal(cache_dir, readonly=True)
     try:
-        return left_behind(journal)
+        return left_behind(journal), remote_work(journal)
     finally:
         journal.close()
 
@@ -214,21 +215,21 @@ def _wait_durable(point: Path, timeout: float | None) -> None:
     so they are left out (unmount reports them)."""
     from .admin.common import resolve, wait_durable
     from .journal import INCOMPLETE
-    from .status import Durability
+    from .status import Durability, wait_state
 
     said = [time.monotonic()]
 
     def say_what_it_waits_for(outcome: Durability) -> None:
         """Every WAIT_NOTE_S, one line on stderr: a wait never runs silent (a lost node's marker)."""
-        if time.monotonic() - said[0] < WAIT_NOTE_S or not outcome.pending:
+        if time.monotonic() - said[0] < WAIT_NOTE_S or outcome.result != "waiting":
             return
         said[0] = time.monotonic()
-        path, row = outcome.pending[0]
-        click.echo(
-            f"burstfs: waiting for {len(outcome.pending)} files to be durable (first: {path}, {row.state}); "
-            f"burstfs-admin status {point} says why",
-            err=True,
-        )
+        if outcome.pending:
+            path, row = outcome.pending[0]
+            what = f"{len(outcome.pending)} files to be durable (first: {path}, {wait_state(path, row)})"
+        else:
+            what = f"{outcome.deletes} remote deletes"
+        click.echo(f"burstfs: waiting for {what}; burstfs-admin status {point} says why", err=True)
 
     outcome = wait_durable(
         resolve([point], None), timeout, say_what_it_waits_for, ignore=frozenset({INCOMPLETE}), skip_abandoned=True
@@ -243,7 +244,8 @@ def _wait_durable(point: Path, timeout: float | None) -> None:
     if outcome.result == "waiting":
         _fail(
             BurstfsError(
-                f"{len(outcome.pending)} files still not durable after {timeout:.0f}s; "
+                f"{len(outcome.pending)} files still not durable and {outcome.deletes} remote deletes queued "
+                f"after {timeout:.0f}s; "
                 f"not unmounting (see: burstfs-admin status {point})"
             )
         )
@@ -299,7 +301,7 @@ def unmount(
         time.sleep(0.05)
     click.echo(f"unmounted {point} (cache {cache_dir})")
     try:
-        left = _left_behind(cache_dir)
+        left, work = _left_behind(cache_dir)
     except (OSError, sqlite3.Error) as exc:  # the cache dir was removed or damaged under the mount
         _fail(BurstfsError(f"cannot read the journal in {cache_dir} to say what is left undrained: {exc}"))
     files, nbytes = left.get("drains", (0, 0))
@@ -307,6 +309,11 @@ def unmount(
         click.echo(
             f"{files} files ({nbytes} bytes) are not durable yet: they stay staged in {cache_dir}; "
             f"the next mount or `burstfs drain --cache {cache_dir}` drains them"
+        )
+    if work["moving"] or work["deletes"]:
+        click.echo(
+            f"{work['moving']} objects still to move after renames and {work['deletes']} remote deletes queued: "
+            f"the next mount or `burstfs drain --cache {cache_dir}` does them"
         )
     files, nbytes = left.get("failed", (0, 0))
     if files:

@@ -26,7 +26,8 @@ from typing import Any
 from .admin.checkpoints import latest_checkpoint
 from .admin.common import EXIT_USAGE, AccessDenied, AdminError, DaemonLost, Target, resolve
 from .admin.common import wait_durable as _wait_durable
-from .journal import BROKEN, DONE, FileState
+from .journal import BROKEN, DONE, MOVING, FileState
+from .status import wait_state
 
 STATE_XATTR = "user.burstfs.state"  # every file's drain state, readable by anyone who may read the file
 XATTR_POLL_S = 0.1
@@ -230,8 +231,11 @@ def wait_durable(path: PathLike | Sequence[PathLike], timeout: float | None = No
         if outcome.halted:
             reasons.append(f"the drain is halted: {outcome.halted}")
         raise DrainFailedError("not durable: " + "; ".join(reasons), failed, outcome.halted)
-    pending = [PendingFile(p, r.state, r.error) for p, r in outcome.pending]
-    raise DurableTimeoutError(f"{len(pending)} of {len(outcome.files)} files not durable after {timeout:g}s", pending)
+    pending = [PendingFile(p, wait_state(p, r), r.error) for p, r in outcome.pending]
+    deletes = f" ({outcome.deletes} remote deletes queued)" if outcome.deletes else ""
+    raise DurableTimeoutError(
+        f"{len(pending)} of {len(outcome.files)} files not durable after {timeout:g}s{deletes}", pending
+    )
 
 
 def prefetch(
@@ -287,20 +291,22 @@ def is_durable(path: PathLike | Sequence[PathLike]) -> bool:
     return True
 
 
-def _files_by_xattr(paths: Sequence[PathLike]) -> list[tuple[str, FileState, int]]:
-    """(path, state, size) of every file at or under ``paths``, from the mount's xattrs."""
+def _files_by_xattr(paths: Sequence[PathLike]) -> list[tuple[str, str, int]]:
+    """(path, state, size) of every file at or under ``paths``, from the mount's xattrs (MOVING:
+    durable, its object still at an older name)."""
     found = []
     for top in map(Path, paths):
         files = [top] if not top.is_dir() else sorted(Path(d) / f for d, _, names in os.walk(top) for f in names)
         for file in files:
-            state = FileState(os.getxattr(file, STATE_XATTR).decode())
+            value = os.getxattr(file, STATE_XATTR).decode()
+            state = value if value == MOVING else FileState(value)
             found.append((str(file), state, file.stat().st_size))
     return found
 
 
 def _wait_by_xattrs(paths: Sequence[PathLike], timeout: float | None, started: float) -> Durable:
     """wait_durable for a user without the control socket: poll the files' states.  It
-    cannot see a halted drain: a halt shows as a timeout."""
+    cannot see a halted drain (a halt shows as a timeout) nor queued remote deletes."""
     while True:
         files = _files_by_xattr(paths)
         broken = [PendingFile(p, s, None) for p, s, _ in files if s in BROKEN]

@@ -27,6 +27,7 @@ from .journal import (
     FAILED,
     FILE_STATES,
     INCOMPLETE,
+    MOVING,
     QUEUED,
     ROOT_INO,
     WRITING,
@@ -234,6 +235,7 @@ def journal_status(journal: Journal, cache_dir: Path) -> dict[str, Any]:
             "oldest_closed_at": oldest_closed,
             "oldest_age_s": None if oldest_closed is None else max(0.0, time.time() - oldest_closed),
         },
+        "remote_work": remote_work(journal),
         "drain": {
             "throughput_bps": None,
             "eta_s": drain_eta(states, None),
@@ -255,6 +257,13 @@ def journal_status(journal: Journal, cache_dir: Path) -> dict[str, Any]:
             "mount_free_bytes": None,
         },
     }
+
+
+def remote_work(journal: Journal) -> dict[str, int]:
+    """Remote work beyond uploads: durable files whose object still has to follow a rename
+    (``moving``), and deletes of objects of removed or replaced files (``deletes``).  A cache
+    removed before they are done leaves the remote behind the mount (``unmount --wait`` waits)."""
+    return {"moving": len(journal.keys.relocation_candidates()), "deletes": len(journal.keys.deletes_queued_under(""))}
 
 
 def journal_events(journal: Journal, since: float, rel: str = "", limit: int = 1000) -> dict[str, Any]:
@@ -290,24 +299,39 @@ def left_behind(journal: Journal) -> dict[str, tuple[int, int]]:
     return left
 
 
+def arrived(path: str, row: InodeRow) -> bool:
+    """Whether the remote holds ``row``'s data at ``path``: durable, and its object not left at an
+    older name by a rename (the mover copies it over; until then a restore of ``path`` finds nothing)."""
+    return row.state in DONE and (row.remote_key is None or row.remote_key == path)
+
+
+def wait_state(path: str, row: InodeRow) -> str:
+    """The state a wait reports for a file: its own, or MOVING for one durable at an older name."""
+    return MOVING if row.state in DONE and not arrived(path, row) else str(row.state)
+
+
 @dataclass(frozen=True)
 class Durability:
-    """Where the files of a wait stand: all of them, the durable ones, the ones that will
-    not drain by themselves, and why the drain is halted (None: it is not)."""
+    """Where the files of a wait stand: all of them, those the remote holds at their path, the
+    ones that will not drain by themselves, remote deletes still queued under the waited paths,
+    and why the drain is halted (None: it is not)."""
 
     files: list[tuple[str, InodeRow]]
     done: list[tuple[str, InodeRow]]
     broken: list[tuple[str, InodeRow]]
     halted: str | None = None
+    deletes: int = 0
 
     @property
     def pending(self) -> list[tuple[str, InodeRow]]:
-        return [(path, row) for path, row in self.files if row.state not in DONE]
+        return [(path, row) for path, row in self.files if not arrived(path, row)]
 
     @property
     def result(self) -> str:
         """durable, failed (a file broken or the drain halted: waiting longer will not help) or waiting."""
-        return "failed" if self.broken or self.halted else "durable" if not self.pending else "waiting"
+        if self.broken or self.halted:
+            return "failed"
+        return "durable" if not self.pending and not self.deletes else "waiting"
 
 
 def durability(
@@ -319,14 +343,21 @@ def durability(
     skip_abandoned: bool = False,
 ) -> Durability:
     """The files at or under ``rels`` (those in ``ignore`` states left out, and with
-    ``skip_abandoned`` the markers of abandoned checkpoints) and how far they are."""
+    ``skip_abandoned`` the markers of abandoned checkpoints) and how far they are; deletes of
+    objects at or under ``rels`` still queued count too (the remote should show what the mount does)."""
     files = [
         (path, row)
         for path, row in files_at(journal, rels)
         if row.state not in ignore and not (skip_abandoned and row.state == FAILED and row.error == ABANDONED_MARKER)
     ]
-    done = [(path, row) for path, row in files if row.state in DONE]
-    return Durability(files, done, [(path, row) for path, row in files if row.state in BROKEN], halted)
+    done = [(path, row) for path, row in files if arrived(path, row)]
+    return Durability(
+        files,
+        done,
+        [(path, row) for path, row in files if row.state in BROKEN],
+        halted,
+        len(set().union(*(journal.keys.deletes_queued_under(rel) for rel in rels))),
+    )
 
 
 def wait_durable(

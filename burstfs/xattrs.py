@@ -12,7 +12,7 @@ import trio
 from .committer import GroupCommitter
 from .errors import FsError
 from .hooks import DrainLinks
-from .journal import WRITING, Journal, remove_xattr_op, set_xattr_op
+from .journal import DONE, MOVING, WRITING, InodeRow, Journal, remove_xattr_op, set_xattr_op
 from .nodes import Inode
 
 XATTR_USER = b"user."
@@ -52,12 +52,12 @@ class ExtendedAttributes:
         if inode.kind == "dir" and name == LATEST_XATTR:
             return await self.latest(inode)
         await self.committer.settle()  # a new file's row may still be deferred
-        row = await trio.to_thread.run_sync(self.journal.state_row, inode.ino)  # hard links: least drained name
+        row, moving = await trio.to_thread.run_sync(self._state_of, inode.ino)
         if row is None or inode.kind != "file":
             raise FsError(errno.ENODATA)
         key = name[len(XATTR_RESERVED) :].decode(errors="replace")
         values = {
-            "state": WRITING if inode.dirty else row.state,
+            "state": WRITING if inode.dirty else MOVING if moving else row.state,
             "generation": str(row.generation),
             "digest": row.digest or "",
             "remote_key": row.remote_key or "",
@@ -66,6 +66,12 @@ class ExtendedAttributes:
         if key not in values or (not values[key] and key != "state"):
             raise FsError(errno.ENODATA)
         return values[key].encode()
+
+    def _state_of(self, ino: int) -> tuple[InodeRow | None, bool]:
+        """The row standing for the file (hard links: the least drained name) and whether it is
+        durable at an older name only (MOVING), from one worker thread's look."""
+        row = self.journal.state_row(ino)
+        return row, row is not None and row.state in DONE and self.journal.moving(ino)
 
     async def latest(self, directory: Inode) -> bytes:
         now = time.monotonic()

@@ -87,6 +87,62 @@ def test_changed_file_drains_again_and_rename_unlink_follow(remote_mount: Mounte
     wait_for(lambda: not {"b.bin", ".burstfs/manifests/b.bin.json"} & remote.keys(), what="delete")
 
 
+@pytest.mark.parametrize("remote", ["s3"], indirect=True)
+def test_a_checkpoint_renamed_after_its_upload_is_durable_only_once_its_objects_moved(
+    remote_mount: MountedFS, remote: RemoteTarget
+) -> None:
+    """The Hugging Face Trainer's pattern: save into tmp-checkpoint-N, rename it to checkpoint-N.
+    Files durable before the rename keep their objects at the old names until the mover copies
+    them over; every wait (and ``unmount --wait``, after which the Slurm epilog removes the cache)
+    used to call them durable at once, and the remote never got checkpoint-N."""
+    from burstfs import client
+
+    assert remote.proxy is not None
+    fs = remote_mount
+    shards = {"model.safetensors": os.urandom(300_000), "optimizer.pt": os.urandom(200_000)}
+    (fs.path / "tmp-checkpoint-8").mkdir()
+    for name, data in shards.items():
+        (fs.path / "tmp-checkpoint-8" / name).write_bytes(data)
+    client.wait_durable(fs.path / "tmp-checkpoint-8", timeout=60)
+    remote.proxy.pause()  # the moves wait on the remote
+    os.rename(fs.path / "tmp-checkpoint-8", fs.path / "checkpoint-8")
+    moved = fs.path / "checkpoint-8"
+    assert os.getxattr(moved / "optimizer.pt", "user.burstfs.state") == b"moving"
+    waited = subprocess.run(
+        [str(BIN / "burstfs-admin"), "wait", "--json", "--timeout", "1", str(moved)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert waited.returncode == 3, waited.stderr
+    assert {(p["path"], p["state"]) for p in json.loads(waited.stdout)["pending"]} == {
+        (f"checkpoint-8/{name}", "moving") for name in shards
+    }
+    status = subprocess.run(
+        [str(BIN / "burstfs-admin"), "status", "--json", str(fs.path)], capture_output=True, text=True, timeout=60
+    )
+    assert json.loads(status.stdout)["remote_work"]["moving"] == len(shards), status.stderr
+    with pytest.raises(client.DurableTimeoutError) as timed_out:
+        client.wait_durable(moved, timeout=0.5)
+    assert {f.state for f in timed_out.value.pending} == {"moving"}
+    refused = subprocess.run(
+        [str(BIN / "burstfs"), "unmount", "--wait", "--wait-timeout", "1", str(fs.path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 1 and "not unmounting" in refused.stderr, refused.stderr
+    remote.proxy.resume()
+    subprocess.run(
+        [str(BIN / "burstfs"), "unmount", "--wait", "--wait-timeout", "60", str(fs.path)], check=True, timeout=90
+    )
+    for name, data in shards.items():
+        assert remote.read(f"checkpoint-8/{name}") == data
+    left = [key for key in remote.keys() if "tmp-checkpoint-8" in key and not key.startswith(".burstfs/groups/")]
+    assert not left  # objects and manifests deleted before the unmount (commit rounds keep their records)
+    assert journal_rows(fs.cache, "SELECT COUNT(*) FROM remote_deletes")[0][0] == 0
+
+
 def test_each_name_of_a_hard_linked_file_drains_as_its_own_object(
     remote_mount: MountedFS, remote: RemoteTarget
 ) -> None:

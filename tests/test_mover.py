@@ -828,6 +828,38 @@ def test_a_listed_file_renamed_away_frees_its_name(tmp_path: Path) -> None:
 # -- drain rules in-process: commit markers, requeue and backoff, failures, delete safety ----
 
 
+class FlakyCopyRemote(HookedRemote):
+    """Its first server-side copy fails as a remote that stopped answering would."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.copy_failures = 1
+
+    async def copy(self, src: str, dst: str) -> None:
+        if self.copy_failures:
+            self.copy_failures -= 1
+            raise RemoteError("injected: remote unavailable after retries", kind="unavailable")
+        await super().copy(src, dst)
+
+
+def test_draining_a_cache_ends_only_once_renamed_objects_moved(tmp_path: Path) -> None:
+    """``burstfs drain --cache`` (run until idle; the Slurm epilog then removes the cache) used
+    to stop with a durable file's move pending when the copy failed once: the remote kept the
+    object at the old name only.  It goes on until the move and the old key's delete are done."""
+    mover, front, _ = make_mover(tmp_path)
+    a = front.write("tmp-step.pt", b"a" * 500)
+    asyncio.run(mover.run(until_idle=True))
+    front.rename(a, "step.pt")
+    (tmp_path / "remote").mkdir(exist_ok=True)
+    flaky = FlakyCopyRemote(tmp_path / "remote")
+    mover, _, _ = make_mover(tmp_path, flaky)
+    asyncio.run(mover.run(until_idle=True))
+    assert flaky.copy_failures == 0
+    assert remote_bytes(tmp_path, "step.pt") == b"a" * 500
+    assert user_keys(tmp_path) == {"step.pt"}
+    assert settled(front)
+
+
 class FailingRemote(HookedRemote):
     """Fails the next ``put`` of chosen keys once, with a chosen error (``fail_next``)."""
 

@@ -25,6 +25,7 @@ from ..status import (
     journal_status,
     list_files,
     short_reason,
+    wait_state,
 )
 from .common import (
     EXIT_FAILED,
@@ -69,6 +70,9 @@ def _print_status(doc: dict[str, Any]) -> None:
     undrained = doc["undrained"]
     oldest = f"; oldest closed {fmt_duration(undrained['oldest_age_s'])} ago" if undrained["files"] else ""
     click.echo(f"undrained: {undrained['files']} files, {fmt_bytes(undrained['bytes'])}{oldest}")
+    work = doc.get("remote_work")  # absent from an older daemon's document
+    if work and (work["moving"] or work["deletes"]):
+        click.echo(f"remote: {work['moving']} objects to move after renames, {work['deletes']} deletes queued")
     drain = doc["drain"]
     outage = drain.get("outage")  # absent from an older daemon's document
     if outage:
@@ -178,7 +182,9 @@ def ls_command(path: Path, cache: Path | None, as_json: bool) -> None:
 def wait(paths: tuple[Path, ...], cache: Path | None, as_json: bool, timeout: float | None) -> None:
     """Block until the files (or everything under the directories) are durable.
 
-    Exit 0 when all are durable, 3 on timeout, 4 when one failed, is incomplete,
+    Durable means the remote holds each file at its path (a file renamed after its
+    upload waits for its object to move) and objects removed under the paths are
+    deleted there.  Exit 0 when all are durable, 3 on timeout, 4 when one failed, is incomplete,
     or the drain is halted.  Polls the journal read-only.
     """
     timeout = seconds_option(timeout, "timeout")
@@ -210,7 +216,8 @@ def wait(paths: tuple[Path, ...], cache: Path | None, as_json: bool, timeout: fl
                 "files": len(files),
                 "durable": len(done),
                 "halted": halted,
-                "pending": [{"path": p, "state": r.state, "error": r.error} for p, r in pending],
+                "pending": [{"path": p, "state": wait_state(p, r), "error": r.error} for p, r in pending],
+                "deletes": outcome.deletes,
             }
         )
     if result == "failed":
@@ -219,9 +226,11 @@ def wait(paths: tuple[Path, ...], cache: Path | None, as_json: bool, timeout: fl
             reasons.append(f"the drain is halted: {halted}")
         raise AdminError("not durable: " + "; ".join(reasons), EXIT_FAILED)
     if result == "timeout":
-        sample = ", ".join(f"{p} ({r.state})" for p, r in pending[:5]) + (" ..." if len(pending) > 5 else "")
+        sample = ", ".join(f"{p} ({wait_state(p, r)})" for p, r in pending[:5]) + (" ..." if len(pending) > 5 else "")
+        deletes = f"; {outcome.deletes} remote deletes queued" if outcome.deletes else ""
         raise AdminError(
-            f"timeout after {timeout:g}s: {len(pending)} of {len(files)} files not durable: {sample}", EXIT_TIMEOUT
+            f"timeout after {timeout:g}s: {len(pending)} of {len(files)} files not durable: {sample}{deletes}",
+            EXIT_TIMEOUT,
         )
 
 

@@ -75,6 +75,17 @@ class KeyOwnership:
                 (int(i), str(k), str(r), self._db.holder_locked(str(k), 0)) for i, k, r in rows if k not in skip_keys
             ]
 
+    def deletes_queued_under(self, rel: str) -> set[str]:
+        """Keys at or below ``rel`` ("" = everywhere) whose remote delete is still queued."""
+        if not rel:
+            rows = self._db.query("SELECT key FROM remote_deletes")
+        else:
+            low, high = f"{rel}/", f"{rel}0"  # '0' sorts right after '/'
+            rows = self._db.query(
+                "SELECT key FROM remote_deletes WHERE key=? OR (key >= ? AND key < ?)", (rel, low, high)
+            )
+        return {str(row[0]) for row in rows}
+
     def drop_delete(self, request_id: int) -> None:
         self._db.execute("DELETE FROM remote_deletes WHERE id=?", (request_id,))
 

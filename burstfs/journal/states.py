@@ -40,6 +40,9 @@ FILE_STATES: tuple[FileState, ...] = tuple(s for s in FileState if s is not META
 #: rename: a listed file renamed here moves too, else its key would stay held and block a
 #: new file at the old name for good).
 DONE = frozenset({DURABLE, EVICTED, REMOTE})
+#: Not a stored state: what waits and ``user.burstfs.state`` report for a file in DONE whose
+#: object is still at an older name (renamed after its upload; the mover copies it over).
+MOVING = "moving"
 #: Not (yet) on the remote: holds back a commit marker closed after it, and is what
 #: ``burstfs-admin wait`` waits for (an incomplete file never becomes durable on its own).
 NOT_YET_DURABLE = frozenset(FILE_STATES) - DONE

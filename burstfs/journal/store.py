@@ -178,6 +178,15 @@ class Journal:
         behind = [row for row in names if row.state not in DONE]
         return behind[0] if behind else names[0] if names else self.inode(ino)
 
+    def moving(self, ino: int) -> bool:
+        """Whether a name of ``ino`` has its object at an older name (renamed after its upload):
+        durable, but not yet where a restore of its path looks."""
+        names = self.names_of(ino)
+        with self._db.lock:
+            return any(
+                row.state in DONE and row.remote_key not in (None, self._db.path_locked(row.ino)) for row in names
+            )
+
     def set_error(self, ino: int, error: str | None) -> None:
         """A note on a file for status (e.g. why its object could not be moved)."""
         self.execute("UPDATE inodes SET error=? WHERE ino=?", (error, ino))

@@ -52,6 +52,11 @@ class KeyMoves:
         self._roots.add(ino)
         self._needed = True
 
+    def failed(self, ino: int) -> bool:
+        """Whether moving ``ino``'s object failed for that file alone (its source object gone,
+        say): retried with backoff, but ``drain --cache`` does not wait for it."""
+        return ino in self._failures
+
     def retry_now(self) -> None:
         """``drain --now``: relocations backing off are due at once."""
         self._retry = dict.fromkeys(self._retry, 0.0)

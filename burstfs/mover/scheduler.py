@@ -420,7 +420,12 @@ class Mover:
     # -- choosing what to drain: close order, commit markers, backoff ---------------------
 
     async def _has_pending_work(self) -> bool:
-        return await self.db(self.journal.drain.has_work) or await self.groups.has_work()
+        """Files to drain, deletes queued, commit records to publish, or objects to move after
+        a rename (but not the moves that failed for that file alone: retried, never waited for)."""
+        if await self.db(self.journal.drain.has_work) or await self.groups.has_work():
+            return True
+        moves = await self.db(self.journal.keys.relocation_candidates)
+        return any(not self.key_moves.failed(ino) for ino, _, _ in moves)
 
     def is_marker_name(self, name: str) -> bool:
         return is_commit_marker(name, self.options.commit_markers)
