@@ -199,8 +199,10 @@ class DrainService:
         with trio.move_on_after(self._fsync_timeout):
             while True:
                 names = await trio.to_thread.run_sync(self._journal.names_of, ino)  # hard links: each name
-                if all(row.state in DONE and (row.durable_generation or 0) >= generation for row in names):
-                    return  # (no names: unlinked meanwhile, nothing left to make durable)
+                durable = all(row.state in DONE and (row.durable_generation or 0) >= generation for row in names)
+                # ... and, renamed since its upload, at its current path (no names: unlinked, nothing to wait for)
+                if durable and not await trio.to_thread.run_sync(self._journal.moving, ino):
+                    return
                 for row in names:
                     if row.state in BROKEN:
                         raise FsError(errno.EIO, f"cannot become durable ({row.state}): {row.error}")

@@ -255,6 +255,10 @@ def test_fsync_remote_waits_until_durable(mounted_factory: type[MountedFS], remo
         f.flush()
         os.fsync(f.fileno())
         assert remote.read("synced.bin") == content  # durable when fsync returned
+    os.rename(fs.path / "synced.bin", fs.path / "moved.bin")
+    with open(fs.path / "moved.bin", "rb") as f:
+        os.fsync(f.fileno())
+        assert remote.read("moved.bin") == content  # renamed: durable once its object moved
 
 
 def test_fsync_remote_fails_with_eio_when_the_bucket_is_gone(
