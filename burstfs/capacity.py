@@ -42,6 +42,12 @@ class StatFs:
 WRITER_FLOOR_BYTES = 1 << 20
 
 
+def headroom_bytes(total: int) -> int:
+    """Free space kept ahead of the writers on a tier's file system of ``total`` bytes: 1% of
+    it, at least 64 MiB, at most a quarter."""
+    return min(max(64 << 20, total // 100), total // 4)
+
+
 class TierCapacity:
     """Counts the bytes of files on the local tier (``local_bytes``, per inode
     ``accounted``) and frees room by evicting durable local copies."""
@@ -84,13 +90,21 @@ class TierCapacity:
         return st.f_bavail * st.f_frsize - nbytes >= self.policy.min_free
 
     async def admit_writer(self) -> None:
-        """A file opened for writing on a file system with less than WRITER_FLOOR_BYTES free
-        (after evicting durable copies): ENOSPC at once.  Its writes could not land anyway, and
-        through passthrough, unseen by the daemon, they would take the room that the journal's
-        reserve gives back for the records that free the tier (rm, drain, eviction)."""
-        if self._fs_free() >= WRITER_FLOOR_BYTES:
+        """Make room on the tier's file system for a file opened for writing.
+
+        Below the headroom (:func:`headroom_bytes`), durable copies are evicted now, before
+        the open returns: through passthrough the kernel writes the tier unseen by the daemon,
+        and the headroom task's next look (``burstfs/headroom.py``) could come after the
+        writer's first ENOSPC.  With less than WRITER_FLOOR_BYTES still free: ENOSPC at once.
+        Its writes could not land anyway, and through passthrough they would take the room
+        that the journal's reserve gives back for the records that free the tier (rm, drain,
+        eviction)."""
+        st = self.tier.statvfs()
+        headroom = headroom_bytes(st.f_blocks * st.f_frsize)
+        if st.f_bavail * st.f_frsize >= headroom:
             return
-        if not await self.evict_until(lambda: self._fs_free() >= WRITER_FLOOR_BYTES):
+        await self.evict_until(lambda: self._fs_free() >= headroom)
+        if self._fs_free() < WRITER_FLOOR_BYTES:
             raise NoSpaceError(f"the local tier's file system is full ({self._fs_free()} bytes free)")
 
     def _fs_free(self) -> int:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import trio
 
-from .capacity import TierCapacity
+from .capacity import TierCapacity, headroom_bytes
 
 log = logging.getLogger("burstfs.capacity")
 
@@ -37,11 +37,6 @@ RESERVE_NAME = "reserve"
 #: The reserve is given back in this many slices (each at least RESERVE_SLICE_MIN_BYTES).
 RESERVE_SLICES = 4
 RESERVE_SLICE_MIN_BYTES = 256 << 10
-
-
-def headroom_bytes(total: int) -> int:
-    """Free space kept ahead of the writers: 1% of the file system, at least 64 MiB, at most a quarter."""
-    return min(max(64 << 20, total // 100), total // 4)
 
 
 def reserve_bytes(total: int) -> int:
