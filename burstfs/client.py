@@ -17,6 +17,7 @@ socket client).  No torch import: safe in any process.  Every failure is a
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from .journal import BROKEN, DONE, MOVING, FileState
 from .status import wait_state
 
 STATE_XATTR = "user.burstfs.state"  # every file's drain state, readable by anyone who may read the file
+ERROR_XATTR = "user.burstfs.error"  # why it is not durable, where a drain or a move failed
 XATTR_POLL_S = 0.1
 
 PathLike = str | os.PathLike[str]
@@ -226,7 +228,7 @@ def wait_durable(path: PathLike | Sequence[PathLike], timeout: float | None = No
     if outcome.result == "durable":
         return Durable(len(outcome.files), sum(r.size for _, r in outcome.files), time.monotonic() - started)
     if outcome.result == "failed":
-        failed = [PendingFile(p, r.state, r.error) for p, r in outcome.broken]
+        failed = [PendingFile(p, wait_state(p, r), r.error) for p, r in outcome.broken]
         reasons = [f"{f.path}: {f.state}" + (f" ({f.error})" if f.error else "") for f in failed]
         if outcome.halted:
             reasons.append(f"the drain is halted: {outcome.halted}")
@@ -291,17 +293,26 @@ def is_durable(path: PathLike | Sequence[PathLike]) -> bool:
     return True
 
 
-def _files_by_xattr(paths: Sequence[PathLike]) -> list[tuple[str, str, int]]:
-    """(path, state, size) of every file at or under ``paths``, from the mount's xattrs (MOVING:
-    durable, its object still at an older name)."""
+def _files_by_xattr(paths: Sequence[PathLike]) -> list[tuple[str, str, int, str | None]]:
+    """(path, state, size, error) of every file at or under ``paths``, from the mount's xattrs
+    (MOVING: durable, its object still at an older name; error: why a move failed, if one did)."""
     found = []
     for top in map(Path, paths):
         files = [top] if not top.is_dir() else sorted(Path(d) / f for d, _, names in os.walk(top) for f in names)
         for file in files:
             value = os.getxattr(file, STATE_XATTR).decode()
             state = value if value == MOVING else FileState(value)
-            found.append((str(file), state, file.stat().st_size))
+            found.append((str(file), state, file.stat().st_size, _move_error(file) if state == MOVING else None))
     return found
+
+
+def _move_error(file: Path) -> str | None:
+    try:
+        return os.getxattr(file, ERROR_XATTR).decode(errors="replace")
+    except OSError as exc:
+        if exc.errno == errno.ENODATA:
+            return None
+        raise
 
 
 def _wait_by_xattrs(paths: Sequence[PathLike], timeout: float | None, started: float) -> Durable:
@@ -309,12 +320,13 @@ def _wait_by_xattrs(paths: Sequence[PathLike], timeout: float | None, started: f
     cannot see a halted drain (a halt shows as a timeout) nor queued remote deletes."""
     while True:
         files = _files_by_xattr(paths)
-        broken = [PendingFile(p, s, None) for p, s, _ in files if s in BROKEN]
+        broken = [PendingFile(p, s, e) for p, s, _, e in files if s in BROKEN or e]
         if broken:
-            raise DrainFailedError("not durable: " + "; ".join(f"{f.path}: {f.state}" for f in broken), broken, None)
-        pending = [PendingFile(p, s, None) for p, s, _ in files if s not in DONE]
+            reasons = [f"{f.path}: {f.state}" + (f" ({f.error})" if f.error else "") for f in broken]
+            raise DrainFailedError("not durable: " + "; ".join(reasons), broken, None)
+        pending = [PendingFile(p, s, None) for p, s, _, _ in files if s not in DONE]
         if not pending:
-            return Durable(len(files), sum(size for _, _, size in files), time.monotonic() - started)
+            return Durable(len(files), sum(size for _, _, size, _ in files), time.monotonic() - started)
         if timeout is not None and time.monotonic() - started > timeout:
             raise DurableTimeoutError(f"{len(pending)} of {len(files)} files not durable after {timeout:g}s", pending)
         time.sleep(XATTR_POLL_S)

@@ -45,6 +45,9 @@ class RemoteError(BurstfsError):
 #: The RemoteError kind of requests the store kept refusing for their rate (503 SlowDown):
 #: temporary like "unavailable", but the remote answers.
 THROTTLED = "throttled"
+#: The RemoteError kind of an object this node uploaded that is gone from the remote (removed
+#: behind burstfs' back): moving it to a new name has nothing to copy, for that file alone.
+OBJECT_GONE = "object_gone"
 #: RemoteError kinds that belong to one object (its key or its size): that file fails,
 #: the drain goes on.  Everything else permanent (no bucket, access denied, full)
 #: halts the drain until the remote answers again.
@@ -58,6 +61,7 @@ OBJECT_ERROR_KINDS = frozenset(
         "too_large",
         "invalid_upload",
         "checksum",
+        OBJECT_GONE,
     }
 )
 #: OSError numbers (the cause of a file remote's error) that only concern one path.

@@ -30,7 +30,16 @@ import xxhash
 
 from . import manifest as manifest_format
 from .digests import FileDigests, StreamingDigests, WholeFileDigest, chunk_count, compute_digests
-from .errors import OBJECT, CorruptDataError, ManifestError, RemoteError, RemoteNotFound, UploadCancelled, error_scope
+from .errors import (
+    OBJECT,
+    OBJECT_GONE,
+    CorruptDataError,
+    ManifestError,
+    RemoteError,
+    RemoteNotFound,
+    UploadCancelled,
+    error_scope,
+)
 from .fileio import pread_full
 from .manifest import ChunkInfo, Manifest, StoredChunk, decode_chunk, encode_chunk
 from .remote import Remote, RetryPolicy, UploadedPart, fail_fast_group, run_workers
@@ -447,10 +456,10 @@ class ObjectStore:
             )
         try:
             await self._call(self.remote.copy, src, dst, what=f"copy {src} to {dst}")
-        except RemoteNotFound:
+        except RemoteNotFound as exc:
             moved = await self.fetch_manifest(dst)
             if moved is None or (manifest is not None and moved.digest != manifest.digest):
-                raise
+                raise RemoteError(f"{src} is no longer on the remote: nothing to move to {dst}", OBJECT_GONE) from exc
             log.info("event=rename_already_done src=%s dst=%s", src, dst)
         else:
             if manifest is not None:

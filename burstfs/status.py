@@ -305,6 +305,13 @@ def arrived(path: str, row: InodeRow) -> bool:
     return row.state in DONE and (row.remote_key is None or row.remote_key == path)
 
 
+def stuck(path: str, row: InodeRow) -> bool:
+    """Whether ``row`` will not reach the remote at ``path`` by itself: failed or incomplete, or
+    durable at an older name whose move failed for this file alone (``row.error`` says why: its
+    object gone from the remote, say; a local copy would have been uploaded again instead)."""
+    return row.state in BROKEN or (row.state in DONE and not arrived(path, row) and bool(row.error))
+
+
 def wait_state(path: str, row: InodeRow) -> str:
     """The state a wait reports for a file: its own, or MOVING for one durable at an older name."""
     return MOVING if row.state in DONE and not arrived(path, row) else str(row.state)
@@ -354,7 +361,7 @@ def durability(
     return Durability(
         files,
         done,
-        [(path, row) for path, row in files if row.state in BROKEN],
+        [(path, row) for path, row in files if stuck(path, row)],
         halted,
         len(set().union(*(journal.keys.deletes_queued_under(rel) for rel in rels))),
     )

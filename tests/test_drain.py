@@ -6,6 +6,7 @@ import json
 import os
 import stat
 import subprocess
+import time
 
 import pytest
 from conftest import BIN, MountedFS, RemoteTarget, file_state, journal_rows, wait_for
@@ -141,6 +142,46 @@ def test_a_checkpoint_renamed_after_its_upload_is_durable_only_once_its_objects_
     left = [key for key in remote.keys() if "tmp-checkpoint-8" in key and not key.startswith(".burstfs/groups/")]
     assert not left  # objects and manifests deleted before the unmount (commit rounds keep their records)
     assert journal_rows(fs.cache, "SELECT COUNT(*) FROM remote_deletes")[0][0] == 0
+
+
+def test_a_renamed_checkpoint_whose_objects_vanished_is_uploaded_again_or_fails_its_wait(
+    remote_mount: MountedFS, remote: RemoteTarget
+) -> None:
+    """Objects removed behind burstfs' back (a lifecycle rule, an operator) before the
+    checkpoint is renamed: the moves find nothing to copy.  That was taken for a passing fault
+    that ended every pass, so nothing renamed moved any more and the waits ran to their timeout.
+    A file still on the tier is uploaded again at its new name; an evicted one cannot be, and
+    its wait fails at once saying why."""
+    fs = remote_mount
+    local, evicted = os.urandom(300_000), os.urandom(200_000)
+    (fs.path / "tmp-checkpoint-9").mkdir()
+    (fs.path / "tmp-checkpoint-9" / "model.pt").write_bytes(local)
+    (fs.path / "tmp-checkpoint-9" / "optimizer.pt").write_bytes(evicted)
+    admin = [str(BIN / "burstfs-admin")]
+    subprocess.run([*admin, "wait", "--timeout", "60", str(fs.path)], check=True, capture_output=True, timeout=90)
+    subprocess.run([*admin, "evict", str(fs.path / "tmp-checkpoint-9" / "optimizer.pt")], check=True, timeout=60)
+    remote.delete("tmp-checkpoint-9/model.pt")
+    remote.delete("tmp-checkpoint-9/optimizer.pt")
+    os.rename(fs.path / "tmp-checkpoint-9", fs.path / "checkpoint-9")
+    subprocess.run(
+        [*admin, "wait", "--timeout", "60", str(fs.path / "checkpoint-9" / "model.pt")], check=True, timeout=90
+    )
+    assert remote.read("checkpoint-9/model.pt") == local
+    started = time.monotonic()
+    failed = subprocess.run(
+        [*admin, "wait", "--json", "--timeout", "60", str(fs.path / "checkpoint-9")],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert failed.returncode != 0 and json.loads(failed.stdout)["result"] == "failed", failed.stdout
+    assert time.monotonic() - started < 50, "the wait ran to its timeout"
+    assert "checkpoint-9/optimizer.pt: moving" in failed.stderr, failed.stderr
+    assert "is no longer on the remote" in failed.stderr
+    assert (
+        "no longer on the remote"
+        in os.getxattr(fs.path / "checkpoint-9" / "optimizer.pt", "user.burstfs.error").decode()
+    )
 
 
 def test_each_name_of_a_hard_linked_file_drains_as_its_own_object(

@@ -25,7 +25,7 @@ from journaltree import JournalTree
 from burstfs import drainservice as drainservice_module
 from burstfs.config import DrainOptions, S3Options, parse_remote_url
 from burstfs.errors import FsError, RemoteError
-from burstfs.journal import DURABLE, FAILED, REMOTE, ROOT_INO, STAGED, Journal
+from burstfs.journal import DURABLE, FAILED, MOVING, REMOTE, ROOT_INO, STAGED, Journal
 from burstfs.journal.drain import Candidate, DrainQueue
 from burstfs.journal.thread import JournalThread
 from burstfs.mover import Mover
@@ -34,6 +34,7 @@ from burstfs.mover.bursts import WriterBursts
 from burstfs.objects import manifest_key
 from burstfs.remote import FileRemote
 from burstfs.remote.base import UploadedPart
+from burstfs.status import durability, wait_state
 
 PART = 5 << 20
 
@@ -998,3 +999,43 @@ def test_the_mover_thread_lives_as_long_as_the_nursery_and_calls_cross_on_its_lo
 
     trio.run(main)
     assert remote_bytes(tmp_path, "f") == b"through the nursery's mover"
+
+
+def test_an_object_gone_from_the_remote_does_not_hold_back_other_moves(tmp_path: Path) -> None:
+    """A durable file's object removed behind burstfs' back (a lifecycle rule, an operator)
+    and the file renamed: its copy finds no source.  That was taken for a passing fault: the
+    pass ended there, at every retry, and the renamed files after it never moved.  The
+    local file uploads again at its new name, and the others move."""
+    mover, front, _ = make_mover(tmp_path)
+    a = front.write("tmp/a.pt", b"a" * 500)
+    b = front.write("tmp/b.pt", b"b" * 500)
+    asyncio.run(mover.run(until_idle=True))
+    (tmp_path / "remote" / "tmp" / "a.pt").unlink()
+    front.rename(a, "a.pt")
+    front.rename(b, "b.pt")
+
+    async def scenario() -> None:
+        await settle(mover, front)
+
+    run_mover(mover, scenario)
+    assert remote_bytes(tmp_path, "a.pt") == b"a" * 500
+    assert remote_bytes(tmp_path, "b.pt") == b"b" * 500
+
+
+def test_a_wait_on_an_evicted_file_whose_object_is_gone_fails_instead_of_timing_out(tmp_path: Path) -> None:
+    """The same with the local copy evicted: nothing can be uploaded again.  The drain of the
+    cache ends (the move is retried with backoff, but waiting on it is pointless) and a wait on
+    the file fails at once, saying why, rather than run to its timeout as ``moving``."""
+    mover, front, _ = make_mover(tmp_path)
+    c = front.write("tmp/c.pt", b"c" * 500)
+    asyncio.run(mover.run(until_idle=True))
+    assert front.journal.evict(c, 1)
+    (tmp_path / "remote" / "tmp" / "c.pt").unlink()
+    front.rename(c, "c.pt")
+    asyncio.run(mover.run(until_idle=True))
+    assert mover.key_moves.failed(c)
+    outcome = durability(front.journal, ["c.pt"])
+    assert outcome.result == "failed"
+    [(path, row)] = outcome.broken
+    assert wait_state(path, row) == MOVING
+    assert "tmp/c.pt is no longer on the remote" in (row.error or "")

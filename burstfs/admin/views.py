@@ -221,7 +221,7 @@ def wait(paths: tuple[Path, ...], cache: Path | None, as_json: bool, timeout: fl
             }
         )
     if result == "failed":
-        reasons = [f"{p}: {r.state}" + (f" ({r.error})" if r.error else "") for p, r in broken]
+        reasons = [f"{p}: {wait_state(p, r)}" + (f" ({r.error})" if r.error else "") for p, r in broken]
         if halted:
             reasons.append(f"the drain is halted: {halted}")
         raise AdminError("not durable: " + "; ".join(reasons), EXIT_FAILED)

@@ -175,7 +175,8 @@ class KeyOwnership:
         """
         with self._db.transaction() as db:
             moved = db.execute(
-                "UPDATE inodes SET remote_key=? WHERE ino=? AND remote_key=? AND parent!=0", (new_key, ino, old_key)
+                "UPDATE inodes SET remote_key=?, error=NULL WHERE ino=? AND remote_key=? AND parent!=0",
+                (new_key, ino, old_key),
             ).rowcount
             gone = old_key if moved else new_key
             db.execute("INSERT INTO remote_deletes (key, reason) VALUES (?, 'moved')", (gone,))
