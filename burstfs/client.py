@@ -17,7 +17,6 @@ socket client).  No torch import: safe in any process.  Every failure is a
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +30,6 @@ from .journal import BROKEN, DONE, MOVING, FileState
 from .status import wait_state
 
 STATE_XATTR = "user.burstfs.state"  # every file's drain state, readable by anyone who may read the file
-ERROR_XATTR = "user.burstfs.error"  # why it is not durable, where a drain or a move failed
 XATTR_POLL_S = 0.1
 
 PathLike = str | os.PathLike[str]
@@ -293,40 +291,31 @@ def is_durable(path: PathLike | Sequence[PathLike]) -> bool:
     return True
 
 
-def _files_by_xattr(paths: Sequence[PathLike]) -> list[tuple[str, str, int, str | None]]:
-    """(path, state, size, error) of every file at or under ``paths``, from the mount's xattrs
-    (MOVING: durable, its object still at an older name; error: why a move failed, if one did)."""
+def _files_by_xattr(paths: Sequence[PathLike]) -> list[tuple[str, str, int]]:
+    """(path, state, size) of every file at or under ``paths``, from the mount's xattrs (MOVING:
+    durable, its object still at an older name)."""
     found = []
     for top in map(Path, paths):
         files = [top] if not top.is_dir() else sorted(Path(d) / f for d, _, names in os.walk(top) for f in names)
         for file in files:
             value = os.getxattr(file, STATE_XATTR).decode()
             state = value if value == MOVING else FileState(value)
-            found.append((str(file), state, file.stat().st_size, _move_error(file) if state == MOVING else None))
+            found.append((str(file), state, file.stat().st_size))
     return found
-
-
-def _move_error(file: Path) -> str | None:
-    try:
-        return os.getxattr(file, ERROR_XATTR).decode(errors="replace")
-    except OSError as exc:
-        if exc.errno == errno.ENODATA:
-            return None
-        raise
 
 
 def _wait_by_xattrs(paths: Sequence[PathLike], timeout: float | None, started: float) -> Durable:
     """wait_durable for a user without the control socket: poll the files' states.  It
-    cannot see a halted drain (a halt shows as a timeout) nor queued remote deletes."""
+    cannot see a halted drain (a halt shows as a timeout), queued remote deletes, nor a move
+    that failed for good (a timeout too)."""
     while True:
         files = _files_by_xattr(paths)
-        broken = [PendingFile(p, s, e) for p, s, _, e in files if s in BROKEN or e]
+        broken = [PendingFile(p, s, None) for p, s, _ in files if s in BROKEN]
         if broken:
-            reasons = [f"{f.path}: {f.state}" + (f" ({f.error})" if f.error else "") for f in broken]
-            raise DrainFailedError("not durable: " + "; ".join(reasons), broken, None)
-        pending = [PendingFile(p, s, None) for p, s, _, _ in files if s not in DONE]
+            raise DrainFailedError("not durable: " + "; ".join(f"{f.path}: {f.state}" for f in broken), broken, None)
+        pending = [PendingFile(p, s, None) for p, s, _ in files if s not in DONE]
         if not pending:
-            return Durable(len(files), sum(size for _, _, size, _ in files), time.monotonic() - started)
+            return Durable(len(files), sum(size for _, _, size in files), time.monotonic() - started)
         if timeout is not None and time.monotonic() - started > timeout:
             raise DurableTimeoutError(f"{len(pending)} of {len(files)} files not durable after {timeout:g}s", pending)
         time.sleep(XATTR_POLL_S)

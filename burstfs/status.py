@@ -24,6 +24,8 @@ from .journal import (
     BROKEN,
     CLOSED_UNDRAINED,
     DONE,
+    DURABLE,
+    EVICTED,
     FAILED,
     FILE_STATES,
     INCOMPLETE,
@@ -299,6 +301,10 @@ def left_behind(journal: Journal) -> dict[str, tuple[int, int]]:
     return left
 
 
+#: Durable files whose object this node uploaded (not REMOTE: another node's, from a listing).
+OWN_DONE = frozenset({DURABLE, EVICTED})
+
+
 def arrived(path: str, row: InodeRow) -> bool:
     """Whether the remote holds ``row``'s data at ``path``: durable, and its object not left at an
     older name by a rename (the mover copies it over; until then a restore of ``path`` finds nothing)."""
@@ -307,9 +313,11 @@ def arrived(path: str, row: InodeRow) -> bool:
 
 def stuck(path: str, row: InodeRow) -> bool:
     """Whether ``row`` will not reach the remote at ``path`` by itself: failed or incomplete, or
-    durable at an older name whose move failed for this file alone (``row.error`` says why: its
-    object gone from the remote, say; a local copy would have been uploaded again instead)."""
-    return row.state in BROKEN or (row.state in DONE and not arrived(path, row) and bool(row.error))
+    this node's durable file at an older name whose move failed for it alone (``row.error`` says
+    why: its object gone from the remote, say; a local copy would have been uploaded again).
+    Another node's file known from a listing (REMOTE) is moved by its owner: a move refused here
+    is waited out."""
+    return row.state in BROKEN or (row.state in OWN_DONE and not arrived(path, row) and bool(row.error))
 
 
 def wait_state(path: str, row: InodeRow) -> str:

@@ -416,6 +416,30 @@ def test_a_temp_directory_renamed_on_every_node_publishes_and_holds_nothing_abov
     assert "relocate" not in admin("status", n0.path).stdout
 
 
+def test_a_node_that_renames_the_temp_directory_first_waits_for_the_owner_to_move_its_shard(
+    mounted_factory: type[MountedFS], bucket: Bucket
+) -> None:
+    """The same, node 0 renaming first: node 1's shard, known here from a listing, is not node
+    0's to move (refused, retried later).  A wait on ck/s1 on node 0 waits until node 1 has
+    moved it, rather than failing on that refusal."""
+    n0 = node(mounted_factory, bucket, "n0", "--list-ttl", "0")
+    n1 = node(mounted_factory, bucket, "n1")
+    write(n1, "ck/tmp/__1_0.distcp", shard(1, 1))
+    admin("wait", n1.path / "ck/tmp")
+    write(n0, "ck/tmp/__0_0.distcp", shard(1, 0))
+    assert sorted(os.listdir(n0.path / "ck/tmp")) == ["__0_0.distcp", "__1_0.distcp"]
+    admin("wait", n0.path / "ck/tmp/__0_0.distcp")
+    (n0.path / "ck/tmp").rename(n0.path / "ck/s1")
+    wait_for(lambda: "node n1's file" in admin("status", n0.path).stdout, timeout=30, what="n0's refused move")
+    before = admin("wait", n0.path / "ck/s1", "--timeout", "1", expect=None)
+    assert before.returncode == 3, before.stdout + before.stderr  # waiting, not failed
+    (n1.path / "ck/tmp").rename(n1.path / "ck/s1")
+    admin("wait", n1.path / "ck/s1")
+    admin("drain", n0.path, "--now")
+    admin("wait", n0.path / "ck/s1", "--timeout", "60")
+    assert {"ck/s1/__0_0.distcp", "ck/s1/__1_0.distcp"} <= bucket.keys()
+
+
 def test_a_cache_keeps_its_node_id_while_its_rounds_are_open(mounted_factory: type[MountedFS], bucket: Bucket) -> None:
     """n1's shard is staged and its intent is out; its cache is mounted again as another node
     (moved to another host: the default id is the host name).  The done went out under the
