@@ -205,6 +205,32 @@ def _left_behind(cache_dir: Path) -> tuple[dict[str, tuple[int, int]], dict[str,
         journal.close()
 
 
+def _fail_on_left_behind(cache_dir: Path) -> None:
+    """After ``burstfs drain``: exit 1 while a closed file is not on the remote at its path (a
+    failed drain, a move that failed for good), so that ``drain --cache DIR && rm -rf DIR`` (the
+    Slurm epilog) keeps the only copy.  Files left ``incomplete`` by a crash never drain: said,
+    not an error (``unmount --wait`` leaves them out too)."""
+    left, work = _left_behind(cache_dir)
+    files, nbytes = left.get("incomplete", (0, 0))
+    if files:
+        click.echo(
+            f"burstfs: {files} files ({nbytes} bytes) are incomplete (open for writing at a crash): they never "
+            f"drain (see: burstfs-admin ls {cache_dir})",
+            err=True,
+        )
+    problems = []
+    files, nbytes = left.get("failed", (0, 0))
+    if files:
+        problems.append(f"{files} files ({nbytes} bytes) failed to drain")
+    if work["moving"]:
+        problems.append(f"{work['moving']} renamed files' objects could not be moved to their new names")
+    if problems:
+        raise BurstfsError(
+            "; ".join(problems) + f": they stay in {cache_dir} (see: burstfs-admin ls {cache_dir}; "
+            "`burstfs-admin retry` on the next mount drains failed files again)"
+        )
+
+
 #: How often ``unmount --wait`` says what it still waits for.
 WAIT_NOTE_S = 30.0
 
@@ -384,6 +410,7 @@ def drain(cache_dir: Path, endpoint_url: str | None, now: bool) -> None:
         mover = Mover(cache_dir, config.remote, s3, options)
         asyncio.run(mover.run(until_idle=True))
         click.echo(f"drained {mover.stats.files_drained} files ({mover.stats.bytes_drained} bytes) to {config.remote}")
+        _fail_on_left_behind(cache_dir)
     except BurstfsError as exc:
         _fail(exc)
     finally:

@@ -574,6 +574,41 @@ def test_drain_says_it_waits_for_the_drain_delay_and_now_skips_it(mounted_factor
 
 
 @pytest.mark.fuse
+def test_drain_of_a_cache_with_a_failed_file_exits_1_and_the_epilog_keeps_the_cache(
+    mounted_factory: type[MountedFS],
+) -> None:
+    """The Slurm epilog runs `burstfs drain --cache DIR --now && rm -rf DIR`.  A file that
+    failed to drain for good exited 0 ("drained 1 files") and the cache, its only copy, went.
+    Now the drain exits 1 saying so; an incomplete file (open at a crash) is said, not an error."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    import sqlite3
+
+    fs = mounted_factory("failing", None, ("--drain-delay", "600"))  # type: ignore[call-arg]
+    fs.mount()
+    (fs.path / "model.pt").write_bytes(b"m" * 1000)
+    (fs.path / "optim.pt").write_bytes(b"o" * 1000)
+    fs.unmount()
+    with sqlite3.connect(fs.cache / "journal.db") as db:  # a permanent drain failure, as the mover records it
+        db.execute("UPDATE inodes SET state='failed', error='injected' WHERE name=?", (b"optim.pt",))
+    result = burstfs("drain", "--cache", str(fs.cache), "--now", check=False, timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "drained 1 files" in result.stdout
+    assert "1 files (1000 bytes) failed to drain" in result.stderr and str(fs.cache) in result.stderr
+    epilog = subprocess.run(
+        ["bash", "-c", '"$1" drain --cache "$2" --now && rm -rf "$2"', "drain", str(BIN / "burstfs"), str(fs.cache)],
+        capture_output=True,
+        timeout=60,
+    )
+    assert epilog.returncode == 1 and (fs.cache / "journal.db").exists()
+    with sqlite3.connect(fs.cache / "journal.db") as db:
+        db.execute("UPDATE inodes SET state='incomplete', error=NULL WHERE name=?", (b"optim.pt",))
+    result = burstfs("drain", "--cache", str(fs.cache), "--now", timeout=60)
+    assert "1 files (1000 bytes) are incomplete" in result.stderr
+    assert (fs.remote_dir / "model.pt").read_bytes() == b"m" * 1000
+
+
+@pytest.mark.fuse
 def test_unmount_of_a_mount_whose_cache_dir_was_removed_says_so_in_one_line(mounted_factory: type[MountedFS]) -> None:
     """The cache dir deleted under a live mount: unmount still unmounts, then says it cannot
     read the journal (it ended in a sqlite3 traceback)."""
