@@ -210,7 +210,14 @@ def _fail_on_left_behind(cache_dir: Path) -> None:
     failed drain, a move that failed for good), so that ``drain --cache DIR && rm -rf DIR`` (the
     Slurm epilog) keeps the only copy.  Files left ``incomplete`` by a crash never drain: said,
     not an error (``unmount --wait`` leaves them out too)."""
-    left, work = _left_behind(cache_dir)
+    from .journal import Journal
+    from .status import left_behind, stuck_moves
+
+    journal = Journal(cache_dir, readonly=True)
+    try:
+        left, stuck = left_behind(journal), stuck_moves(journal)
+    finally:
+        journal.close()
     files, nbytes = left.get("incomplete", (0, 0))
     if files:
         click.echo(
@@ -222,8 +229,8 @@ def _fail_on_left_behind(cache_dir: Path) -> None:
     files, nbytes = left.get("failed", (0, 0))
     if files:
         problems.append(f"{files} files ({nbytes} bytes) failed to drain")
-    if work["moving"]:
-        problems.append(f"{work['moving']} renamed files' objects could not be moved to their new names")
+    if stuck:
+        problems.append(f"{stuck} renamed files' objects could not be moved to their new names")
     if problems:
         raise BurstfsError(
             "; ".join(problems) + f": they stay in {cache_dir} (see: burstfs-admin ls {cache_dir}; "

@@ -320,6 +320,12 @@ def stuck(path: str, row: InodeRow) -> bool:
     return row.state in BROKEN or (row.state in OWN_DONE and not arrived(path, row) and bool(row.error))
 
 
+def stuck_moves(journal: Journal) -> int:
+    """This node's durable files whose object could not be moved to their new name for good
+    (:func:`stuck`); another node's listed files wait for their owner, and are not counted."""
+    return sum(1 for path, row in files_under(journal, "") if row.state in OWN_DONE and stuck(path, row))
+
+
 def wait_state(path: str, row: InodeRow) -> str:
     """The state a wait reports for a file: its own, or MOVING for one durable at an older name."""
     return MOVING if row.state in DONE and not arrived(path, row) else str(row.state)

@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import BIN, MountedFS, RemoteTarget, file_state, journal_rows, wait_for
+from conftest import BIN, MountedFS, RemoteTarget, burstfs, file_state, journal_rows, wait_for
 
 from burstfs.objects import manifest_key
 
@@ -182,6 +182,9 @@ def test_a_renamed_checkpoint_whose_objects_vanished_is_uploaded_again_or_fails_
         "no longer on the remote"
         in os.getxattr(fs.path / "checkpoint-9" / "optimizer.pt", "user.burstfs.error").decode()
     )
+    fs.unmount()  # the Slurm epilog's background `drain --cache DIR --now && rm -rf DIR` keeps the cache
+    drained = burstfs("drain", "--cache", str(fs.cache), "--now", check=False, timeout=60)
+    assert drained.returncode == 1 and "1 renamed files' objects could not be moved" in drained.stderr, drained.stderr
 
 
 def test_each_name_of_a_hard_linked_file_drains_as_its_own_object(
