@@ -38,6 +38,7 @@ from .listings import LISTING_WAIT, RemoteListings, Tombstones
 from .localtier import LocalTier
 from .namespace import Namespace
 from .nodes import Inode, Undo
+from .orphans import OrphanFetches
 from .publish import Publisher
 from .readplans import ReadPlans
 from .reaper import TierReaper
@@ -107,7 +108,8 @@ class BurstCore:
             offload_writes=offload_writes,
             digest_chunk_size=digest_chunk_size,
         )
-        self.plans = ReadPlans(self.namespace, self.data, self.capacity)  # run by the daemon's nursery
+        self.plans = ReadPlans(self.namespace, self.data)  # run by the daemon's nursery
+        self.orphans = OrphanFetches(self.data)  # run by the daemon's nursery
 
     # -- names (burstfs/namespace.py) -------------------------------------------------
 
@@ -129,7 +131,10 @@ class BurstCore:
         return self.namespace.readlink(ino)
 
     async def unlink(self, parent_ino: int, name: bytes) -> None:
+        removed = self._named(parent_ino, name)
         await self.namespace.unlink(parent_ino, name)
+        if removed is not None:
+            self.orphans.note(removed)
         self.links.namespace_changed()
 
     async def rmdir(self, parent_ino: int, name: bytes) -> None:
@@ -142,9 +147,18 @@ class BurstCore:
         # Not the target: every node of a checkpoint renames its own temp directory onto the
         # name the first one made (docs/SEMANTICS.md "Many nodes").
         await self._listed_in_full(self.namespace.child(old_parent_ino, old_name))
+        replaced = self._named(new_parent_ino, new_name)
         if await self.namespace.rename(old_parent_ino, old_name, new_parent_ino, new_name, flags):
+            if replaced is not None:
+                self.orphans.note(replaced)
             self.links.namespace_changed()
             await self._join_rounds(self.namespace.child(new_parent_ino, new_name))
+
+    def _named(self, parent_ino: int, name: bytes) -> Inode | None:
+        """The inode ``name`` in ``parent_ino`` names now, if any (no remote lookup)."""
+        directory = self.inodes.get(parent_ino)
+        ino = directory.children.get(name) if directory is not None and directory.children is not None else None
+        return self.inodes.get(ino) if ino is not None else None
 
     async def _listed_in_full(self, top: Inode) -> None:
         """A directory about to be renamed or removed: each directory at or under it that

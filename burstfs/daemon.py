@@ -412,6 +412,8 @@ async def serve(config: MountConfig, ops: BurstOperations, on_ready: Callable[[]
         await nursery.start(core.headroom.run)
         if config.read_plans and core.links.fetcher is not None:
             await nursery.start(core.plans.run)
+        if core.links.fetcher is not None:
+            await nursery.start(core.orphans.run)
         watch.enter("opening the control socket")
         await nursery.start(serve_control, config, core, drain)
         nursery.start_soon(_stop_on_signals, nursery.cancel_scope)

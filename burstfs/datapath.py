@@ -308,6 +308,15 @@ class DataPath:
         if inode.local_prefix >= inode.size:
             inode.local, inode.listed = True, False
 
+    async def fetch_whole_if_it_fits(self, inode: Inode, why: str) -> None:
+        """Fetch all of a file that is only on the remote, in the background (read plans,
+        orphans): only when it fits on the tier without evicting anything or waiting."""
+        if not self.capacity.fits(inode.size - inode.accounted):
+            log.info("event=%s_fetch_skipped ino=%d reason=tier_has_no_room", why, inode.ino)
+            return
+        await self.ensure_local(inode)
+        log.info("event=%s_fetched ino=%d bytes=%d", why, inode.ino, inode.size)
+
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self.handles[fh]
         inode = handle.inode

@@ -31,6 +31,7 @@ from .journal import (
     event_op,
     insert_inode_op,
     link_ops,
+    unlink_keeping_object_ops,
     unlink_name_ops,
     unlink_ops,
     update_inode_op,
@@ -372,6 +373,10 @@ class Namespace:
 
             undo.add(restore_times)
             return [*unlink_name_ops(row, name), update_inode_op(inode.ino, ctime_ns=now)]
+        if inode.kind == "file" and inode.handles and not inode.local and not inode.links:
+            # A reader still reads it from the remote: the object stays until its copy is whole
+            # here or the last handle closes (burstfs/orphans.py).
+            return unlink_keeping_object_ops(inode.ino, inode.name, self.detach(parent, inode, undo))
         return unlink_ops(inode.ino, inode.name, self.detach(parent, inode, undo))
 
     def maybe_destroy(self, inode: Inode) -> None:

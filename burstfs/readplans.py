@@ -32,7 +32,6 @@ from collections.abc import Iterable
 
 import trio
 
-from .capacity import TierCapacity
 from .datapath import DataPath
 from .errors import BurstfsError
 from .namespace import Namespace
@@ -104,10 +103,9 @@ class Plan:
 class ReadPlans:
     """Plans of the directories whose index was opened, and the task that fetches ahead."""
 
-    def __init__(self, namespace: Namespace, data: DataPath, capacity: TierCapacity) -> None:
+    def __init__(self, namespace: Namespace, data: DataPath) -> None:
         self.namespace = namespace
         self.data = data
-        self.capacity = capacity
         self.plans: collections.OrderedDict[int, Plan] = collections.OrderedDict()  # directory ino -> plan
         self._fetching: set[int] = set()  # inos a plan is fetching now
         self._planning: set[int] = set()  # index inos noted and not planned yet (every rank opens the index)
@@ -235,13 +233,8 @@ class ReadPlans:
     async def _fetch(self, inode: Inode, limiter: trio.CapacityLimiter) -> None:
         try:
             async with limiter:
-                if inode.local or not inode.named:
-                    return
-                if not self.capacity.fits(inode.size - inode.accounted):
-                    log.info("event=read_plan_fetch_skipped ino=%d reason=tier_has_no_room", inode.ino)
-                    return
-                await self.data.ensure_local(inode)
-                log.info("event=read_plan_fetched ino=%d bytes=%d", inode.ino, inode.size)
+                if not inode.local and inode.named:
+                    await self.data.fetch_whole_if_it_fits(inode, "read_plan")
         except (BurstfsError, OSError) as exc:  # its reader meets the error itself, if it reads
             log.warning("event=read_plan_fetch_failed ino=%d error=%s", inode.ino, exc)
         except Exception:  # a bug here must not end the mount: plans only save time

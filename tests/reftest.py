@@ -290,6 +290,7 @@ class Node:
                 await nursery.start(self.core.committer.run)
                 await nursery.start(self.core.reaper.run)
                 await nursery.start(self.core.plans.run)  # a cold node's read-back walks DCP read plans
+                await nursery.start(self.core.orphans.run)
                 self._started.set()
                 await self._stop.wait()
                 nursery.cancel_scope.cancel()

@@ -37,12 +37,14 @@ from burstfs.journal import (
     Journal,
     close_ops,
     connection,
+    drop_unlinked_ops,
     link_ops,
     mark_writing_op,
     recovered_incomplete_ops,
     schema,
     set_meta_op,
     unchanged_close_op,
+    unlink_keeping_object_ops,
     unlink_name_ops,
     unlink_ops,
     update_inode_op,
@@ -350,6 +352,31 @@ def test_a_close_after_durable_is_not_evictable(journal: Journal, tree: JournalT
     assert not journal.evict(ino, generation)
     tree.close(ino)
     assert journal.evictable() == []
+
+
+def test_an_unlinked_file_read_from_the_remote_holds_its_object_until_fetched_or_dropped(
+    journal: Journal, tree: JournalTree
+) -> None:
+    """Invariant 6 for a file unlinked while a process reads it from the remote: its key is
+    held (no delete, no upload of a new file at its name) until its copy is whole here, or
+    its row goes (the last close, or start-up after a crash): then its delete is queued."""
+    for let_go in ("fetched", "dropped"):
+        ino, generation = tree.write_file("a")
+        key = tree.durable(ino, generation)
+        journal.apply([update_inode_op(ino, state=EVICTED)])
+        journal.apply(unlink_keeping_object_ops(ino, b"a", time.time_ns()))
+        assert journal.keys.pending_deletes(10) == [] and journal.keys.holder(key) == ino
+        new, new_generation = tree.write_file("a")
+        assert journal.drain.claim(new, new_generation) == ino
+        if let_go == "fetched":
+            journal.finish_fetch(ino, 10)
+        else:
+            journal.apply(drop_unlinked_ops(ino))
+        assert [(k, r) for _, k, r in journal.keys.pending_deletes(10)] == [(key, "unlink")]
+        assert journal.keys.holder(key) is None
+        tree.unlink(new)
+        for request_id, _, _ in journal.keys.pending_deletes(10):
+            journal.keys.drop_delete(request_id)
 
 
 def test_finish_fetch_only_for_files_not_local(journal: Journal, tree: JournalTree) -> None:

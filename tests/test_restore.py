@@ -1011,3 +1011,39 @@ def test_a_directory_no_listing_reached_yet_is_listed_before_a_rename_or_rmdir(
     gone = (tmp_path / "remote/d/x", tmp_path / "remote/d/sub/y")
     wait_for(lambda: not any(p.exists() for p in gone), what="the old objects deleted")
     assert sorted(os.listdir(reader.path)) == ["d2", "e", "empty"]
+
+
+@fuse
+def test_a_reader_keeps_reading_a_remote_file_unlinked_or_replaced_under_it(
+    mounted_factory: type[MountedFS], remote: RemoteTarget
+) -> None:
+    """A file read from the remote stays readable through an open descriptor after its name is
+    unlinked or replaced (os.replace), as on a local file system: its object stays until the
+    copy is whole here or the reader closes, and what replaced it still drains meanwhile.
+    Before, the unlink queued the object's delete and cleared its key: the next read was EIO."""
+    files = {"gone.bin": os.urandom(3 * MiB + 7), "swapped.bin": os.urandom(2 * MiB + 3)}
+    reader = drained_then_reader(mounted_factory, remote.url, files, remote.extra_args, remote.extra_args)
+    gone = open(reader.path / "gone.bin", "rb")  # noqa: SIM115 (held across the unlink)
+    swapped = open(reader.path / "swapped.bin", "rb")  # noqa: SIM115
+    try:
+        assert gone.read(4096) == files["gone.bin"][:4096]  # fetched in part only
+        os.unlink(reader.path / "gone.bin")
+        (reader.path / "tmp").write_bytes(b"the new version")
+        os.replace(reader.path / "tmp", reader.path / "swapped.bin")
+        # The replacement drains while the old file is still open (fetched whole meanwhile).
+        subprocess.run(
+            [str(BIN / "burstfs-admin"), "wait", "--timeout", "60", str(reader.path)],
+            check=True,
+            capture_output=True,
+            timeout=90,
+        )
+        assert remote.read("swapped.bin") == b"the new version"
+        assert gone.read() == files["gone.bin"][4096:]
+        assert swapped.read() == files["swapped.bin"]
+    finally:
+        gone.close()
+        swapped.close()
+    wait_for(lambda: remote.read("gone.bin") is None, what="the unlinked file's object deleted after its close")
+    assert not (reader.path / "gone.bin").exists()
+    assert (reader.path / "swapped.bin").read_bytes() == b"the new version"
+    assert "event=request_failed" not in reader.log_text()

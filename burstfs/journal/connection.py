@@ -175,9 +175,10 @@ class Database:
         return "/".join(reversed(parts))
 
     def holder_locked(self, key: str, other_than: int) -> int | None:
-        """The inode (not ``other_than``) that owns ``key`` (live ``remote_key``) or is uploading to it."""
+        """The inode (not ``other_than``) that owns ``key`` (its ``remote_key``: a live file's, or
+        an unlinked one's still read through an open handle) or is uploading to it."""
         row = self.connection.execute(
-            "SELECT ino FROM inodes WHERE remote_key=? AND parent!=0 AND ino!=? "
+            "SELECT ino FROM inodes WHERE remote_key=? AND ino!=? "
             "UNION ALL SELECT ino FROM inodes WHERE upload_key=? AND ino!=? LIMIT 1",
             (key, other_than, key, other_than),
         ).fetchone()

@@ -141,6 +141,30 @@ def unlink_ops(ino: int, name: bytes, ctime_ns: int) -> list[Op]:
     ]
 
 
+def unlink_keeping_object_ops(ino: int, name: bytes, ctime_ns: int) -> list[Op]:
+    """``ino`` loses its name while a process still reads it and not all of its bytes are on
+    the tier: its row keeps its key, which holds the object against a delete, an upload or a
+    move to that key, until the copy is whole (``Journal.finish_fetch``) or the row goes
+    (``drop_unlinked_ops``), which queue its delete then."""
+    return [
+        update_inode_op(ino, parent=0, ctime_ns=ctime_ns),
+        event_op(ino, "unlink", f"{os.fsdecode(name)} (its object stays while the file is open)"),
+    ]
+
+
+def released_object_ops(ino: int) -> list[Op]:
+    """An unlinked inode's kept object (see ``unlink_keeping_object_ops``) is not needed any
+    more: its delete is queued and the key let go."""
+    return [
+        (
+            f"INSERT INTO remote_deletes (key, reason) SELECT remote_key, {_UNLINK_REASON} FROM inodes "
+            "WHERE ino=? AND parent=0 AND link_of IS NULL AND remote_key IS NOT NULL",
+            (ino,),
+        ),
+        ("UPDATE inodes SET remote_key=NULL WHERE ino=? AND parent=0 AND link_of IS NULL", (ino,)),
+    ]
+
+
 def link_ops(row: int, ino: int, parent: int, name: bytes, ctime_ns: int) -> list[Op]:
     """``ino`` gets another name (a hard link): row ``row`` in ``parent``, with no object yet.
 
@@ -199,8 +223,13 @@ def forget_listed_ops(ino: int, name: bytes, ctime_ns: int) -> list[Op]:
 
 
 def drop_unlinked_ops(ino: int) -> list[Op]:
-    """An unlinked inode nothing references any more: its row and xattrs go."""
-    return [("DELETE FROM inodes WHERE ino=? AND parent=0", (ino,)), ("DELETE FROM xattrs WHERE ino=?", (ino,))]
+    """An unlinked inode nothing references any more: its row and xattrs go (and the object it
+    kept while it was open, if any, is queued for deletion)."""
+    return [
+        *released_object_ops(ino),
+        ("DELETE FROM inodes WHERE ino=? AND parent=0", (ino,)),
+        ("DELETE FROM xattrs WHERE ino=?", (ino,)),
+    ]
 
 
 def set_xattr_op(ino: int, name: bytes, value: bytes) -> Op:

@@ -24,7 +24,7 @@ from typing import Any
 from .connection import Database
 from .drain import DrainQueue
 from .keys import KeyOwnership
-from .ops import event_op, set_meta_op
+from .ops import event_op, released_object_ops, set_meta_op
 from .rows import INODE_SELECT, ROOT_INO, InodeRow, Op, row_from_values
 from .states import CLOSED_UNDRAINED, DONE, DURABLE, EVICTED, NOT_LOCAL, UNDRAINED, FileState, state_marks
 
@@ -262,17 +262,23 @@ class Journal:
         chunks: Sequence[str] | None = None,
         chunk_size: int | None = None,
     ) -> None:
-        """A NOT_LOCAL file fetched whole: ``durable`` and local (with the manifest's digests, if any)."""
+        """A NOT_LOCAL file fetched whole: ``durable`` and local (with the manifest's digests, if any).
+        An unlinked one, fetched for the reader that still has it open, lets its object go."""
         fields: dict[str, object] = {"state": DURABLE, "updated": time.time()}
         if digest is not None:
             fields.update(digest=digest, chunk_size=chunk_size, chunks=json.dumps(list(chunks or ())))
         assignments = ", ".join(f"{name}=?" for name in fields)
         marks, states = state_marks(NOT_LOCAL)
         # Every name of the file (hard links) holds the same bytes; the inode's own row counts them.
-        self.execute(
-            f"UPDATE inodes SET {assignments}, local_bytes=CASE WHEN ino=? THEN ? ELSE 0 END, "
-            f"durable_generation=generation WHERE (ino=? OR link_of=?) AND state IN ({marks})",
-            (*fields.values(), ino, size, ino, ino, *states),
+        self.apply(
+            [
+                (
+                    f"UPDATE inodes SET {assignments}, local_bytes=CASE WHEN ino=? THEN ? ELSE 0 END, "
+                    f"durable_generation=generation WHERE (ino=? OR link_of=?) AND state IN ({marks})",
+                    (*fields.values(), ino, size, ino, ino, *states),
+                ),
+                *released_object_ops(ino),
+            ]
         )
 
     def fetch_row(self, ino: int) -> InodeRow | None:
