@@ -534,9 +534,31 @@ def test_a_relocation_takes_the_new_key_and_gives_up_the_old(journal: Journal, t
     assert journal.keys.relocation_candidates() == [(ino, "b", "a")]
     assert journal.keys.relocation_candidates([ino]) == [(ino, "b", "a")]
     assert journal.keys.relocation(ino) == ("b", "a", None)
-    assert journal.keys.finish_relocation(ino, "a", "b")
+    intent = journal.keys.intend_move("b")
+    assert [(k, r) for _, k, r in journal.keys.pending_deletes(10)] == [("b", "move")]
+    assert journal.keys.finish_relocation(ino, "a", "b", intent)
     assert tree.row(ino).remote_key == "b" and journal.keys.relocation_candidates() == []
     assert [(k, r) for _, k, r in journal.keys.pending_deletes(10)] == [("a", "moved")]
+
+
+def test_a_copy_cut_short_by_a_crash_before_its_record_is_deleted_unless_owned(
+    journal: Journal, tree: JournalTree
+) -> None:
+    """The daemon died after copying "a" to "b" and before recording it, and the file was then
+    renamed back to "a" (nothing left to move): the copy at "b" was left on the remote for
+    good, and a listing brought it back as a file (found by the random model run)."""
+    ino, generation = tree.write_file("a")
+    tree.durable(ino, generation)
+    tree.rename(ino, "b")
+    journal.keys.intend_move("b")  # then the copy, then the crash
+    tree.rename(ino, "a")
+    assert journal.keys.relocation(ino) is None
+    assert [(k, r, holder) for _, k, r, holder in journal.keys.pending_deletes_held(10)] == [("b", "move", None)]
+    tree.rename(ino, "b")  # renamed again before the delete pass: its own move's key is spared
+    assert [holder for *_, holder in journal.keys.pending_deletes_held(10)] == [None]
+    intent = journal.keys.intend_move("b")
+    assert journal.keys.finish_relocation(ino, "a", "b", intent)
+    assert [(k, holder) for _, k, _, holder in journal.keys.pending_deletes_held(10)] == [("b", ino), ("a", None)]
 
 
 def test_a_relocation_onto_a_held_key_waits_and_a_copy_nobody_owns_is_deleted(
@@ -550,8 +572,9 @@ def test_a_relocation_onto_a_held_key_waits_and_a_copy_nobody_owns_is_deleted(
     tree.rename(ino, "x")
     assert journal.keys.relocation(ino) == ("x", "a", other)  # the upload holds "x": wait
     tree.unlink(ino)  # unlinked during the copy: the copy at "x" is nobody's
-    assert not journal.keys.finish_relocation(ino, "a", "x")
+    assert not journal.keys.finish_relocation(ino, "a", "x", journal.keys.intend_move("x"))
     assert ("x", "moved") in [(k, r) for _, k, r in journal.keys.pending_deletes(10)]
+    assert ("x", "move") not in [(k, r) for _, k, r in journal.keys.pending_deletes(10)]
 
 
 def test_a_rename_cycle_is_found(journal: Journal, tree: JournalTree) -> None:

@@ -108,3 +108,32 @@ def test_a_round_member_removed_before_a_crash_does_not_hold_a_marker_through_a_
         assert remote_files(tmp_path / "remote") == {"latest": b"marker"}
     finally:
         node.stop()
+
+
+@pytest.mark.parametrize("crash_after", range(1, 25))
+def test_a_move_cut_short_by_a_crash_leaves_no_copy_when_the_file_is_renamed_back(
+    tmp_path: Path, crash_after: int
+) -> None:
+    """Found by the random model run: the daemon died after copying a renamed file's object to
+    its new key and before recording it; the file was renamed back before the next move, so
+    nothing was left to move, and the copy stayed on the remote for good (a listing then
+    showed it as a file nobody had).  Every crash point of the move is tried."""
+    with fast_mover():
+        (tmp_path / "remote").mkdir()
+        node = Node(tmp_path / "cache", FileSide(tmp_path / "remote"), NodeOptions())
+        try:
+            write(node, "f", b"the bytes")
+            assert node.drain_until_idle() == "idle"
+            node.call(node.core.rename, ROOT_INO, b"f", ROOT_INO, b"a", 0)
+            node.faults.crash_after = crash_after
+            outcome = node.drain_until_idle()
+            node.faults.crash_after = None
+            if outcome == "crashed":
+                node.faults.crashed = True
+                node.stop()
+                node = Node(node.cache, node.side, node.options)
+            node.call(node.core.rename, ROOT_INO, b"a", ROOT_INO, b"f", 0)
+            assert node.drain_until_idle() == "idle", node.pending()
+            assert remote_files(tmp_path / "remote") == {"f": b"the bytes"}
+        finally:
+            node.stop()

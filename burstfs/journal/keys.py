@@ -166,14 +166,25 @@ class KeyOwnership:
                 return next(m for m in chain if (t := self.relocation_target(m)) and t[1] == target)
         return None
 
-    def finish_relocation(self, ino: int, old_key: str, new_key: str) -> bool:
+    def intend_move(self, new_key: str) -> int:
+        """Before a copy to ``new_key``: its intent, a queued delete of ``new_key`` that
+        ``finish_relocation`` drops.  A crash after the copy and before that record leaves a
+        copy nobody owns (the file may even be renamed back meanwhile); the delete pass then
+        removes it, or spares it if a live file owns the key by then.  No delete pass runs
+        during the copy (both run on the mover's main loop, one after the other)."""
+        with self._db.transaction() as db:
+            intent = db.execute("INSERT INTO remote_deletes (key, reason) VALUES (?, 'move')", (new_key,)).lastrowid
+            return int(intent or 0)
+
+    def finish_relocation(self, ino: int, old_key: str, new_key: str, intent: int) -> bool:
         """After copying ``old_key`` to ``new_key``: the file owns ``new_key``; the old object goes.
 
         If the file was unlinked (or its object changed) during the copy, the copy
         at ``new_key`` is nobody's: its delete is queued instead (the delete pass
-        spares it if a live file owns that key by then).
+        spares it if a live file owns that key by then).  The copy's ``intent`` goes.
         """
         with self._db.transaction() as db:
+            db.execute("DELETE FROM remote_deletes WHERE id=?", (intent,))
             moved = db.execute(
                 "UPDATE inodes SET remote_key=?, error=NULL WHERE ino=? AND remote_key=? AND parent!=0",
                 (new_key, ino, old_key),

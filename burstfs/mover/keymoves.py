@@ -191,11 +191,12 @@ class KeyMoves:
             self._needed = True
             self.mover.wake()
             return None
+        intent = await self.mover.db(self.mover.journal.keys.intend_move, path)
         try:
             await self.mover.store.rename(old_key, path, delete_source=False)
         except Exception as exc:
             return await self._relocation_failed(ino, old_key, path, exc)
-        moved = await self.mover.db(self.mover.journal.keys.finish_relocation, ino, old_key, path)
+        moved = await self.mover.db(self.mover.journal.keys.finish_relocation, ino, old_key, path, intent)
         self._failures.pop(ino, None)
         log.info("event=remote_rename from=%s to=%s recorded=%s", old_key, path, moved)
         return None
@@ -236,10 +237,11 @@ class KeyMoves:
             return None
         _, old_key = target
         parked = f"{timing.PARK_PREFIX}{ino}"
+        intent = await self.mover.db(self.mover.journal.keys.intend_move, parked)
         try:
             await self.mover.store.rename(old_key, parked, delete_source=False)
         except Exception as exc:
             return await self._relocation_failed(ino, old_key, parked, exc)
-        await self.mover.db(self.mover.journal.keys.finish_relocation, ino, old_key, parked)
+        await self.mover.db(self.mover.journal.keys.finish_relocation, ino, old_key, parked, intent)
         log.info("event=remote_rename_parked from=%s to=%s", old_key, parked)
         return None
