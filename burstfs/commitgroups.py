@@ -55,6 +55,7 @@ INTENT, DONE_RECORD, ABANDONED = "intent", "done", "abandoned"
 # The journal's meta keys of this node's open groups and of abandoned directories.
 _META_GROUP = "group:"
 _META_ABANDONED = "abandoned:"
+_META_CARRIED = "carried:"  # a marker moved here from another directory: the nodes it still waits for
 # A waiting marker's directory is listed again after this, doubling up to the cap: the
 # last done of another node is seen at most GATE_POLL_MAX_S later.
 GATE_POLL_MIN_S = 0.05
@@ -296,6 +297,9 @@ class CommitGroups:
         self.verdicts: dict[str, Verdict] = {}
         self._done_files: dict[str, list[dict[str, Any]]] = {}  # done key -> its files (keys are write-once)
         self.abandoned: dict[str, float] = {}  # dir -> when an operator gave up its checkpoint
+        # dir -> {node: since}: a marker renamed into dir from a checkpoint these other nodes had
+        # parts of; it waits for each of them to have a round there too (their renames).
+        self.carried: dict[str, dict[str, float]] = {}
         self._approved: dict[tuple[int, int], Verdict] = {}  # (marker ino, generation) -> what opened its gate
         self._commits: list[tuple[InodeRow, str, dict[str, Any]]] = []  # markers durable, commit record due
         self._poke: asyncio.Event | None = None
@@ -358,6 +362,7 @@ class CommitGroups:
         """This node's groups and abandons as journaled (a restart continues their rounds)."""
         own = await self._db(self.journal.meta_items, _META_GROUP)
         abandoned = await self._db(self.journal.meta_items, _META_ABANDONED)
+        carried = await self._db(self.journal.meta_items, _META_CARRIED)
         with self._lock:
             for key, value in own:
                 try:
@@ -368,6 +373,11 @@ class CommitGroups:
                 self.groups.setdefault(group.dir_key, group)
             for key, value in abandoned:
                 self.abandoned[key[len(_META_ABANDONED) :]] = float(value)
+        for key, value in carried:
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                nodes = {str(node): float(since) for node, since in json.loads(value).items()}
+                if nodes:
+                    self.carried[key[len(_META_CARRIED) :]] = nodes
 
     async def wait_intent(self, dir_key: str, timeout: float) -> bool:  # noqa: ASYNC109 (a bound asked from the trio side)
         """Wait (at most ``timeout``) until this node's intent for ``dir_key`` is out."""
@@ -537,6 +547,37 @@ class CommitGroups:
 
     # -- the marker gate ---------------------------------------------------------------
 
+    async def carry(self, remote: Remote, old_dir: str, new_dir: str) -> None:
+        """A marker of ``old_dir``'s checkpoint was renamed into ``new_dir`` (a temp directory
+        renamed to the step's name): the other nodes with parts in ``old_dir`` rename theirs
+        too, and the marker waits in ``new_dir`` until each has a round there.  Else the first
+        node's rename published the step with its own part only (``latest`` named it)."""
+        nodes: set[str] = set()
+        given_up: set[tuple[str, str]] = set()
+        async for info in remote.list_all(group_prefix(old_dir)):
+            parsed = parse_record_key(info.key)
+            if parsed is None:
+                continue
+            _, node, round_id, kind = parsed
+            if kind == ABANDONED:
+                given_up.add((node, round_id))
+            elif node != self.node_id:
+                nodes.add(node)
+        nodes -= {node for node, _ in given_up}
+        if not nodes:
+            return
+        now = time.time()
+        carried = self.carried.setdefault(new_dir, {})
+        for node in nodes:
+            carried.setdefault(node, now)
+        await self._db(self.journal.set_meta, f"{_META_CARRIED}{new_dir}", json.dumps(carried))
+        self.verdicts.pop(new_dir, None)
+        log.info("event=marker_carries_nodes from=%s to=%s nodes=%s", old_dir, new_dir, ",".join(sorted(nodes)))
+
+    async def _drop_carried(self, dir_key: str) -> None:
+        if self.carried.pop(dir_key, None) is not None:
+            await self._db(self.journal.set_meta, f"{_META_CARRIED}{dir_key}", "{}")
+
     def is_abandoned(self, marker: InodeRow, marker_key: str) -> bool:
         """True if an operator gave up ``marker``'s checkpoint after it was written (here, or
         on another node: :meth:`Verdict.given_up_for`)."""
@@ -646,6 +687,12 @@ class CommitGroups:
             (ident, t) for ident, t in sorted(intents.items()) if ident not in dones and ident not in own_rounds
         ]
         waiting = [Waiting(*ident, t) for ident, t in unfinished if ident not in given_up]
+        present = {node for _, node, _ in intents}
+        waiting += [  # a moved marker's nodes that have not renamed their part here yet
+            Waiting(dir_key, node, "", since)
+            for node, since in sorted(self.carried.get(dir_key, {}).items())
+            if node not in present
+        ]
         abandoned = [given_up[ident] for ident, _ in unfinished if ident in given_up]
         files: list[dict[str, Any]] = []
         if not waiting:
@@ -693,6 +740,7 @@ class CommitGroups:
         commit_key = f"{prefix}{record_id(int(marker.updated * 1e9))}.commit"
         await self._create(remote, commit_key, doc)
         log.info("event=commit_published key=%s files=%d", commit_key, len(doc["files"]))
+        await self._drop_carried(doc["dir"])
         await self._delete_commits(remote, prefix, keep=commit_key)  # our older commits of this marker
 
     async def marker_deleted(self, remote: Remote, key: str) -> None:
@@ -726,8 +774,11 @@ class CommitGroups:
             )
         verdict = await self.look(remote, dir_key)
         for waiting in verdict.waiting:
+            if not waiting.round:  # a moved marker's node with no round here: nothing to mark
+                continue
             key = record_key(waiting.dir_key, waiting.node, waiting.round, ABANDONED)
             await self._create(remote, key, {"by": self.node_id, "time": time.time()})
+        await self._drop_carried(dir_key)
         now = time.time()
         self.abandoned[dir_key] = now
         await self._db(self.journal.set_meta, f"{_META_ABANDONED}{dir_key}", repr(now))

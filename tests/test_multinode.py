@@ -416,6 +416,35 @@ def test_a_temp_directory_renamed_on_every_node_publishes_and_holds_nothing_abov
     assert "relocate" not in admin("status", n0.path).stdout
 
 
+def test_a_published_temp_directory_renamed_on_one_node_waits_for_the_others_renames(
+    mounted_factory: type[MountedFS], bucket: Bucket
+) -> None:
+    """The Hugging Face Trainer's tmp-checkpoint-N -> checkpoint-N, after the checkpoint was
+    published in the temp directory: node 0 (the index, a commit marker) renames first.  The
+    marker moved into checkpoint-8 was published there at once with node 0's shard only, and
+    `latest` named checkpoint-8 while node 1's shard was still under tmp-checkpoint-8.  Now it
+    waits (status names node 1) until node 1 renamed its part too."""
+    n0 = node(mounted_factory, bucket, "n0")
+    n1 = node(mounted_factory, bucket, "n1")
+    write(n1, "hf/tmp-checkpoint-8/model-00002-of-00002.safetensors", shard(8, 1))
+    write(n0, "hf/tmp-checkpoint-8/model-00001-of-00002.safetensors", shard(8, 0))
+    write(n0, "hf/tmp-checkpoint-8/model.safetensors.index.json", b'{"weight_map": {}}')
+    admin("wait", n1.path / "hf/tmp-checkpoint-8")
+    admin("wait", n0.path / "hf/tmp-checkpoint-8", "--timeout", "60")
+    assert bucket.latest("hf")["dir"] == "hf/tmp-checkpoint-8"
+    (n0.path / "hf/tmp-checkpoint-8").rename(n0.path / "hf/checkpoint-8")
+    wait_for(
+        lambda: "node n1 (had a part" in admin("status", n0.path).stdout, timeout=30, what="the marker waits for n1"
+    )
+    assert bucket.latest("hf", expect=None).get("dir") != "hf/checkpoint-8"
+    (n1.path / "hf/tmp-checkpoint-8").rename(n1.path / "hf/checkpoint-8")
+    admin("wait", n1.path / "hf/checkpoint-8", "--timeout", "60")
+    admin("wait", n0.path / "hf/checkpoint-8", "--timeout", "60")
+    latest = bucket.latest("hf")
+    assert latest["dir"] == "hf/checkpoint-8" and latest["files"] == 3, latest
+    assert not {key for key in bucket.keys() if key.startswith("hf/tmp-checkpoint-8/")}
+
+
 def test_a_node_that_renames_the_temp_directory_first_waits_for_the_owner_to_move_its_shard(
     mounted_factory: type[MountedFS], bucket: Bucket
 ) -> None:

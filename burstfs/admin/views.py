@@ -149,7 +149,11 @@ def _held_line(held: dict[str, Any]) -> str:
     if held["abandoned"]:
         return f"checkpoint {where} abandoned (its marker is never published)"
     others = [
-        f"node {w['node']} (intent {datetime.datetime.fromtimestamp(w['intent_time']):%H:%M}, no done)"
+        (
+            f"node {w['node']} (intent {datetime.datetime.fromtimestamp(w['intent_time']):%H:%M}, no done)"
+            if w["round"]
+            else f"node {w['node']} (had a part where this marker was renamed from; not renamed here yet)"
+        )
         + ("" if w["dir"] == held["dir"] else f" in {w['dir']}")
         for w in held["waiting"]
     ]

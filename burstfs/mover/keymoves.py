@@ -10,6 +10,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from ..commitgroups import dir_of
 from ..errors import HALT, OBJECT, CorruptDataError, RemoteError, error_scope
 from ..journal import UNLINK_LISTED
 from . import timing
@@ -179,9 +180,13 @@ class KeyMoves:
         path, old_key, holder = move
         if holder is not None:
             return holder
-        if self.mover.is_marker_name(path.rpartition("/")[2]) and await self.mover.db(
-            self.mover.journal.keys.restage_durable, ino, old_key
-        ):
+        marker = self.mover.is_marker_name(path.rpartition("/")[2])
+        if marker and dir_of(old_key) != dir_of(path) and self.mover.remote is not None:
+            try:
+                await self.mover.groups.carry(self.mover.remote, dir_of(old_key), dir_of(path))
+            except Exception as exc:
+                return await self._relocation_failed(ino, old_key, path, exc)
+        if marker and await self.mover.db(self.mover.journal.keys.restage_durable, ino, old_key):
             # A commit marker renamed into place (DCP's .metadata.tmp -> .metadata) publishes
             # a checkpoint: it drains as an upload, behind its directory's files and the
             # commit gate, never as a server-side copy that would bypass both.  Its old
