@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from typing import TextIO
 
 from tqdm import tqdm
@@ -33,6 +34,14 @@ def fmt_duration(seconds: float | None) -> str:
     return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
 
 
+#: The rate is what became done over about the last RATE_WINDOW seconds: after a stall the
+#: rate is 0 (no ETA) once the window holds no progress, and a burst shows as one.
+RATE_WINDOW = 10.0
+#: No rate nor ETA until the counts span this long: one file done 0.1 s after the first
+#: poll is no rate (it showed any number, and an ETA from it).
+MIN_SPAN = 1.0
+
+
 class Progress:
     """Bytes done of a total.  ``update`` with the latest counts; ``close`` at the end."""
 
@@ -43,7 +52,11 @@ class Progress:
         self.stream = stream if stream is not None else sys.stderr
         self.terminal = self.stream.isatty() if terminal is None else terminal
         self.started = time.monotonic()
-        self.first_bytes = baseline  # done at the start (default: the first update's): the rate counts what moved since
+        # (time, files done, bytes done) where the counts changed: the rate's window.  The
+        # first is ``baseline`` bytes (no files) done at the start, else the first update's.
+        self.samples: deque[tuple[float, int, int]] = deque()
+        if baseline is not None:
+            self.samples.append((self.started, 0, baseline))
         self.last: tuple[int, int, int, int] | None = None
         self.bar: tqdm[None] | None = None
         if self.terminal:
@@ -56,6 +69,8 @@ class Progress:
                 file=self.stream,
                 dynamic_ncols=True,
                 leave=True,
+                # tqdm's own rate and ETA count bytes only, smoothed: the postfix has ours.
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
             )
 
     def update(
@@ -64,14 +79,15 @@ class Progress:
         """The latest counts; ``message`` (e.g. the file just fetched) goes to stdout above the
         bar, or ends the plain line."""
         counts = (done_files, total_files, done_bytes, total_bytes)
-        if self.first_bytes is None:
-            self.first_bytes = done_bytes
+        if not self.samples or self.samples[-1][1:] != (done_files, done_bytes):
+            self.samples.append((time.monotonic(), done_files, done_bytes))
         if self.bar is not None:
             if message:
                 self.bar.write(message, file=sys.stdout)
             self.bar.total = total_bytes
             self.bar.n = done_bytes
-            self.bar.set_postfix_str(f"{done_files}/{total_files} files", refresh=False)
+            speed, eta = self.speed_and_eta(*counts)
+            self.bar.set_postfix_str(f"{done_files}/{total_files} files, {speed}, ETA {eta}", refresh=False)
             self.bar.refresh()
         elif message:
             sys.stdout.write(f"[{self.counts(*counts)}] {message}\n")
@@ -82,16 +98,47 @@ class Progress:
         self.last = counts
 
     def counts(self, done_files: int, total_files: int, done_bytes: int, total_bytes: int) -> str:
-        """'3/10 files, 1.2 GiB of 4.0 GiB, 250.0 MiB/s, ETA 11s' (the rate counts bytes moved since the start)."""
-        elapsed = time.monotonic() - self.started
-        moved = done_bytes - (self.first_bytes or 0)
-        rate = moved / elapsed if elapsed > 0 and moved > 0 else None
-        left = total_bytes - done_bytes
-        eta = "0s" if left <= 0 else fmt_duration(left / rate) if rate else "-"
-        speed = f"{fmt_bytes(rate)}/s" if rate else "- B/s"
+        """'3/10 files, 1.2 GiB of 4.0 GiB, 250.0 MiB/s, ETA 11s' (:meth:`speed_and_eta`)."""
+        speed, eta = self.speed_and_eta(done_files, total_files, done_bytes, total_bytes)
         return (
             f"{done_files}/{total_files} files, {fmt_bytes(done_bytes)} of {fmt_bytes(total_bytes)}, {speed}, ETA {eta}"
         )
+
+    def rates(self, done_files: int, done_bytes: int) -> tuple[float | None, float | None]:
+        """Files and bytes done per second over the last RATE_WINDOW seconds (since the first
+        sample while it is younger); None for a count that did not move, or before MIN_SPAN."""
+        now = time.monotonic()
+        window_start = now - RATE_WINDOW
+        while len(self.samples) >= 2 and self.samples[1][0] <= window_start:
+            self.samples.popleft()  # the first sample is now the counts at the window's start
+        if not self.samples:
+            return None, None
+        since, files, nbytes = self.samples[0]
+        span = now - max(since, window_start)  # the counts held still between samples
+        if span < MIN_SPAN:
+            return None, None
+        file_rate = (done_files - files) / span if done_files > files else None
+        byte_rate = (done_bytes - nbytes) / span if done_bytes > nbytes else None
+        return file_rate, byte_rate
+
+    def speed_and_eta(self, done_files: int, total_files: int, done_bytes: int, total_bytes: int) -> tuple[str, str]:
+        """The byte rate and the ETA, as shown.  A file counts (files and bytes) only once it
+        is done, so each count alone misleads: with many small files and a few large ones the
+        bytes hardly move while files go by (an ETA of 87 hours for a wait of 4.7 s), and the
+        other way round with a few large files.  The ETA is the sooner of the two estimates,
+        files left at the files' rate and bytes left at the bytes' rate, each from the window;
+        "-" until one of them moved."""
+        file_rate, byte_rate = self.rates(done_files, done_bytes)
+        speed = f"{fmt_bytes(byte_rate)}/s" if byte_rate else "- B/s"
+        files_left, bytes_left = total_files - done_files, total_bytes - done_bytes
+        if files_left <= 0 and bytes_left <= 0:
+            return speed, "0s"
+        estimates = []
+        if files_left > 0 and file_rate:
+            estimates.append(files_left / file_rate)
+        if bytes_left > 0 and byte_rate:
+            estimates.append(bytes_left / byte_rate)
+        return speed, fmt_duration(min(estimates)) if estimates else "-"
 
     def close(self) -> None:
         if self.bar is not None:

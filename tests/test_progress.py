@@ -107,3 +107,64 @@ def test_durations_round_once_and_never_show_60(seconds: float, shown: str) -> N
     from burstfs.progress import fmt_duration
 
     assert fmt_duration(seconds) == shown
+
+
+class FakeClock:
+    """``time`` for burstfs.progress: ``monotonic`` reads ``now``, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def eta_of(line: str) -> str:
+    return line.rsplit("ETA ", 1)[1].strip()
+
+
+def seconds_of(shown: str) -> float:
+    """'87h49m', '9s', '1m05s', '250ms' -> seconds."""
+    import re
+
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+)(ms|h|m|s)", shown))
+
+
+def test_wait_eta_with_many_small_files_follows_the_files_made_durable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reported line was 'durable: 1432/1531 files, 4.1 MiB of 7.5 MiB, 11 B/s, ETA 87h49m'
+    for a wait that ended 4.7 s later: small files became durable ten a second, but the ETA
+    divided the bytes left (mostly in a few larger files, counted only once durable) by the
+    few bytes those small files moved."""
+    import io
+
+    from burstfs import progress
+
+    clock = FakeClock()
+    monkeypatch.setattr(progress, "time", clock)
+    out = io.StringIO()
+    bar = progress.Progress("durable", stream=out, terminal=False)
+    total_files, total_bytes = 1531, int(7.5 * 2**20)
+    files, done = 1400, int(4.1 * 2**20) - 320
+    bar.update(files, total_files, done, total_bytes)  # the first poll
+    lines = []
+    for _ in range(32):  # a small file durable every 0.1 s
+        clock.now += 0.1
+        files, done = files + 1, done + 10
+        bar.update(files, total_files, done, total_bytes)
+        lines.append(out.getvalue().splitlines()[-1])
+    assert eta_of(lines[0]) == "-" and "- B/s" in lines[0], lines[0]  # 0.1 s is no rate yet
+    assert lines[-1].startswith("durable: 1432/1531 files, 4.1 MiB of 7.5 MiB, "), lines[-1]
+    assert 5 <= seconds_of(eta_of(lines[-1])) <= 20, lines[-1]  # 99 files at 10 a second
+    # A drain that stops: once the window holds no progress there is no rate and no ETA.
+    clock.now += 30
+    assert bar.counts(files, total_files, done, total_bytes).endswith("- B/s, ETA -")
+    # The window's rate, not the average since the start: bytes fast now, after the stall.
+    for _ in range(20):
+        clock.now += 0.5
+        files, done = files + 1, done + 2**20 // 10
+        bar.update(files, total_files, done, total_bytes)
+    line = out.getvalue().splitlines()[-1]
+    assert "204.8 KiB/s" in line and seconds_of(eta_of(line)) <= 15, line
+    bar.update(total_files, total_files, total_bytes, total_bytes)
+    assert out.getvalue().splitlines()[-1].endswith("ETA 0s")
