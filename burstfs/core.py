@@ -22,6 +22,7 @@ import errno
 import itertools
 import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from .capacity import StatFs, TierCapacity
@@ -75,7 +76,7 @@ class BurstCore:
         self.links = DrainLinks(drain, fetcher)  # shared with the data path and the listings
         tombstones = Tombstones()
         self.io_paths = IOPaths(self.tier, backing)
-        self.dir_handles: dict[int, list[tuple[bytes, int]]] = {}
+        self.dir_handles: dict[int, tuple[int, list[bytes]]] = {}  # directory, its names at opendir
         self._next_fh = itertools.count(1)  # one numbering for file and directory handles
         self.namespace = Namespace(
             journal,
@@ -283,10 +284,11 @@ class BurstCore:
         size: int | None = None,
         atime_ns: int | None = None,
         mtime_ns: int | None = None,
+        ctime_ns: int | None = None,
         fh: int | None = None,
     ) -> Inode:
         return await self.data.setattr(
-            ino, mode=mode, uid=uid, gid=gid, size=size, atime_ns=atime_ns, mtime_ns=mtime_ns, fh=fh
+            ino, mode=mode, uid=uid, gid=gid, size=size, atime_ns=atime_ns, mtime_ns=mtime_ns, ctime_ns=ctime_ns, fh=fh
         )
 
     # -- file data (burstfs/datapath.py) ----------------------------------------------
@@ -368,13 +370,31 @@ class BurstCore:
         if not await self.listings.refresh_bounded(inode):
             self._never_listed(inode)
         fh = next(self._next_fh)
-        self.dir_handles[fh] = list(inode.children.items())  # type: ignore[union-attr]
+        self.dir_handles[fh] = (inode.ino, list(inode.children))  # type: ignore[arg-type]
         return fh
 
+    def readdir_from(self, fh: int, start: int) -> Iterator[tuple[int, bytes, Inode]]:
+        """The entries of the opendir snapshot from position ``start`` on, each as (the
+        position after it, name, inode): the kernel resumes its next request at the position
+        of the last entry it took.  Positions index the snapshot's names, which never change,
+        so a name removed (or renamed away) since opendir is skipped without shifting any
+        other entry: every name is returned once.  Whether a name is still there is asked of
+        the directory, not of the inode table: an unlink by path looks the name up first,
+        and that kernel reference keeps the removed inode in the table.  A name replaced
+        meanwhile (a rename over it) comes back once, as what it names now."""
+        dir_ino, names = self.dir_handles[fh]
+        directory = self.inodes.get(dir_ino)
+        children = directory.children if directory is not None else None
+        for position in range(start, len(names)):
+            name = names[position]
+            ino = children.get(name) if children else None
+            inode = self.inodes.get(ino) if ino is not None else None
+            if inode is not None:
+                yield position + 1, name, inode
+
     def readdir(self, fh: int, start: int) -> list[tuple[bytes, Inode]]:
-        """Entries from index ``start`` on (a snapshot taken at opendir)."""
-        entries = self.dir_handles[fh]
-        return [(name, self.inodes[ino]) for name, ino in entries[start:] if ino in self.inodes]
+        """The names and inodes of :meth:`readdir_from`, without their positions."""
+        return [(name, inode) for _, name, inode in self.readdir_from(fh, start)]
 
     def releasedir(self, fh: int) -> None:
         self.dir_handles.pop(fh, None)

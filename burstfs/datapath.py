@@ -86,6 +86,14 @@ class DataPath:
         #: bytes the tier does not (the write-back cache sent them at close), and must go.  The
         #: FUSE front sets it.
         self.kernel_cache_stale: Callable[[int], None] = lambda ino: None
+        #: The kernel keeps the mtime and ctime of regular files itself (the write-back cache,
+        #: ``FUSE_WRITEBACK_CACHE``): it stamps them as it takes writes, truncations and
+        #: allocations, shows its own values to stat and sends them in a SETATTR (before each
+        #: FLUSH, as ``write_inode_now`` writes the inode).  Its WRITEs reach us later, in any
+        #: order with that SETATTR, and stamping them here journaled times nobody saw (and a
+        #: remount showed).  So the data path then stamps nothing and journals the kernel's
+        #: times.  Set by the FUSE front at INIT.
+        self.kernel_times = False
 
     # -- attributes -----------------------------------------------------------------
 
@@ -117,8 +125,11 @@ class DataPath:
         size: int | None = None,
         atime_ns: int | None = None,
         mtime_ns: int | None = None,
+        ctime_ns: int | None = None,
         fh: int | None = None,
     ) -> Inode:
+        """chmod, chown, utimens, truncate; and the times the kernel keeps (``kernel_times``),
+        which it sends with ``ctime_ns``."""
         inode = self.namespace.inode(ino)
         self.adopt_direct_writes(inode)  # before new times, so they are not overwritten later
         if size is not None:
@@ -134,10 +145,12 @@ class DataPath:
             inode.mode, inode.uid, inode.gid, inode.atime_ns, inode.mtime_ns, inode.ctime_ns = before
 
         undo.add(restore)
+        stamps = not self._kernel_stamps(inode)
         fields: dict[str, int] = {}
         if size is not None:
-            inode.mtime_ns = now
-            fields.update(size=size, mtime_ns=now)
+            if stamps:  # else the kernel sends its own (truncate) or stamps it itself (O_TRUNC)
+                inode.mtime_ns = now
+            fields.update(size=size, mtime_ns=inode.mtime_ns)
         if mode is not None:
             kept = ~FILE_MODE_DROPPED if inode.kind == "file" else ~0
             inode.mode = stat.S_IFMT(inode.mode) | (stat.S_IMODE(mode) & kept)
@@ -150,11 +163,16 @@ class DataPath:
             inode.atime_ns = fields["atime_ns"] = atime_ns
         if mtime_ns is not None:
             inode.mtime_ns = fields["mtime_ns"] = mtime_ns
-        inode.ctime_ns = fields["ctime_ns"] = now
+        if ctime_ns is not None:
+            inode.ctime_ns = ctime_ns
+        elif stamps:
+            inode.ctime_ns = now
+        fields["ctime_ns"] = inode.ctime_ns
         ops = [update_inode_op(ino, **fields)]
         closing = size is not None and not self._has_writer(inode) and fh is None
         if closing:
             ops += self.publisher.close_ops(inode, undo, writer_left=False)  # truncate(2) on a path: a complete change
+            self._tier_times_follow(inode)
         await self.committer.commit(ops, undo=undo)
         if closing:
             self.links.file_closed()
@@ -208,6 +226,26 @@ class DataPath:
     def writers_open(self) -> bool:
         """Whether any file is open for writing (any thread: one snapshot of the handle table)."""
         return any(handle.writable for handle in list(self.handles.values()))
+
+    def _kernel_stamps(self, inode: Inode) -> bool:
+        """Whether the kernel keeps this inode's mtime and ctime (see ``kernel_times``)."""
+        return self.kernel_times and inode.kind == "file"
+
+    def _tier_times_follow(self, inode: Inode) -> None:
+        """At a close journaled with the kernel's times (``kernel_times``), the data file gets
+        that mtime: the kernel's clock (coarse, stamped before its WRITEs reach us) is behind
+        the tier's, and the drain tells a writer it has not seen yet from bit rot by a data
+        file newer than its close (``mover/upload.py``).  Never a time ahead of now (a utime
+        into the future): recovery takes a data file newer than its record for one written
+        after its close (``recovery._written_after_close``).  One futimens, no commit."""
+        if not self.kernel_times or not inode.local:
+            return
+        mtime = min(inode.mtime_ns, now_ns())
+        fd = self.tier.fd(inode.ino)
+        try:
+            os.utime(self.tier.path(inode.ino) if fd is None else fd, ns=(mtime, mtime))
+        except OSError as exc:
+            log.warning("event=tier_times_not_set ino=%d error=%s", inode.ino, exc)
 
     def _has_writer(self, inode: Inode) -> bool:
         return any(h.writable and h.inode is inode for h in self.handles.values())
@@ -354,7 +392,8 @@ class DataPath:
             inode.size = end
         self.daemon_written_bytes += written
         inode.last_access = time.monotonic()
-        inode.mtime_ns = inode.ctime_ns = now_ns()
+        if not self.kernel_times:  # else the kernel's own times come by SETATTR
+            inode.mtime_ns = inode.ctime_ns = now_ns()
         return written
 
     def _lost_write(self, inode: Inode, end: int) -> None:
@@ -401,7 +440,8 @@ class DataPath:
         await trio.to_thread.run_sync(fallocate.allocate, fd, mode, offset, length)
         if grows and end > inode.size:
             inode.size = end
-            inode.mtime_ns = inode.ctime_ns = now_ns()
+            if not self.kernel_times:  # else the kernel stamps the growth itself
+                inode.mtime_ns = inode.ctime_ns = now_ns()
             if inode.direct is not None:
                 inode.direct.reopened_clean = False
             if inode.digests is not None:
@@ -426,6 +466,7 @@ class DataPath:
             return
         undo = Undo()
         ops = self.publisher.publish_ops(inode, undo, writer_left=self._has_writer(inode))
+        self._tier_times_follow(inode)
         # Held until RELEASE (which wakes the drain): a dup'd descriptor of this open file
         # (``cmd > file``), a forked child or another open may still be writing.  Journaled
         # too: a crash before the release leaves the file incomplete (its later writes may
@@ -449,6 +490,7 @@ class DataPath:
                 if self.publisher.unpublished(inode) and inode.named:
                     undo = Undo()
                     ops = [*self.publisher.publish_ops(inode, undo, writer_left=False), released_op(inode.ino)]
+                    self._tier_times_follow(inode)
                     await self.committer.commit(ops, undo=undo)
                     self.links.file_closed()
                 else:  # rides with the next commit: a crash before it lands is within RELEASE_GRACE_S
@@ -477,6 +519,7 @@ class DataPath:
         ops = []
         if publish and inode.named:
             ops = self.publisher.publish_ops(inode, undo, writer_left=self._has_writer(inode))
+            self._tier_times_follow(inode)
         await self.committer.commit([*ops, released_op(inode.ino)], sync=True, undo=undo)
         if ops:
             self.links.file_closed()

@@ -129,6 +129,9 @@ class BurstOperations(pyfuse3.Operations):
         # libfuse sends the INIT reply right after this returns, in the same call:
         # a task woken by this event runs once the kernel has the reply.
         self.initialized.set()
+        # With the write-back cache the kernel keeps files' mtime and ctime and sends them
+        # by SETATTR (pyfuse3 asked for it just before this call; every kernel since 3.15 has it).
+        self.core.data.kernel_times = self.enable_writeback_cache
         if self.backing is None:
             return
         if passthrough.kernel_offers():
@@ -177,6 +180,7 @@ class BurstOperations(pyfuse3.Operations):
             size=attr.st_size if fields.update_size else None,
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+            ctime_ns=attr.st_ctime_ns if fields.update_ctime else None,  # the write-back cache's times
             fh=fh,
         )
         return entry_attributes(updated)
@@ -270,8 +274,10 @@ class BurstOperations(pyfuse3.Operations):
 
     @_errors_to_fuse
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        for index, (name, inode) in enumerate(self.core.readdir(fh, start_id), start_id + 1):
-            if not pyfuse3.readdir_reply(token, name, entry_attributes(inode), index):
+        # The offset of an entry is its position in the opendir snapshot (core.readdir_from),
+        # never its index in what is left: names removed meanwhile would shift it back.
+        for offset, name, inode in self.core.readdir_from(fh, start_id):
+            if not pyfuse3.readdir_reply(token, name, entry_attributes(inode), offset):
                 break
             self.core.looked_up(inode)  # readdirplus: the kernel now holds a reference
 

@@ -8,6 +8,7 @@ since the journal is what a restart and the mover rely on.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import sqlite3
@@ -779,6 +780,62 @@ def test_xattrs(tmp_path: Path) -> None:
         (b"user.dir", b"yes"),
         (b"user.empty", b""),
     ]
+
+
+def test_readdir_skips_names_removed_while_the_kernel_holds_their_inodes(tmp_path: Path) -> None:
+    """An unlink by path looks the name up first: the kernel's reference keeps the inode
+    in the table, and a listing that went by the inode table returned every removed name."""
+
+    async def body(core: BurstCore) -> None:
+        for i in range(10):
+            await write_file(core, ROOT_INO, f"f{i}".encode(), b"")
+        fh = await core.opendir(ROOT_INO)
+        for name in (b"f3", b"f7"):
+            await core.lookup(ROOT_INO, name)  # the kernel holds it until forget
+            await core.unlink(ROOT_INO, name)
+        await core.rename(ROOT_INO, b"f8", ROOT_INO, b"moved", 0)  # gone from the snapshot's names
+        assert [n for n, _ in core.readdir(fh, 0)] == [f"f{i}".encode() for i in (0, 1, 2, 4, 5, 6, 9)]
+        core.releasedir(fh)
+
+    run(tmp_path, body)
+
+
+def test_readdir_positions_do_not_shift_when_names_are_removed(tmp_path: Path) -> None:
+    """Each entry carries the position after it in the opendir snapshot (the kernel's offset
+    for its next request): the positions stay those of the snapshot while names go, so a
+    listing read a few entries a request returns every remaining name once."""
+
+    async def body(core: BurstCore) -> None:
+        names = [f"e{i:03d}".encode() for i in range(60)]
+        for name in names:
+            await core.mkdir(ROOT_INO, name, 0o755, UID, GID)
+        fh = await core.opendir(ROOT_INO)
+        seen: list[bytes] = []
+        offset = 0
+        removed = {name for i, name in enumerate(names) if i > 20 and i % 3 == 0}
+        while True:
+            page = list(itertools.islice(core.readdir_from(fh, offset), 7))  # a full reply buffer
+            if not page:
+                break
+            seen += [name for _, name, _ in page]
+            offset = page[-1][0]
+            if removed and len(seen) >= 14:
+                for name in sorted(removed):
+                    await core.lookup(ROOT_INO, name)
+                    await core.rmdir(ROOT_INO, name)
+                removed_now, removed = removed, set()
+        assert seen == [name for name in names if name not in removed_now]
+        # rewinddir starts over at position 0; a name replaced meanwhile comes back once, as it is now.
+        before = (await core.lookup(ROOT_INO, b"e001")).ino
+        await core.mkdir(ROOT_INO, b"new", 0o755, UID, GID)
+        await core.rename(ROOT_INO, b"new", ROOT_INO, b"e001", 0)
+        again = list(core.readdir_from(fh, 0))
+        assert [name for _, name, _ in again] == seen
+        assert [pos for pos, _, _ in again[:3]] == [1, 2, 3] and again[1][2].ino != before
+        assert again[1][2].ino == (await core.lookup(ROOT_INO, b"e001")).ino
+        core.releasedir(fh)
+
+    run(tmp_path, body)
 
 
 def test_readdir_snapshot_and_statfs(tmp_path: Path) -> None:

@@ -8,24 +8,30 @@ without taking the daemon down.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import ctypes
 import errno
 import hashlib
 import mmap
 import multiprocessing
 import os
+import platform
 import stat
+import struct
 import subprocess
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, MountedFS, file_state, wait_for
+from conftest import BIN, MountedFS, file_state, journal_rows, wait_for
 
 pytestmark = pytest.mark.fuse
 
 NOBODY = 65534
+LIBC = ctypes.CDLL(None, use_errno=True)
+SYS_GETDENTS64 = {"x86_64": 217, "aarch64": 61}.get(platform.machine())
 SYSTEM_PYTHON = "/usr/bin/python3"  # readable by nobody, unlike a venv under /root
 # States of a file whose last close is journaled (the drain moves it along them).
 CLOSED = (b"staged", b"draining", b"durable")
@@ -220,6 +226,72 @@ def test_chmod_chown_utimens_survive_remount(burst: MountedFS) -> None:
     assert (burst.path / "plain").stat().st_mtime_ns == mtime_written
 
 
+def test_times_seen_after_close_are_the_ones_journaled(burst: MountedFS) -> None:
+    """The mtime and ctime stat shows once a file is closed are what a remount shows.
+    Through the daemon the kernel's write-back cache keeps them (it stamps its own clock and
+    shows that): a daemon that stamped the WRITEs reaching it after the kernel sent its
+    times (copy_file_range, a small pwrite in the kernel's current clock tick) journaled
+    other times, and the mtime moved at every remount."""
+    m = burst.path
+    with open(m / "src", "wb") as f:
+        f.write(b"z" * 70000)
+    src = os.open(m / "src", os.O_RDONLY)
+    dst = os.open(m / "cfr", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        assert os.copy_file_range(src, dst, 70000, 0, 0) == 70000
+    finally:
+        os.close(src)
+        os.close(dst)
+    buf = mmap.mmap(-1, 8192)
+    buf.write(b"y" * 8192)
+    fd = os.open(m / "odirect", os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o644)
+    try:
+        os.write(fd, buf)
+    finally:
+        os.close(fd)
+    fd = os.open(m / "odirect", os.O_RDWR)
+    try:
+        os.pwrite(fd, b"unaligned", 100)  # within the kernel's clock tick of the close above
+    finally:
+        os.close(fd)
+    (m / "retruncated").write_bytes(b"a" * 5000)
+    (m / "retruncated").write_bytes(b"b" * 10)  # O_TRUNC at once
+    (m / "truncated").write_bytes(b"c" * 5000)
+    os.truncate(m / "truncated", 3000)
+    fd = os.open(m / "allocated", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        os.write(fd, b"d" * 100)
+        os.posix_fallocate(fd, 0, 1 << 16)
+    finally:
+        os.close(fd)
+    (m / "mapped").write_bytes(b"\0" * 8192)
+    with open(m / "mapped", "r+b") as f, mmap.mmap(f.fileno(), 0) as mapped:
+        mapped[10:20] = b"0123456789"
+        mapped.flush()
+    (m / "chmodded").write_bytes(b"e")
+    os.chmod(m / "chmodded", 0o600)
+    names = ["src", "cfr", "odirect", "retruncated", "truncated", "allocated", "mapped", "chmodded"]
+
+    def times() -> dict[str, tuple[int, int]]:
+        return {name: ((st := os.stat(m / name)).st_mtime_ns, st.st_ctime_ns) for name in names}
+
+    seen = times()
+    time.sleep(0.05)  # a few of the kernel's clock ticks
+    assert times() == seen
+    query = "SELECT ino, mtime_ns, ctime_ns FROM inodes WHERE name=? AND parent!=0"
+    rows = {name: journal_rows(burst.cache, query, (name.encode(),))[0] for name in names}
+    assert {name: (mtime, ctime) for name, (_, mtime, ctime) in rows.items()} == seen
+    # No data file is newer than its journaled close: the drain takes one for a writer it has not seen.
+    data = burst.cache / "data"
+    assert not [name for name, (ino, mtime, _) in rows.items() if (data / f"{ino:016x}").stat().st_mtime_ns > mtime]
+    burst.unmount()
+    burst.mount()
+    after = times()
+    moved = {name: (seen[name], after[name]) for name in names if after[name] != seen[name]}
+    assert not moved, f"(mtime, ctime) before and after a remount: {moved}"
+    assert (m / "cfr").read_bytes() == b"z" * 70000
+
+
 # -- names: rename, unlink, directories, symlinks ---------------------------------------
 
 
@@ -350,6 +422,60 @@ def test_readdir_ten_thousand_entries(burst: MountedFS) -> None:
     for name in names[::2]:
         os.rmdir(d / name)
     assert sorted(os.listdir(d)) == sorted(names[1::2] + ["plain.bin"])
+
+
+def _getdents(fd: int, size: int = 1024) -> list[str]:
+    """One getdents64 call with a small buffer: the kernel asks the daemon for the rest of
+    the listing in many READDIR requests, each resuming at the offset of the last entry
+    it returned."""
+    buf = ctypes.create_string_buffer(size)
+    n = LIBC.syscall(SYS_GETDENTS64, fd, buf, ctypes.c_size_t(size))
+    if n < 0:
+        raise OSError(ctypes.get_errno(), "getdents64")
+    raw, names, at = buf.raw[:n], [], 0
+    while at < n:
+        reclen = struct.unpack_from("H", raw, at + 16)[0]
+        names.append(raw[at + 19 : at + reclen].split(b"\0", 1)[0].decode())
+        at += reclen
+    return names
+
+
+@pytest.mark.skipif(SYS_GETDENTS64 is None, reason="getdents64's number on this machine is not known here")
+def test_readdir_skips_entries_removed_during_a_listing_and_repeats_none(burst: MountedFS) -> None:
+    """Offsets are positions in the opendir snapshot: a name removed after the listing
+    started is skipped and shifts no other entry (each later entry came back a second
+    time, and the removed names came back too: the unlink's lookup kept their inodes)."""
+    d = burst.path / "d"
+    d.mkdir()
+    names = [f"e{i:04d}" for i in range(2000)]
+    for name in names:
+        (d / name).touch()
+    removed = {name for i, name in enumerate(names) if i > 1500 and i % 3 == 0}
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        seen: list[str] = []
+        while len(seen) < 100:
+            seen += _getdents(fd)
+        for name in sorted(removed):
+            os.unlink(d / name)
+        while batch := _getdents(fd):
+            seen += batch
+    finally:
+        os.close(fd)
+    twice = sorted(name for name, count in collections.Counter(seen).items() if count > 1)
+    assert not twice, f"{len(twice)} names returned twice: {twice[:5]}"
+    assert not removed & set(seen)
+    assert sorted(seen) == sorted(set(names) - removed)
+    # Python's scandir: glibc reads entries in batches of up to 1 MiB (st_blksize), here the
+    # whole directory at once, and returns what it holds even once unlinked.  Every name once.
+    with os.scandir(d) as it:
+        first = [next(it).name for _ in range(100)]
+        gone = {name for name in names[1000:] if name not in removed and int(name[1:]) % 2}
+        for name in gone:
+            os.unlink(d / name)
+        listed = first + [e.name for e in it]
+    assert len(listed) == len(set(listed))
+    assert set(listed) - gone == set(names) - removed - gone and not removed & set(listed)
 
 
 def test_symlinks(burst: MountedFS) -> None:
