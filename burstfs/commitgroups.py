@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .errors import CorruptDataError, FsError, RemoteError
+from .errors import OBJECT, CorruptDataError, FsError, RemoteError, error_scope
 from .journal import DONE, INCOMPLETE, WRITING, InodeRow, Journal
 from .journal.thread import JournalCall
 from .objects import RequestHealth, reported_call
@@ -289,6 +289,9 @@ class CommitGroups:
         # runs while files keep coming in (a quarter of the time at most).
         self._full_check_after: dict[str, float] = {}
         self._retry_at: dict[str, float] = {}  # what -> earliest retry of its record
+        # Directories whose records no remote can hold (a key too long, say): their rounds are
+        # not announced; retried only after a restart, so a drain that runs until idle ends.
+        self._unrecordable: set[str] = set()
         self._failures: dict[str, int] = {}
         self._intent_events: dict[str, asyncio.Event] = {}
         self._wanted: dict[str, float] = {}  # marker dir -> last asked
@@ -396,6 +399,8 @@ class CommitGroups:
         if self._commits:
             return True
         for intent, done, members, dir_key in groups:
+            if dir_key in self._unrecordable:
+                continue
             if not intent or (not done and await self._db(self._members, members, dir_key) is not None):
                 return True
         return False
@@ -411,7 +416,7 @@ class CommitGroups:
         if dirty:
             await self._db(self.journal.set_metas, dirty)
         for group in pending:
-            if self._retry_at.get(group.dir_key, 0.0) > now:
+            if self._retry_at.get(group.dir_key, 0.0) > now or group.dir_key in self._unrecordable:
                 continue
             try:
                 if not group.intent:
@@ -419,13 +424,19 @@ class CommitGroups:
                 if group.intent and not group.done:
                     await self._maybe_done(remote, group)
             except RemoteError as exc:
-                self._publish_failed(group.dir_key, exc)
+                if error_scope(exc) == OBJECT:  # never, whatever the retries: the directory's files fail alike
+                    self._unrecordable.add(group.dir_key)
+                    log.error("event=group_record_impossible dir=%s error=%s", group.dir_key, exc)
+                else:
+                    self._publish_failed(group.dir_key, exc)
         for commit in list(self._commits):
             try:
                 await self._publish_commit(remote, *commit)
             except RemoteError as exc:
-                self._publish_failed(f"commit {commit[1]}", exc)
-                break
+                if error_scope(exc) != OBJECT:
+                    self._publish_failed(f"commit {commit[1]}", exc)
+                    break
+                log.error("event=commit_record_impossible marker=%s error=%s", commit[1], exc)
             self._commits.remove(commit)
 
     def retry_now(self) -> None:

@@ -173,6 +173,38 @@ def test_drain_now_retries_a_record_backing_off(tmp_path: Path, monkeypatch: pyt
     run_nodes([node], scenario)
 
 
+def test_a_record_no_remote_can_hold_is_given_up_so_a_drain_until_idle_ends(tmp_path: Path) -> None:
+    """A directory whose record keys are too long for the remote (S3: 1024 bytes; its files'
+    own keys fit or fail alike): the intent was retried with backoff for good, and
+    ``burstfs drain --cache DIR --now`` never exited though nothing was left to drain."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    node = Node(tmp_path, "a", remote_dir)
+    attempts = 0
+    create_object = node.remote.create_object
+
+    async def too_long(key: str, data: bytes) -> bool:
+        nonlocal attempts
+        if key.startswith(f"{GROUPS_PREFIX}deep/"):
+            attempts += 1
+            raise RemoteError(f"key {key!r} is longer than S3's 1024 bytes", kind="key_too_long")
+        return await create_object(key, data)
+
+    node.remote.create_object = too_long  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        shard = node.write("deep/shard", b"s")
+        await until(lambda: node.durable(shard), "the shard durable", timeout=10)
+        await until(lambda: attempts >= 1, "the intent tried", timeout=10)
+        assert not await node.mover.groups.has_work()
+        node.mover.drain_now()
+        await asyncio.sleep(0.3)
+        assert attempts == 1  # given up, not retried
+        assert not await node.mover.groups.has_work()
+
+    run_nodes([node], scenario)
+
+
 def test_a_silent_remote_shows_in_the_status_from_the_first_retry_of_an_intent(tmp_path: Path) -> None:
     """A new checkpoint directory on a black-holed remote: the first requests are its intent
     record's, and the status headline (MoverStats.retrying_since) came only once a data
