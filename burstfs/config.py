@@ -21,7 +21,7 @@ import os
 import re
 import socket
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,18 @@ from .errors import ConfigError
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 
 # A node id names this mount's records on the remote: key-safe, no '@' (it separates the round id).
-_NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_NODE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+# An S3 region is a DNS label (botocore.utils.validate_region_name refuses anything else, and
+# only at the first request): 1-63 letters, digits and hyphens, no hyphen first or last, not all digits.
+_REGION_RE = re.compile(r"(?![0-9]+$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+#: Bounds of --read-ahead.  The daemon writes it to the mount's bdi ``read_ahead_kb``, which the
+#: kernel keeps in whole pages: less than a page, or a part of one, would be rounded silently.
+READ_AHEAD_UNIT = 4 << 10
+#: Readahead holds that much page cache per file being read; far more no longer fits the kernel's
+#: counters (a file's window is 32 bits of pages) or is refused by it, which the daemon only logs.
+READ_AHEAD_MAX = 1 << 30
 
 DEFAULT_COMMIT_MARKERS = (".metadata", "latest", "*.index.json", "latest_checkpointed_iteration.txt")
 
@@ -70,7 +81,11 @@ class RemoteURL:
 
 
 def parse_remote_url(url: str) -> RemoteURL:
-    """Parse ``s3://bucket[/prefix]`` or ``file:///abs/dir``; raise ConfigError otherwise."""
+    """Parse ``s3://bucket[/prefix]`` or ``file:///abs/dir``; raise ConfigError otherwise.
+
+    A prefix inside burstfs' own bookkeeping (a ``.burstfs`` component) is refused: a mount
+    there would list and rewrite the manifests and records of the mount on the prefix above.
+    """
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme == "s3":
         bucket = parsed.netloc
@@ -83,6 +98,7 @@ def parse_remote_url(url: str) -> RemoteURL:
         prefix = parsed.path.strip("/")
         if any(part in ("", ".", "..") for part in prefix.split("/")) and prefix:
             raise ConfigError(f"remote URL {url!r}: prefix has empty, '.' or '..' components")
+        _check_not_internal(url, prefix.split("/"))
         return RemoteURL("s3", bucket, prefix)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
@@ -90,23 +106,62 @@ def parse_remote_url(url: str) -> RemoteURL:
         path = urllib.parse.unquote(parsed.path)
         if not path.startswith("/") or path == "/":
             raise ConfigError(f"remote URL {url!r}: expected file:///ABSOLUTE/DIR")
+        _check_not_internal(url, Path(path).parts)
         return RemoteURL("file", "", str(Path(path)))
     raise ConfigError(
         f"remote URL {url!r}: unsupported scheme {parsed.scheme or '(none)'!r}; use s3://BUCKET/PREFIX or file:///DIR"
     )
 
 
+def _check_not_internal(url: str, parts: Sequence[str]) -> None:
+    """ConfigError if a component of the remote's path is burstfs' bookkeeping directory."""
+    from .remote.base import INTERNAL_DIR  # not at the top: the remote package imports this module
+
+    if INTERNAL_DIR in parts:
+        raise ConfigError(
+            f"remote URL {url!r}: {INTERNAL_DIR!r} is where burstfs keeps the bookkeeping of the prefix above it "
+            f"(manifests, checkpoint records); a mount there would rewrite another mount's; use a prefix "
+            f"without a {INTERNAL_DIR!r} component",
+            "remote",
+        )
+
+
 def check_node_id(node_id: str) -> str:
     """``node_id`` if it is safe in a remote key (letters, digits, ``.``, ``_``, ``-``; at most 63).
 
-    Anything else raises ConfigError.
+    Anything else raises ConfigError: the empty string too (the mount's default, the host
+    name, is asked for by leaving --node-id out).
     """
-    if not _NODE_ID_RE.match(node_id):
+    if not node_id:
+        raise ConfigError(
+            "--node-id is empty: give 1-63 letters, digits, '.', '_' or '-', or leave it out for the host name",
+            "node-id",
+        )
+    if not _NODE_ID_RE.fullmatch(node_id):
         raise ConfigError(
             f"node id {node_id!r}: use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit",
             "node-id",
         )
     return node_id
+
+
+def check_region(region: str) -> str:
+    """``region`` if it can name an S3 region (what botocore accepts); ConfigError otherwise."""
+    if not _REGION_RE.fullmatch(region):
+        raise ConfigError(
+            f"--region {region!r}: not a region name; use 1-63 letters, digits and '-' (e.g. us-east-1)", "region"
+        )
+    return region
+
+
+def check_read_ahead(nbytes: int) -> int:
+    """``nbytes`` if it is a --read-ahead the kernel takes as it is; ConfigError otherwise."""
+    if not READ_AHEAD_UNIT <= nbytes <= READ_AHEAD_MAX or nbytes % READ_AHEAD_UNIT:
+        raise ConfigError(
+            f"--read-ahead must be a multiple of 4K (the kernel counts it in pages) from 4K to 1G, not {nbytes} bytes",
+            "read-ahead",
+        )
+    return nbytes
 
 
 def check_seconds(value: float, option: str, maximum: float | None = None) -> float:
@@ -197,6 +252,8 @@ class S3Options:
     def __post_init__(self) -> None:
         if self.endpoint_url is not None:
             check_endpoint_url(self.endpoint_url)
+        if self.region is not None:
+            check_region(self.region)
 
     def endpoint(self) -> str | None:
         """The endpoint to use: ``endpoint_url``, else ``$AWS_ENDPOINT_URL`` (checked, and said to
@@ -298,7 +355,7 @@ class MountConfig:
     read_plans: fetch ahead the files a checkpoint's index names once a reader walks them (readplans.py).
     tier: how the local tier is kept from overflowing.
     list_ttl: seconds a directory's remote listing stays fresh.
-    read_ahead: kernel readahead of the mount, bytes.
+    read_ahead: kernel readahead of the mount, bytes (whole 4 KiB pages, 4 KiB to 1 GiB).
     nonempty: mount over a mount point that holds files (hidden while mounted).
     remote_wait: seconds a request (lookup miss, opendir) waits for a remote listing.
     """
@@ -324,8 +381,7 @@ class MountConfig:
     def __post_init__(self) -> None:
         check_seconds(self.remote_wait, "remote-wait", maximum=60)
         check_seconds(self.list_ttl, "list-ttl")
-        if self.read_ahead < 0:
-            raise ConfigError(f"--read-ahead must not be negative, not {self.read_ahead}", "read-ahead")
+        check_read_ahead(self.read_ahead)
         if self.metrics_addr is not None:
             parse_metrics_addr(self.metrics_addr)
 
@@ -342,6 +398,12 @@ class MountConfig:
         drain = _known(DrainOptions, doc.get("drain", {}))
         if "commit_markers" in drain:
             drain["commit_markers"] = tuple(drain["commit_markers"])
+        options = {k: v for k, v in _known(cls, doc).items() if k not in _TREE_FIELDS}
+        if "read_ahead" in options:
+            try:
+                check_read_ahead(options["read_ahead"])
+            except ConfigError:  # an older burstfs took any --read-ahead: only its mount used it
+                del options["read_ahead"]
         return cls(
             mountpoint=Path(doc["mountpoint"]),
             cache_dir=Path(doc["cache_dir"]),
@@ -349,7 +411,7 @@ class MountConfig:
             s3=S3Options(**_known(S3Options, doc.get("s3", {}))),
             drain=DrainOptions(**drain),
             tier=TierOptions(**_known(TierOptions, doc.get("tier", {}))),
-            **{k: v for k, v in _known(cls, doc).items() if k not in _TREE_FIELDS},
+            **options,
         )
 
 

@@ -26,6 +26,7 @@ from .config import (
     MountConfig,
     S3Options,
     TierOptions,
+    check_node_id,
     parse_remote_url,
     parse_size,
     redact_url,
@@ -218,7 +219,8 @@ def build_config(values: dict[str, Any]) -> MountConfig:
             compress=None if compress == "none" else compress,
             delay=values["drain_delay"],
             commit_markers=tuple(values["commit_markers"]),
-            node_id=values["node_id"] or "",  # "" = the host name, or the id the cache was first mounted with
+            # not given: "", the host name (or the id the cache was first mounted with); given "": refused
+            node_id="" if values["node_id"] is None else check_node_id(values["node_id"]),
         ),
         tier=TierOptions(
             cache_size=size("cache_size", "cache-size") if values["cache_size"] else None,

@@ -212,6 +212,45 @@ def test_drain_bounds_are_refused_in_one_line(dirs: tuple[Path, Path, str], opti
     assert not cache.exists()
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (("--remote", "s3://bkt/.burstfs"), "'.burstfs' is where burstfs keeps the bookkeeping"),
+        (("--remote", "s3://bkt/run/.burstfs/x"), "'.burstfs' is where burstfs keeps the bookkeeping"),
+        (("--remote", "file://{remote}/.burstfs"), "'.burstfs' is where burstfs keeps the bookkeeping"),
+        (("--read-ahead", "3"), "--read-ahead must be a multiple of 4K (the kernel counts it in pages)"),
+        (("--read-ahead", "0"), "from 4K to 1G, not 0 bytes"),
+        (("--read-ahead", "6K"), "not 6144 bytes"),
+        (("--node-id", ""), "--node-id is empty"),
+        (("--node-id", "a@b"), "node id 'a@b': use 1-63 letters"),
+        (("--region", "bad region!"), "--region 'bad region!': not a region name"),
+        (("--region", ""), "--region '': not a region name"),
+    ],
+)
+def test_bad_remote_read_ahead_node_id_and_region_are_refused_before_the_mount(
+    dirs: tuple[Path, Path, str], args: tuple[str, str], says: str
+) -> None:
+    """Acceptance findings: a remote inside another prefix's .burstfs/ rewrote that mount's
+    manifests; --read-ahead 3, --node-id "" mounted; --region "bad region!" exited 1 at
+    the first request.  Each is bad input: one line, exit 2, nothing created."""
+    mnt, cache, remote = dirs
+    option, value = args
+    value = value.replace("{remote}", remote.removeprefix("file://"))
+    base = ("mount", str(mnt), "--cache", str(cache), "--remote", remote)
+    try:
+        err = one_line(refused(*base, option, value))
+    finally:
+        force_unmount(mnt)  # a regression mounts with the value: leave nothing behind
+    assert says in err, err
+    assert not cache.exists() and not is_mounted(mnt)
+    assert os.listdir(Path(remote.removeprefix("file://"))) == []  # nothing made in the remote either
+
+
+def test_admin_latest_refuses_a_bad_region_in_one_line(tmp_path: Path) -> None:
+    result = admin("latest", "--remote", f"file://{tmp_path}", "--region", "bad region!")
+    assert result.returncode == USAGE and "--region 'bad region!': not a region name" in one_line(result.stderr)
+
+
 @pytest.mark.parametrize("option", ["--timeout", "--wait-timeout"])
 def test_unmount_timeouts_must_be_finite(tmp_path: Path, option: str) -> None:
     err = one_line(refused("unmount", str(tmp_path), "--wait", option, "nan"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,12 @@ from burstfs.config import (
     MountConfig,
     S3Options,
     TierOptions,
+    check_node_id,
+    check_read_ahead,
     config_from_meta,
     parse_remote_url,
 )
+from burstfs.errors import ConfigError
 from burstfs.journal import Journal
 
 DOC = Path(__file__).parent.parent / "docs" / "CONFIGURATION.md"
@@ -168,6 +172,16 @@ def test_a_minimal_file_and_the_command_line_build_the_same_tree(tmp_path: Path)
             "endpoint-url",
             "'http://admin:***@127.0.0.1:9000': credentials in the URL are not used for S3",
         ),
+        (  # it listed and rewrote the manifests of the mount on s3://bkt/run
+            'mountpoint = "/m"\ncache = "/c"\nremote = "s3://bkt/run/.burstfs"\n',
+            3,
+            "remote",
+            "'.burstfs' is where burstfs keeps the bookkeeping",
+        ),
+        (REQUIRED + "read-ahead = 0\n", 4, "read-ahead", "--read-ahead must be a multiple of 4K"),
+        (REQUIRED + 'read-ahead = "3"\n', 4, "read-ahead", "not 3 bytes"),
+        (REQUIRED + 'node-id = ""\n', 4, "node-id", "--node-id is empty"),
+        (REQUIRED + 'region = "bad region!"\n', 4, "region", "--region 'bad region!': not a region name"),
     ],
 )
 def test_bad_files_name_the_line_and_the_key_and_exit_2(
@@ -180,6 +194,101 @@ def test_bad_files_name_the_line_and_the_key_and_exit_2(
     assert f"{path}:{line}: key '{key}'" in result.stderr and message in result.stderr, result.stderr
     mounted = burstfs("mount", "--config", str(path), check=False)
     assert mounted.returncode == 2 and f"{path}:{line}: key '{key}'" in mounted.stderr, mounted.stderr
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "s3://bkt/.burstfs",
+        "s3://bkt/.burstfs/",
+        "s3://bkt/run/.burstfs",
+        "s3://bkt/run/.burstfs/x",
+        "file:///srv/r/.burstfs",
+        "file:///srv/r/.burstfs/manifests",
+        "file:///srv/r/%2Eburstfs",  # a file URL's path is unquoted: this is /srv/r/.burstfs
+    ],
+)
+def test_a_remote_inside_the_bookkeeping_of_another_is_refused(url: str) -> None:
+    """burstfs keeps a prefix's manifests and records under PREFIX/.burstfs/: a mount whose
+    prefix lies in there lists and rewrites those of the mount on the prefix above."""
+    with pytest.raises(ConfigError, match="keeps the bookkeeping of the prefix above") as raised:
+        parse_remote_url(url)
+    assert raised.value.option == "remote" and repr(url) in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "url", ["s3://bkt/.burstfs2", "s3://bkt/run.burstfs", "s3://bkt/burstfs/x", "file:///srv/r/.burstfs-old"]
+)
+def test_names_that_only_look_like_the_bookkeeping_dir_are_remotes(url: str) -> None:
+    assert str(parse_remote_url(url)) == url
+
+
+@pytest.mark.parametrize("nbytes", [0, 3, 1024, 4095, 6 << 10, (1 << 30) + 4096, 1 << 40, -4096])
+def test_read_ahead_out_of_range_or_not_whole_pages_is_refused(nbytes: int) -> None:
+    """The daemon writes it to the bdi's read_ahead_kb (at least 4), which the kernel keeps in
+    pages: 0 and 3 bytes became 4 KiB, 6 KiB one page, without a word."""
+    with pytest.raises(ConfigError, match=f"from 4K to 1G, not {nbytes} bytes") as raised:
+        check_read_ahead(nbytes)
+    assert raised.value.option == "read-ahead"
+    with pytest.raises(ConfigError):
+        MountConfig(
+            mountpoint=Path("/m"), cache_dir=Path("/c"), remote=parse_remote_url("file:///r"), read_ahead=nbytes
+        )
+
+
+@pytest.mark.parametrize("nbytes", [4 << 10, 128 << 10, 1 << 20, 3 << 20, 1 << 30])
+def test_read_ahead_in_whole_pages_is_taken(nbytes: int) -> None:
+    assert check_read_ahead(nbytes) == nbytes
+
+
+def test_a_journal_with_a_read_ahead_an_older_burstfs_took_still_drains() -> None:
+    """`burstfs drain` reads the last mount's config back; its --read-ahead matters only to
+    that mount, so a value refused now is no reason to leave the cache undrained."""
+    config = MountConfig(mountpoint=Path("/m"), cache_dir=Path("/c"), remote=parse_remote_url("file:///r"))
+    doc = json.loads(config.to_json())
+    assert MountConfig.from_json(json.dumps({**doc, "read_ahead": 3})) == config
+
+
+def values_with(**options: Any) -> dict[str, Any]:
+    """The mount command's values, as the command line delivers them, with ``options`` set."""
+    base = {"mountpoint": "/m", "cache_dir": "/c", "remote": "file:///r"}
+    return {**configfile.defaults(mount_command), **base, **options}
+
+
+def test_an_empty_node_id_is_refused_and_a_missing_one_is_the_host_name() -> None:
+    """--node-id "" mounted as the host name, as if it had not been given."""
+    with pytest.raises(ConfigError, match="--node-id is empty") as raised:
+        configfile.build_config(values_with(node_id=""))
+    assert raised.value.option == "node-id"
+    assert configfile.build_config(values_with(node_id=None)).drain.node_id == ""
+    assert configfile.build_config(values_with(node_id="n-1.a_b")).drain.node_id == "n-1.a_b"
+
+
+@pytest.mark.parametrize("node_id", ["n1\n", "a@b", "a/b", "a b", "\tn1", ".n1", "-n1", "n" * 64, "nöde"])
+def test_node_ids_that_do_not_fit_a_record_key_are_refused(node_id: str) -> None:
+    """'@' parts the round id in a record key, '/' is a directory, whitespace (a trailing
+    newline too, which a plain ``$`` let through) ends a line of the logs and listings."""
+    with pytest.raises(ConfigError, match="use 1-63 letters, digits"):
+        check_node_id(node_id)
+    with pytest.raises(ConfigError):
+        configfile.build_config(values_with(node_id=node_id))
+
+
+@pytest.mark.parametrize(
+    "region", ["bad region!", "", "us_east_1", "-us-east-1", "us-east-1-", "123", "r" * 64, "us-east-1\n", "eu.west"]
+)
+def test_a_region_that_is_no_region_name_is_refused_at_parsing(region: str) -> None:
+    """botocore refuses it only at the first request: the mount exited 1, "cannot talk to"."""
+    with pytest.raises(ConfigError, match="not a region name") as raised:
+        S3Options(region=region)
+    assert raised.value.option == "region"
+    with pytest.raises(ConfigError, match="not a region name"):
+        configfile.build_config(values_with(region=region, remote="s3://bkt/p"))
+
+
+@pytest.mark.parametrize("region", ["us-east-1", "us-gov-west-1", "cn-north-1", "r", "default", "EU", "zg1"])
+def test_region_names_of_aws_and_other_stores_are_taken(region: str) -> None:
+    assert S3Options(region=region).region == region
 
 
 def test_sizes_take_whole_numbers_and_durations_integers(tmp_path: Path) -> None:
