@@ -209,40 +209,60 @@ class ControlServer:
             raise ValueError("'paths' must be a non-empty list of paths relative to the mount root")
         return [p.strip("/") for p in paths]
 
-    async def _inode_at(self, rel: str, *, listed: bool = True) -> Inode:
-        """The inode at ``rel``, each directory on the way listed first if ``listed``."""
+    async def _list(self, directory: Inode, path: str, *, fresh: bool) -> None:
+        """Merge the remote listing of ``directory`` (at ``path``): if older than the TTL, a
+        failure logged and passed over; ``fresh``: now, and a failure raised (EIO), since what
+        the directory holds on the remote is then not known."""
+        listings = self.core.listings
+        if not fresh:
+            await listings.refresh(directory)
+        elif listings.links.fetcher is not None and not await listings.refresh(directory, force=True):
+            raise FsError(
+                errno.EIO,
+                f"/{path}: could not list this directory on the remote (the daemon's log says why); "
+                "what it holds there is not known",
+            )
+
+    async def _inode_at(self, rel: str, *, listed: bool = True, fresh: bool = False) -> Inode:
+        """The inode at ``rel``, each directory on the way listed first if ``listed``
+        (``fresh``: see :meth:`_list`)."""
         inode = self.core.namespace.inode(ROOT_INO)
+        walked = ""
         for part in filter(None, rel.split("/")):
             if listed:
-                await self.core.listings.refresh(inode)
+                await self._list(inode, walked, fresh=fresh)
+            walked = f"{walked}/{part}" if walked else part
             try:
                 inode = self.core.namespace.child(inode.ino, os.fsencode(part))
             except FsError as exc:
                 raise FsError(exc.errno, f"/{rel}: {os.strerror(exc.errno)}") from None
         return inode
 
-    async def _inodes_under(self, rel: str, *, listed: bool = True) -> list[tuple[str, Inode]]:
+    async def _inodes_under(self, rel: str, *, listed: bool = True, fresh: bool = False) -> list[tuple[str, Inode]]:
         """Files at or below ``rel`` in the live namespace, remote listings merged first
         (a restore on a fresh node prefetches directories nobody has listed yet).
         ``listed=False``: no listing is waited for (evict acts on local copies only, and
-        is what frees a full tier during an outage)."""
+        is what frees a full tier during an outage).  ``fresh``: every directory is listed
+        now, and one that cannot be raises (verify --remote: see :meth:`_list`)."""
         found: list[tuple[str, Inode]] = []
-        stack = [(rel, await self._inode_at(rel, listed=listed))]
+        stack = [(rel, await self._inode_at(rel, listed=listed, fresh=fresh))]
         while stack:
             path, node = stack.pop()
             if node.kind == "file":
                 found.append((path, node))
                 continue
             if node.kind == "dir" and listed:
-                await self.core.listings.refresh(node)
+                await self._list(node, path, fresh=fresh)
             for name, child in self.core.namespace.entries(node):
                 stack.append((f"{path}/{os.fsdecode(name)}" if path else os.fsdecode(name), child))
         return found
 
-    async def _files(self, request: dict[str, Any], *, listed: bool = True) -> list[tuple[str, Inode]]:
+    async def _files(
+        self, request: dict[str, Any], *, listed: bool = True, fresh: bool = False
+    ) -> list[tuple[str, Inode]]:
         seen: dict[int, tuple[str, Inode]] = {}
         for rel in self._rels(request):
-            for path, inode in await self._inodes_under(rel, listed=listed):
+            for path, inode in await self._inodes_under(rel, listed=listed, fresh=fresh):
                 seen.setdefault(inode.ino, (path, inode))
         return sorted(seen.values(), key=lambda item: item[0])
 
@@ -396,6 +416,11 @@ class ControlServer:
     async def _verify(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:
         rels = self._rels(request)
         drain = self._drain() if request.get("remote") else None  # refuse before hashing anything
+        if drain is not None:
+            # The remote holds what the node may never have listed (a restore node): every
+            # directory walked is listed now, as for prefetch, and merged before the journal
+            # is read; one that cannot be listed fails the verify, never an empty "all OK".
+            await self._files(request, fresh=True)
         files = await trio.to_thread.run_sync(files_to_verify, self.journal, rels)
         local = await trio.to_thread.run_sync(check_local_all, self.config.cache_dir, self.journal, files)
         remote = None

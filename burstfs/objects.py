@@ -42,7 +42,7 @@ from .errors import (
 )
 from .fileio import pread_full
 from .manifest import ChunkInfo, Manifest, StoredChunk, decode_chunk, encode_chunk
-from .remote import Remote, RetryPolicy, UploadedPart, fail_fast_group, run_workers
+from .remote import ObjectInfo, Remote, RetryPolicy, UploadedPart, fail_fast_group, run_workers
 from .remote.base import manifest_key
 
 # The objects layer's names, wherever they are defined (callers import them from here).
@@ -381,6 +381,11 @@ class ObjectStore:
         if manifest.key != key:
             raise ManifestError(f"manifest at {manifest_key(key)} describes {manifest.key!r}")
         return manifest
+
+    async def head(self, key: str) -> ObjectInfo | None:
+        """Size and identity of the object at ``key`` (None if there is none), retried."""
+        info: ObjectInfo | None = await self._call(self.remote.head, key, what=f"head {key}")
+        return info
 
     async def read_chunks(
         self, key: str, manifest: Manifest, first: int, stop: int

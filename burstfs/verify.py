@@ -75,6 +75,14 @@ async def check_remote(store: ObjectStore, row: InodeRow) -> Verdict:
             return "mismatch", f"no burstfs manifest for {key}: the object cannot be verified"
         if not listed and manifest.generation == row.generation and row.digest and manifest.digest != row.digest:
             return "mismatch", f"manifest of {key} has digest {manifest.digest}, journal {row.digest}"
+        # The chunks cover only the bytes the manifest lists: an object with more (bytes
+        # appended) or fewer is not the file, however well each chunk checks out.
+        info = await store.head(key)
+        if info is None:
+            return "mismatch", f"object {key} is missing on the remote"
+        stored = sum(chunk.stored_size for chunk in manifest.chunks)
+        if info.size != stored:
+            return "mismatch", f"object {key} is {info.size} bytes, its manifest stores {stored}"
         whole = xxhash.xxh3_128()
         step = manifest.chunk_size * max(1, VERIFY_WINDOW_BYTES // manifest.chunk_size)  # GETs in flight
         for start in range(0, manifest.size, step):

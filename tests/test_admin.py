@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import BIN, FUSE_OK, MountedFS, burstfs, wait_for
+from conftest import BIN, FUSE_OK, MountedFS, RemoteTarget, burstfs, wait_for
 from s3server import free_port
 
 from burstfs.committer import DEFER_S
@@ -304,6 +304,85 @@ def test_verify_remote_of_a_file_not_drained_yet_is_skipped_not_ok(mounted_facto
     assert (entry["result"], entry["local"]["result"], entry["remote"]["result"]) == ("SKIPPED", "ok", "skipped")
     assert entry["remote"]["detail"] == "not on the remote yet" and doc["skipped"] == 1
     assert admin_json("verify", fs.path / "w.pt")["files"][0]["result"] == "OK"  # the local check alone
+
+
+@pytest.mark.parametrize("compress", ["none", "lz4"])
+def test_verify_remote_finds_bytes_appended_to_an_object(
+    mounted_factory: type[MountedFS], remote: RemoteTarget, compress: str
+) -> None:
+    """An object with bytes beyond what its manifest stores is not the file (a read through a
+    fresh mount is EIO): `verify --remote` said OK, on the writing node and on a fresh one,
+    since every chunk the manifest lists still checked out."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    writer = mounted_factory("writer", remote.url, (*remote.extra_args, "--compress", compress))  # type: ignore[call-arg]
+    writer.mount()
+    data = os.urandom(1_500_000) + bytes(1_500_000)  # 3,000,000 bytes, half of them compressible
+    checkpoint(writer, {"ck/x.bin": data})
+    assert admin_json("verify", writer.path / "ck", "--remote")["mismatches"] == 0
+    stored = remote.read("ck/x.bin")
+    assert stored is not None and (len(stored) < len(data)) == (compress == "lz4")
+    remote.write("ck/x.bin", stored + b"X")
+
+    (entry,) = admin_json("verify", writer.path / "ck" / "x.bin", "--remote", expect=4)["files"]
+    assert (entry["result"], entry["local"]["result"], entry["remote"]["result"]) == ("MISMATCH", "ok", "mismatch")
+    assert f"is {len(stored) + 1} bytes" in entry["remote"]["detail"], entry
+
+    reader = mounted_factory("reader", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    reader.mount()
+    result = admin("verify", reader.path / "ck" / "x.bin", "--remote", expect=4)
+    assert "MISMATCH  ck/x.bin" in result.stdout and "do not match their checksums" in result.stderr
+
+
+def test_verify_remote_on_a_fresh_node_lists_the_directories_it_walks(
+    mounted_factory: type[MountedFS], remote: RemoteTarget
+) -> None:
+    """On a restore node, `verify --remote` of a directory nobody listed yet (or of the mount
+    root) checked nothing and exited 0 over a corrupt object: it lists the whole subtree first."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    writer = mounted_factory("writer", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    writer.mount()
+    checkpoint(writer, {"ck/w.pt": os.urandom(300_000), "ck/deep/z.pt": os.urandom(100_000), "top.pt": b"top"})
+    writer.unmount()
+    stored = bytearray(remote.read("ck/deep/z.pt") or b"")
+    stored[4321] ^= 0xFF
+    remote.write("ck/deep/z.pt", bytes(stored))
+
+    fresh = mounted_factory("fresh", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    fresh.mount()
+    doc = admin_json("verify", fresh.path / "ck", "--remote", expect=4)
+    assert {f["path"]: f["result"] for f in doc["files"]} == {"ck/deep/z.pt": "MISMATCH", "ck/w.pt": "OK"}, doc
+
+    root = mounted_factory("root", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    root.mount()
+    result = admin("verify", root.path, "--remote", expect=4)
+    assert "MISMATCH  ck/deep/z.pt" in result.stdout, result.stdout
+    assert "OK        ck/w.pt" in result.stdout and "OK        top.pt" in result.stdout
+
+
+@pytest.mark.parametrize("remote", ["s3"], indirect=True)
+def test_verify_remote_fails_when_a_directory_cannot_be_listed(
+    mounted_factory: type[MountedFS], remote: RemoteTarget
+) -> None:
+    """What a directory holds on the remote is not known when its listing fails: that is no
+    "every file checked and matching" (exit 0), however few files the node knew of."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    assert remote.proxy is not None
+    writer = mounted_factory("writer", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    writer.mount()
+    checkpoint(writer, {"ck/a.pt": os.urandom(10_000)})
+    writer.unmount()
+
+    fresh = mounted_factory("fresh", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    fresh.mount()
+    remote.proxy.fail_next(1000, status=503, match="list-type=2")
+    result = admin("verify", fresh.path, "--remote", expect=1)
+    assert "could not list" in result.stderr and "OK" not in result.stdout, result
+    remote.proxy.clear()
+    doc = admin_json("verify", fresh.path, "--remote")
+    assert [(f["path"], f["result"]) for f in doc["files"]] == [("ck/a.pt", "OK")]
 
 
 # -- journal ----------------------------------------------------------------------------------------
