@@ -306,6 +306,8 @@ def test_admin_latest_of_an_unreachable_remote_is_not_no_checkpoint(s3_env: str)
     result = admin("latest", "--remote", "s3://bkt/p", "--endpoint-url", f"http://127.0.0.1:{port}")
     assert result.returncode == 5 and "Traceback" not in result.stderr, result.stderr
     assert "no complete checkpoint" not in result.stderr
+    assert "event=remote_retry" not in result.stderr  # the daemon's log lines are not its output
+    one_line(result.stderr)
 
 
 def test_a_cache_dir_that_cannot_be_created_is_refused(tmp_path: Path) -> None:

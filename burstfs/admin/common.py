@@ -9,6 +9,7 @@ import dataclasses
 import datetime
 import errno
 import json
+import logging
 import os
 import socket
 import sqlite3
@@ -309,6 +310,10 @@ def main() -> None:
     no mount found, 3 timeout, 4 a file failed to drain (or is incomplete, or
     the drain is halted) or did not verify, 5 latest could not read the remote.
     """
+    # What a command has to say it says itself, in one line: the remote's retries (latest
+    # --remote against a sick store) are the daemon's log lines, not this tool's output.
+    logging.getLogger("burstfs").addHandler(logging.NullHandler())
+    logging.getLogger("burstfs").propagate = False
 
 
 def path_command(name: str | None = None, *, many: bool = False) -> Callable[[Callable[..., Any]], click.Command]:
