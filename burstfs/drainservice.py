@@ -257,6 +257,10 @@ class DrainService:
         assert self.mover.restore is not None
         return await self.on_mover_loop(self.mover.restore.list_dir(dir_key))
 
+    async def objects_deleted(self, keys: list[str]) -> set[str]:
+        assert self.mover.restore is not None
+        return await self.on_mover_loop(self.mover.restore.objects_deleted(keys))
+
     def forget(self, ino: int) -> None:
         restore = self.mover.restore
         if restore is not None:

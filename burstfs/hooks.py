@@ -66,6 +66,9 @@ class Fetcher(Protocol):
     async def list_dir(self, dir_key: str) -> Listing:
         """The remote files directly under ``dir_key``, and subdirectory names."""
 
+    async def objects_deleted(self, keys: list[str]) -> set[str]:
+        """Of ``keys``, missing from a listing, those deleted with their manifest (by burstfs)."""
+
     def forget(self, ino: int) -> None:
         """The file went away: drop any fetch state."""
 

@@ -104,6 +104,7 @@ class RemoteListings:
         # directory -> listing in flight: (done, [merged], trio time it started, how long requests wait)
         self._in_flight: dict[int, tuple[trio.Event, list[bool], float, float]] = {}
         self._skipped_logged: set[str] = set()  # listed keys already logged as skipped
+        self._lost_logged: set[str] = set()  # keys of this node's objects logged as lost
         self._seen: set[int] = set()  # directories listed (merged) in this life, or made here
         # Another node's files (Inode.as_listed) -> the etag their object had when this mount first
         # listed them: a rewrite of the same size within the same second changes only that.
@@ -197,6 +198,7 @@ class RemoteListings:
             return False
         try:
             known_keys = await trio.to_thread.run_sync(self.journal.keys.owned_under, dir_key)
+            own_durable = await trio.to_thread.run_sync(self.journal.keys.durable_at_path_in, directory.ino, dir_key)
             files, subdirs = await self.links.fetcher.list_dir(dir_key)
         except Exception as exc:
             log.warning("event=list_failed dir=%s error=%s", dir_key or "/", exc)
@@ -236,7 +238,21 @@ class RemoteListings:
                 continue
             if raw is not None and name not in owned_dirs:
                 wanted_dirs.append(raw)
-        return await self._merge(directory, prefix, now, wanted_files, wanted_dirs, remote_versions)
+        vanished = {prefix + os.fsdecode(raw): raw for raw in own_durable if raw not in remote_versions}
+        if vanished:
+            try:
+                deleted = await self.links.fetcher.objects_deleted(sorted(vanished))
+            except Exception as exc:
+                log.warning("event=list_failed dir=%s error=%s", dir_key or "/", exc)
+                self._slow_until = time.monotonic() + self.backoff
+                return False
+            for key, raw in vanished.items():
+                if key not in deleted:
+                    del own_durable[raw]
+                    if key not in self._lost_logged:
+                        self._lost_logged.add(key)
+                        log.error("event=object_lost key=%s note=gone from the remote, its manifest is not", key)
+        return await self._merge(directory, prefix, now, wanted_files, wanted_dirs, remote_versions, own_durable)
 
     async def _merge(
         self,
@@ -246,6 +262,7 @@ class RemoteListings:
         wanted_files: list[tuple[bytes, int, int, str]],
         wanted_dirs: list[bytes],
         remote_versions: dict[bytes, tuple[int, int, str | None]],
+        own_durable: dict[bytes, int],
     ) -> bool:
         """Apply a filtered listing: no await from the checks to the commit's enqueue.
 
@@ -256,7 +273,12 @@ class RemoteListings:
         its fetched copy dropped: the next open reads the new bytes, never the old copy
         (nor EIO for a digest that no longer matches).  A file open for writing is left as
         it is; a reader goes on with the inode it opened: what it fetched of the old version,
-        EIO for the rest (its object is gone), never the new version's bytes."""
+        EIO for the rest (its object is gone), never the new version's bytes.
+
+        A file of this node's whose object was at its path before the listing began
+        (``own_durable``), unchanged here since, and missing from it with its manifest was
+        deleted by another node (keep-last-N on rank 0): it goes here too, as another
+        node's would, rather than stay and be called durable with no object behind it."""
         if directory.children is None or (directory.parent == 0 and directory.ino != ROOT_INO):
             return False  # removed while it was listed
         undo = Undo()
@@ -273,8 +295,13 @@ class RemoteListings:
         forgotten: list[tuple[bytes, Inode]] = []
         for raw, ino in list(directory.children.items()):
             gone = self.namespace.inodes[ino]
-            if gone.writers or gone.pending or not (gone.listed or gone.as_listed):
+            if gone.writers or gone.pending:
                 continue  # a reader keeps the inode it opened (detached), a writer keeps its file
+            if not (gone.listed or gone.as_listed):
+                if self._deleted_elsewhere(gone, raw, own_durable, remote_versions, prefix, recent):
+                    ops += self._forget_listed_ops(directory, gone, undo)
+                    forgotten.append((raw, gone))
+                continue
             listed = remote_versions.get(raw)
             if listed is None:
                 ops += self._forget_listed_ops(directory, gone, undo)
@@ -360,6 +387,30 @@ class RemoteListings:
         if len(self._skipped_logged) < 10000:
             self._skipped_logged.add(what)
         log.warning("event=listing_entry_skipped dir=%s key=%r reason=%s", dir_key or "/", entry, exc)
+
+    @staticmethod
+    def _deleted_elsewhere(
+        inode: Inode,
+        raw: bytes,
+        own_durable: dict[bytes, int],
+        remote_versions: dict[bytes, tuple[int, int, str | None]],
+        prefix: str,
+        recent: set[str],
+    ) -> bool:
+        """Whether this node's durable file ``raw`` lost its object to another node's delete."""
+        key = prefix + os.fsdecode(raw)
+        if (
+            inode.kind != "file"
+            or raw in remote_versions
+            or own_durable.get(raw) != inode.generation
+            or inode.dirty
+            or inode.new
+            or inode.links
+            or key in recent
+        ):
+            return False
+        log.warning("event=deleted_elsewhere key=%s ino=%d note=its object is gone from the remote", key, inode.ino)
+        return True
 
     def _forget_listed_ops(self, directory: Inode, inode: Inode, undo: Undo) -> list[Op]:
         """A listed file that vanished from the remote: drop it here, delete nothing there."""

@@ -545,3 +545,32 @@ def test_a_file_another_node_rewrites_or_removes_is_read_anew_here(
             assert exc.errno == errno.EIO
     assert (n1.path / "ck/latest.pt").read_bytes() == fourth
     assert "event=listed_file_changed" in n1.log_text()
+
+
+def test_a_nodes_own_durable_file_another_node_deleted_goes_here_too(
+    mounted_factory: type[MountedFS], bucket: Bucket
+) -> None:
+    """Keep-last-N on rank 0 deletes an old step's shards, other nodes' too.  The node that
+    wrote a shard kept listing it, read it, and called it durable with no object behind it
+    (`verify --remote` failed), so that node still showed the pruned step."""
+    n0 = node(mounted_factory, bucket, "n0", "--list-ttl", "0")
+    n1 = node(mounted_factory, bucket, "n1", "--list-ttl", "0")
+    write(n1, "ck/step_1/__1_0.distcp", shard(1, 1))
+    write(n1, "ck/step_1/kept.bin", b"kept")
+    write(n1, "ck/step_1/lost.bin", b"lost")
+    admin("wait", n1.path / "ck")
+    (n0.path / "ck/step_1/__1_0.distcp").unlink()
+    wait_for(lambda: "ck/step_1/__1_0.distcp" not in bucket.keys(), what="the delete on the remote")
+    # An object removed behind burstfs' back (its manifest stays: a lifecycle rule, an
+    # operator) was lost, not deleted by a node: its file stays here, for verify to report.
+    bucket.client.delete_object(Bucket=bucket.name, Key="job/ck/step_1/lost.bin")
+    assert sorted(os.listdir(n1.path / "ck/step_1")) == ["kept.bin", "lost.bin"]
+    assert "event=object_lost key=ck/step_1/lost.bin" in n1.log_text()
+    assert (n1.path / "ck/step_1/lost.bin").read_bytes() == b"lost"
+    assert not (n1.path / "ck/step_1/__1_0.distcp").exists()
+    admin("wait", n1.path / "ck", "--timeout", "30")
+    assert "event=deleted_elsewhere key=ck/step_1/__1_0.distcp" in n1.log_text()
+    # A file of n1's rewritten here after the delete elsewhere is n1's again, not forgotten.
+    write(n1, "ck/step_1/__1_0.distcp", b"rewritten")
+    admin("wait", n1.path / "ck", "--timeout", "30")
+    assert sorted(os.listdir(n1.path / "ck/step_1")) == ["__1_0.distcp", "kept.bin", "lost.bin"]

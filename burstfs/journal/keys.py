@@ -9,6 +9,7 @@ unlink is seen whole.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Container, Iterable
 
 from .connection import Database
@@ -50,6 +51,19 @@ class KeyOwnership:
                 (low, high, low, high),
             )
         return {str(row[0]) for row in rows}
+
+    def durable_at_path_in(self, dir_ino: int, dir_key: str) -> dict[bytes, int]:
+        """name -> generation of the files directly in ``dir_ino`` (path ``dir_key``) whose
+        current generation is durable with its object at their path: read before a listing,
+        each of them was on the remote then, so one missing from it was deleted since."""
+        prefix = f"{dir_key}/" if dir_key else ""
+        marks, done = state_marks(DONE)
+        rows = self._db.query(
+            f"SELECT name, generation, remote_key FROM inodes WHERE parent=? AND kind='file' AND link_of IS NULL "
+            f"AND state IN ({marks}) AND durable_generation=generation AND remote_key IS NOT NULL",
+            (dir_ino, *done),
+        )
+        return {bytes(name): int(gen) for name, gen, key in rows if key == prefix + os.fsdecode(bytes(name))}
 
     # -- the delete queue --------------------------------------------------------------------
 

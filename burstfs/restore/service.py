@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
-from ..errors import CorruptDataError, FsError, RemoteError
+from ..errors import CorruptDataError, FsError, ManifestError, RemoteError
 from ..hooks import ListedFile, Listing
 from ..journal import Journal
 from ..journal.thread import JournalCall
@@ -120,6 +120,19 @@ class RestoreService:
                 f"{self.listing_timeout:.0f}s",
                 kind="unavailable",
             ) from None
+
+    async def objects_deleted(self, keys: list[str]) -> set[str]:
+        """Of ``keys`` (objects a listing no longer shows), those whose manifest is gone too:
+        a delete by burstfs (another node's) removes both; an object gone alone was lost
+        (a lifecycle rule, an operator), and its file is kept here for verify to report."""
+        gone = set()
+        for key in keys:
+            try:
+                if await self.store.fetch_manifest(key) is None:
+                    gone.add(key)
+            except ManifestError:
+                continue  # unreadable, but there: not a delete
+        return gone
 
     async def _list_dir_once(self, dir_key: str) -> Listing:
         """list_dir's one attempt (``listing_retry``), without a bound of its own."""
