@@ -201,9 +201,7 @@ class RemoteListings:
             own_durable = await trio.to_thread.run_sync(self.journal.keys.durable_at_path_in, directory.ino, dir_key)
             files, subdirs = await self.links.fetcher.list_dir(dir_key)
         except Exception as exc:
-            log.warning("event=list_failed dir=%s error=%s", dir_key or "/", exc)
-            self._slow_until = time.monotonic() + self.backoff
-            return False
+            return self._list_failed(dir_key, exc)
         prefix = f"{dir_key}/" if dir_key else ""
         at_root = directory.ino == ROOT_INO
         # Filter first (yielding on huge listings), then apply in one synchronous pass.
@@ -243,9 +241,7 @@ class RemoteListings:
             try:
                 deleted = await self.links.fetcher.objects_deleted(sorted(vanished))
             except Exception as exc:
-                log.warning("event=list_failed dir=%s error=%s", dir_key or "/", exc)
-                self._slow_until = time.monotonic() + self.backoff
-                return False
+                return self._list_failed(dir_key, exc)
             for key, raw in vanished.items():
                 if key not in deleted:
                     del own_durable[raw]
@@ -253,6 +249,13 @@ class RemoteListings:
                         self._lost_logged.add(key)
                         log.error("event=object_lost key=%s note=gone from the remote, its manifest is not", key)
         return await self._merge(directory, prefix, now, wanted_files, wanted_dirs, remote_versions, own_durable)
+
+    def _list_failed(self, dir_key: str, exc: Exception) -> bool:
+        """A listing that could not be taken: logged, retried after the TTL; requests meanwhile
+        wait for none (``backoff``)."""
+        log.warning("event=list_failed dir=%s error=%s", dir_key or "/", exc)
+        self._slow_until = time.monotonic() + self.backoff
+        return False
 
     async def _merge(
         self,
