@@ -81,6 +81,23 @@ def keys(remote_dir: Path, prefix: str = "") -> set[str]:
     }
 
 
+def refuse_records(node: Node, refusal: Callable[[str], RemoteError | None]) -> list[str]:
+    """``node``'s record creates fail with ``refusal(key)`` (None: they go through); returns
+    the list of keys refused, as they are."""
+    refused: list[str] = []
+    create_object = node.remote.create_object
+
+    async def create(key: str, data: bytes) -> bool:
+        error = refusal(key)
+        if error is not None:
+            refused.append(key)
+            raise error
+        return await create_object(key, data)
+
+    node.remote.create_object = create  # type: ignore[method-assign]
+    return refused
+
+
 def run_nodes(nodes: list[Node], scenario: Callable[[], Awaitable[None]]) -> None:
     async def main() -> None:
         tasks = [asyncio.create_task(node.mover.run()) for node in nodes]
@@ -149,23 +166,19 @@ def test_drain_now_retries_a_record_backing_off(tmp_path: Path, monkeypatch: pyt
     remote_dir = tmp_path / "remote"
     remote_dir.mkdir()
     node = Node(tmp_path, "a", remote_dir)
-    failures = 0
-    create_object = node.remote.create_object
-
-    async def refusing(key: str, data: bytes) -> bool:
-        nonlocal failures
-        if key.endswith(".intent") and failures < 12:
-            failures += 1
-            raise RemoteError("injected: intent refused", kind="denied")  # permanent: no retry inside
-        return await create_object(key, data)
-
-    node.remote.create_object = refusing  # type: ignore[method-assign]
+    healthy = False
+    refused = refuse_records(
+        node,
+        lambda key: (
+            None if healthy or not key.endswith(".intent") else RemoteError("injected: intent refused", kind="denied")
+        ),  # permanent: no retry inside
+    )
 
     async def scenario() -> None:
-        nonlocal failures
+        nonlocal healthy
         node.write("ckpt/shard", b"s")
-        await until(lambda: failures >= 2, "2 failed intents", timeout=10)
-        failures = 12  # the remote is well again, but the next try is seconds away
+        await until(lambda: len(refused) >= 2, "2 failed intents", timeout=10)
+        healthy = True  # the remote is well again, but the next try is seconds away
         assert not node.mover.groups.intent_out("ckpt")
         node.mover.drain_now()
         await until(lambda: node.mover.groups.intent_out("ckpt"), "the intent, right after drain --now", timeout=5)
@@ -180,26 +193,23 @@ def test_a_record_no_remote_can_hold_is_given_up_so_a_drain_until_idle_ends(tmp_
     remote_dir = tmp_path / "remote"
     remote_dir.mkdir()
     node = Node(tmp_path, "a", remote_dir)
-    attempts = 0
-    create_object = node.remote.create_object
-
-    async def too_long(key: str, data: bytes) -> bool:
-        nonlocal attempts
-        if key.startswith(f"{GROUPS_PREFIX}deep/"):
-            attempts += 1
-            raise RemoteError(f"key {key!r} is longer than S3's 1024 bytes", kind="key_too_long")
-        return await create_object(key, data)
-
-    node.remote.create_object = too_long  # type: ignore[method-assign]
+    refused = refuse_records(
+        node,
+        lambda key: (
+            RemoteError(f"key {key!r} is longer than S3's 1024 bytes", kind="key_too_long")
+            if key.startswith(f"{GROUPS_PREFIX}deep/")
+            else None
+        ),
+    )
 
     async def scenario() -> None:
         shard = node.write("deep/shard", b"s")
         await until(lambda: node.durable(shard), "the shard durable", timeout=10)
-        await until(lambda: attempts >= 1, "the intent tried", timeout=10)
+        await until(lambda: len(refused) >= 1, "the intent tried", timeout=10)
         assert not await node.mover.groups.has_work()
         node.mover.drain_now()
         await asyncio.sleep(0.3)
-        assert attempts == 1  # given up, not retried
+        assert len(refused) == 1  # given up, not retried
         assert not await node.mover.groups.has_work()
 
     run_nodes([node], scenario)
