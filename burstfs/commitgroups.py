@@ -46,6 +46,7 @@ from .journal import DONE, INCOMPLETE, WRITING, InodeRow, Journal
 from .journal.thread import JournalCall
 from .objects import RequestHealth, reported_call
 from .remote import INTERNAL_DIR, Remote, RetryPolicy
+from .status import lookup
 
 log = logging.getLogger("burstfs.groups")
 
@@ -559,10 +560,14 @@ class CommitGroups:
     # -- the marker gate ---------------------------------------------------------------
 
     async def carry(self, remote: Remote, old_dir: str, new_dir: str) -> None:
-        """A marker of ``old_dir``'s checkpoint was renamed into ``new_dir`` (a temp directory
-        renamed to the step's name): the other nodes with parts in ``old_dir`` rename theirs
-        too, and the marker waits in ``new_dir`` until each has a round there.  Else the first
-        node's rename published the step with its own part only (``latest`` named it)."""
+        """A marker of ``old_dir``'s checkpoint moved to ``new_dir``: if ``old_dir`` itself was
+        renamed (a temp directory renamed to the step's name, so no directory is at its path
+        any more), the other nodes with parts in it rename theirs too, and the marker waits in
+        ``new_dir`` until each has a round there.  Else the first node's rename published the
+        step with its own part only (``latest`` named it).  A marker moved on its own (its old
+        directory still there) takes no other node's part along: the gate there decides."""
+        if not old_dir or await self._db(self._is_dir, old_dir):
+            return
         nodes: set[str] = set()
         given_up: set[tuple[str, str]] = set()
         async for info in remote.list_all(group_prefix(old_dir)):
@@ -584,6 +589,11 @@ class CommitGroups:
         await self._db(self.journal.set_meta, f"{_META_CARRIED}{new_dir}", json.dumps(carried))
         self.verdicts.pop(new_dir, None)
         log.info("event=marker_carries_nodes from=%s to=%s nodes=%s", old_dir, new_dir, ",".join(sorted(nodes)))
+
+    def _is_dir(self, dir_key: str) -> bool:
+        """Whether a directory is at ``dir_key`` in this node's namespace (journal reads)."""
+        row = lookup(self.journal, dir_key)
+        return row is not None and row.kind == "dir"
 
     async def _drop_carried(self, dir_key: str) -> None:
         if self.carried.pop(dir_key, None) is not None:

@@ -137,3 +137,27 @@ def test_a_move_cut_short_by_a_crash_leaves_no_copy_when_the_file_is_renamed_bac
             assert remote_files(tmp_path / "remote") == {"f": b"the bytes"}
         finally:
             node.stop()
+
+
+def test_a_marker_moved_on_its_own_takes_no_other_nodes_part_along(tmp_path: Path) -> None:
+    """Found by the random model run: a root `.metadata` (published with another node's round
+    in its subtree) moved into a directory `a` waited there for that node to "rename its
+    part" into `a`, for good.  Only a renamed directory carries its nodes along."""
+    with fast_mover():
+        (tmp_path / "remote").mkdir()
+        side = FileSide(tmp_path / "remote")
+        other = Node(tmp_path / "cache-b", side, NodeOptions(node_id="node-b"))
+        node = Node(tmp_path / "cache-a", side, NodeOptions())
+        try:
+            other.call(other.core.mkdir, ROOT_INO, b"foreign", 0o755, UID, GID)
+            write(other, "foreign/shard", b"b's shard")
+            assert other.drain_until_idle() == "idle"
+            write(node, ".metadata", b"root marker")
+            assert node.drain_until_idle() == "idle"
+            node.call(node.core.mkdir, ROOT_INO, b"a", 0o755, UID, GID)
+            node.call(node.core.rename, ROOT_INO, b".metadata", node.resolve("a"), b".metadata", 0)
+            assert node.drain_until_idle() == "idle", node.pending()
+            assert remote_files(tmp_path / "remote").get("a/.metadata") == b"root marker"
+        finally:
+            node.stop()
+            other.stop()
