@@ -20,9 +20,10 @@ import trio.lowlevel
 
 from .committer import GroupCommitter
 from .hooks import DrainLinks, ListedFile
-from .journal import META, REMOTE, ROOT_INO, Journal, Op, forget_listed_ops, insert_inode_op
+from .journal import META, REMOTE, ROOT_INO, Journal, Op, forget_listed_ops, insert_inode_op, update_inode_op
 from .namespace import Namespace
 from .nodes import NAME_MAX, NEVER_LISTED, RESERVED_ROOT_NAME, Inode, Undo
+from .remote.base import object_version
 
 log = logging.getLogger("burstfs.listings")
 
@@ -444,4 +445,6 @@ class RemoteListings:
         self.namespace.attach(directory, inode, undo)
         row = self.namespace.row(inode, REMOTE if kind == "file" else META)
         row.remote_key = key
-        return [insert_inode_op(row)]
+        if kind == "dir":
+            return [insert_inode_op(row)]
+        return [insert_inode_op(row), update_inode_op(inode.ino, listed_version=object_version(etag, mtime_ns))]

@@ -478,10 +478,17 @@ class ObjectStore:
     def _foreign(self, manifest: Manifest) -> bool:
         return bool(self.node_id and manifest.node and manifest.node != self.node_id)
 
-    async def delete(self, key: str, *, spare_foreign: bool = True) -> None:
+    async def delete(self, key: str, *, spare_foreign: bool = True, listed_version: str | None = None) -> None:
         """Remove the object and its manifest (missing ones are fine), unless its manifest names
         another node (``spare_foreign``, for objects this node uploaded): that node wrote the key
-        since (the same path written on two nodes), and its file is not this node's to delete."""
+        since (the same path written on two nodes), and its file is not this node's to delete.
+        ``listed_version``: another node's file unlinked here goes only if the object is still the
+        version this node listed (``ObjectInfo.version``): its owner may have rewritten it since."""
+        if listed_version is not None:
+            info = await self.head(key)
+            if info is not None and info.version != listed_version:
+                log.warning("event=remote_delete_spared key=%s reason=rewritten since this node listed it", key)
+                return
         if self.node_id and spare_foreign:
             try:
                 manifest = await self.fetch_manifest(key)

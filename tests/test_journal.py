@@ -553,12 +553,12 @@ def test_a_copy_cut_short_by_a_crash_before_its_record_is_deleted_unless_owned(
     journal.keys.intend_move("b")  # then the copy, then the crash
     tree.rename(ino, "a")
     assert journal.keys.relocation(ino) is None
-    assert [(k, r, holder) for _, k, r, holder in journal.keys.pending_deletes_held(10)] == [("b", "move", None)]
+    assert [(k, r, holder) for _, k, r, _, holder in journal.keys.pending_deletes_held(10)] == [("b", "move", None)]
     tree.rename(ino, "b")  # renamed again before the delete pass: its own move's key is spared
     assert [holder for *_, holder in journal.keys.pending_deletes_held(10)] == [None]
     intent = journal.keys.intend_move("b")
     assert journal.keys.finish_relocation(ino, "a", "b", intent)
-    assert [(k, holder) for _, k, _, holder in journal.keys.pending_deletes_held(10)] == [("b", ino), ("a", None)]
+    assert [(k, holder) for _, k, _, _, holder in journal.keys.pending_deletes_held(10)] == [("b", ino), ("a", None)]
 
 
 def test_a_relocation_onto_a_held_key_waits_and_a_copy_nobody_owns_is_deleted(
@@ -614,10 +614,10 @@ def test_pending_deletes_come_with_the_holder_of_each_key(journal: Journal, tree
     tree.durable(old, generation)
     tree.unlink(old)
     new, new_generation = tree.write_file("a")
-    assert [(k, h) for _, k, _, h in journal.keys.pending_deletes_held(10)] == [("a", None)]
+    assert [(k, h) for _, k, _, _, h in journal.keys.pending_deletes_held(10)] == [("a", None)]
     tree.durable(new, new_generation)  # a live file owns "a" again: the delete must not run
     pending = journal.keys.pending_deletes_held(10)
-    assert [(k, h) for _, k, _, h in pending] == [("a", new)]
+    assert [(k, h) for _, k, _, _, h in pending] == [("a", new)]
     assert journal.keys.pending_deletes_held(10, frozenset({"a"})) == []  # an upload in flight to "a"
     journal.keys.drop_deletes([request_id for request_id, *_ in pending])
     assert journal.keys.pending_deletes(10) == [] and journal.keys.owned_under("") == {"a"}

@@ -547,6 +547,28 @@ def test_a_file_another_node_rewrites_or_removes_is_read_anew_here(
     assert "event=listed_file_changed" in n1.log_text()
 
 
+def test_removing_a_stale_listed_file_spares_the_version_its_owner_wrote_since(
+    mounted_factory: type[MountedFS], bucket: Bucket
+) -> None:
+    """n0 listed n1's ck/a.bin, then n1 wrote it again; n0's listing is not due yet when it
+    removes the name.  n1's new file stays on the remote (it deleted it), n0's old one goes."""
+    n1 = node(mounted_factory, bucket, "n1")
+    write(n1, "ck/a.bin", b"first" * 1000)
+    write(n1, "ck/b.bin", b"b" * 1000)
+    admin("wait", n1.path / "ck")
+    n0 = node(mounted_factory, bucket, "n0", "--list-ttl", "3600")
+    assert sorted(os.listdir(n0.path / "ck")) == ["a.bin", "b.bin"]
+    write(n1, "ck/a.bin", b"second" * 1000)
+    admin("wait", n1.path / "ck")
+    (n0.path / "ck/a.bin").unlink()
+    (n0.path / "ck/b.bin").unlink()
+    wait_for(lambda: "ck/b.bin" not in bucket.keys(), what="the delete of the unchanged file")
+    wait_for(lambda: "event=remote_delete_spared key=ck/a.bin" in n0.log_text(), what="the spared delete")
+    body = bucket.client.get_object(Bucket=bucket.name, Key="job/ck/a.bin")["Body"].read()
+    assert body == b"second" * 1000
+    assert (n1.path / "ck/a.bin").read_bytes() == b"second" * 1000
+
+
 def test_a_nodes_own_durable_file_another_node_deleted_goes_here_too(
     mounted_factory: type[MountedFS], bucket: Bucket
 ) -> None:

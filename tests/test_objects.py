@@ -776,6 +776,32 @@ def test_delete_removes_object_and_manifest(store: ObjectStore, tmp_path: Path) 
     run(store, body)
 
 
+def test_a_listed_delete_spares_an_object_rewritten_since_it_was_listed(store: ObjectStore, tmp_path: Path) -> None:
+    """Another node's file unlinked here goes only as the version this node listed: its owner
+    may have written the key again since (the newer file is not this node's to delete)."""
+    path, digests = staged(tmp_path, os.urandom(CHUNK + 1))
+
+    async def listed_version(key: str) -> str:
+        dir_key, _, name = key.rpartition("/")
+        files, _ = await store.remote.list_dir(dir_key)
+        return next(info.version for info in files if info.key.rpartition("/")[2] == name)
+
+    async def body() -> None:
+        await upload(store, "ck/shard", path, digests)
+        seen = await listed_version("ck/shard")
+        await asyncio.sleep(0.01)  # a directory remote tells versions apart by mtime only
+        await upload(store, "ck/shard", *staged(tmp_path, os.urandom(CHUNK + 2), "rewritten.bin"))
+        await store.delete("ck/shard", spare_foreign=False, listed_version=seen)
+        assert await store.remote.head("ck/shard") is not None
+        assert await store.fetch_manifest("ck/shard") is not None
+        await store.delete("ck/shard", spare_foreign=False, listed_version=await listed_version("ck/shard"))
+        assert await store.remote.head("ck/shard") is None
+        assert await store.remote.head(manifest_key("ck/shard")) is None
+        await store.delete("ck/shard", spare_foreign=False, listed_version=seen)  # already gone: fine
+
+    run(store, body)
+
+
 def test_cancelled_upload_leaves_nothing(store: ObjectStore, tmp_path: Path) -> None:
     path, digests = staged(tmp_path, os.urandom(CHUNK * 6))
     checks = 0

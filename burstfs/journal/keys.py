@@ -76,17 +76,20 @@ class KeyOwnership:
 
     def pending_deletes_held(
         self, limit: int, skip_keys: Container[str] = frozenset()
-    ) -> list[tuple[int, str, str, int | None]]:
-        """``(id, key, reason, holder)`` of queued remote deletes, oldest first, with the inode
-        that holds each key (owns it or uploads to it; None: free to delete), read at once.
+    ) -> list[tuple[int, str, str, str | None, int | None]]:
+        """``(id, key, reason, version, holder)`` of queued remote deletes, oldest first, with the
+        inode that holds each key (owns it or uploads to it; None: free to delete), read at once;
+        ``version``: the listed version of another node's file (the only one to delete).
         Keys in ``skip_keys`` (the uploads in flight, each with its intent here) are left out
         before their holder is looked up: a drain of many small files has dozens."""
         with self._db.lock:
             rows = self._db.connection.execute(
-                "SELECT id, key, reason FROM remote_deletes ORDER BY id LIMIT ?", (limit,)
+                "SELECT id, key, reason, version FROM remote_deletes ORDER BY id LIMIT ?", (limit,)
             ).fetchall()
             return [
-                (int(i), str(k), str(r), self._db.holder_locked(str(k), 0)) for i, k, r in rows if k not in skip_keys
+                (int(i), str(k), str(r), v, self._db.holder_locked(str(k), 0))
+                for i, k, r, v in rows
+                if k not in skip_keys
             ]
 
     def deletes_queued_under(self, rel: str) -> set[str]:

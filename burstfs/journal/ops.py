@@ -124,6 +124,12 @@ def released_op(ino: int) -> Op:
 #: The delete reason of an unlinked name's object (see unlink_ops).
 UNLINK_LISTED = "unlink_listed"
 _UNLINK_REASON = f"CASE WHEN generation = 0 THEN '{UNLINK_LISTED}' ELSE 'unlink' END"
+#: The delete request of an unlinked name's object: its key, why, and for another node's file
+#: the version this node listed (only that version is deleted; see ``ObjectStore.delete``).
+_QUEUE_DELETE = (
+    "INSERT INTO remote_deletes (key, reason, version) "
+    f"SELECT remote_key, {_UNLINK_REASON}, CASE WHEN generation = 0 THEN listed_version END FROM inodes "
+)
 
 
 def unlink_ops(ino: int, name: bytes, ctime_ns: int) -> list[Op]:
@@ -131,11 +137,7 @@ def unlink_ops(ino: int, name: bytes, ctime_ns: int) -> list[Op]:
     ``unlink`` for an object this node uploaded, ``unlink_listed`` for a file it only listed
     (generation 0: another node's, deleted on purpose, say by keep-last-N on rank 0)."""
     return [
-        (
-            f"INSERT INTO remote_deletes (key, reason) SELECT remote_key, {_UNLINK_REASON} FROM inodes "
-            "WHERE ino=? AND remote_key IS NOT NULL",
-            (ino,),
-        ),
+        (_QUEUE_DELETE + "WHERE ino=? AND remote_key IS NOT NULL", (ino,)),
         update_inode_op(ino, parent=0, remote_key=None, ctime_ns=ctime_ns),
         event_op(ino, "unlink", os.fsdecode(name)),
     ]
@@ -156,11 +158,7 @@ def released_object_ops(ino: int) -> list[Op]:
     """An unlinked inode's kept object (see ``unlink_keeping_object_ops``) is not needed any
     more: its delete is queued and the key let go."""
     return [
-        (
-            f"INSERT INTO remote_deletes (key, reason) SELECT remote_key, {_UNLINK_REASON} FROM inodes "
-            "WHERE ino=? AND parent=0 AND link_of IS NULL AND remote_key IS NOT NULL",
-            (ino,),
-        ),
+        (_QUEUE_DELETE + "WHERE ino=? AND parent=0 AND link_of IS NULL AND remote_key IS NOT NULL", (ino,)),
         ("UPDATE inodes SET remote_key=NULL WHERE ino=? AND parent=0 AND link_of IS NULL", (ino,)),
     ]
 
@@ -204,11 +202,7 @@ def link_ops(row: int, ino: int, parent: int, name: bytes, ctime_ns: int) -> lis
 def unlink_name_ops(row: int, name: bytes) -> list[Op]:
     """A hard link's name goes: its row goes, its object (if any) is queued for deletion."""
     return [
-        (
-            f"INSERT INTO remote_deletes (key, reason) SELECT remote_key, {_UNLINK_REASON} FROM inodes "
-            "WHERE ino=? AND remote_key IS NOT NULL",
-            (row,),
-        ),
+        (_QUEUE_DELETE + "WHERE ino=? AND remote_key IS NOT NULL", (row,)),
         ("DELETE FROM inodes WHERE ino=? AND link_of IS NOT NULL", (row,)),
         event_op(row, "unlink", os.fsdecode(name)),
     ]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 _BASE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -108,6 +108,10 @@ MIGRATIONS: dict[int, _Migration] = {
             "(ino INTEGER PRIMARY KEY, generation INTEGER NOT NULL, flushed_at REAL NOT NULL)",
         ),
     ),
+    # Another node's file as this node listed it (``listed_version``: the object's etag, or its
+    # mtime where the remote has none), carried into its delete request when it is unlinked
+    # here: a delete spares an object its owner rewrote since (an older burstfs would not).
+    5: _Migration((("inodes", "listed_version", "TEXT"), ("remote_deletes", "version", "TEXT")), ()),
 }
 
 

@@ -73,7 +73,7 @@ class KeyMoves:
         pending = await self.mover.db(self.mover.journal.keys.pending_deletes_held, 500, flying)
         owned = [
             row_id
-            for row_id, key, _, holder in pending
+            for row_id, key, _, _, holder in pending
             if holder is not None
             and holder not in self.mover.in_flight
             and key not in self.mover.in_flight.values()
@@ -81,11 +81,14 @@ class KeyMoves:
         ]
         if owned:  # live files own these keys now: nothing to delete
             await self.mover.db(self.mover.journal.keys.drop_deletes, owned)
-        for row_id, key, reason, holder in pending:
+        for row_id, key, reason, version, holder in pending:
             if holder is not None or key in self.mover.in_flight.values() or self._delete_retry.get(key, 0.0) > now:
                 continue
             try:
-                await self.mover.store.delete(key, spare_foreign=reason != UNLINK_LISTED)
+                if reason == UNLINK_LISTED:
+                    await self.mover.store.delete(key, spare_foreign=False, listed_version=version)
+                else:
+                    await self.mover.store.delete(key)
             except Exception as exc:
                 if not isinstance(exc, RemoteError):  # a bug hit by this key: retried later, not lost
                     log.exception("event=remote_delete_bug key=%s", key)

@@ -58,6 +58,16 @@ class ObjectInfo:
     etag: str | None
     mtime: float
 
+    @property
+    def version(self) -> str:
+        return object_version(self.etag, int(self.mtime * 1e9))
+
+
+def object_version(etag: str | None, mtime_ns: int) -> str:
+    """Which write of a key an object is, as a listing or a HEAD of it tells: its etag, or its
+    mtime where the remote has none (a directory remote replaces a file by a rename)."""
+    return f"etag:{etag}" if etag else f"mtime:{mtime_ns}"
+
 
 @dataclass(frozen=True)
 class UploadedPart:
