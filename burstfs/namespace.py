@@ -29,6 +29,7 @@ from .journal import (
     Op,
     drop_unlinked_ops,
     event_op,
+    forget_listed_ops,
     insert_inode_op,
     link_ops,
     unlink_keeping_object_ops,
@@ -417,7 +418,7 @@ class Namespace:
                 raise FsError(errno.ENOTDIR)
             if inode.kind != "dir" and target.kind == "dir":
                 raise FsError(errno.EISDIR)
-            if target.children:
+            if target.children and self._others_files(target) is None:
                 raise FsError(errno.ENOTEMPTY)
         if inode.kind == "dir":  # the VFS checks this too; keep the core safe on its own
             ancestor = new_parent
@@ -426,6 +427,10 @@ class Namespace:
                     raise FsError(errno.EINVAL)
                 ancestor = self.inodes[ancestor.parent]
         undo = Undo()
+        forgotten: list[Inode] = []
+        if target is not None and target.children:
+            forgotten = self._others_files(target) or []
+            ops += self._forget_tree(forgotten, undo)
         if target is not None:
             ops += self._unlink_ops(new_parent, new_name, target, undo)
             target.pending += 1
@@ -473,4 +478,39 @@ class Namespace:
                 target.pending -= 1
         if target is not None:
             self.maybe_destroy(target)
+        for gone in forgotten:
+            self.maybe_destroy(gone)
         return True
+
+    def _others_files(self, directory: Inode) -> list[Inode] | None:
+        """What ``directory`` holds, deepest first, when that is only other nodes' files as
+        listed here (``Inode.as_listed``, none being written) and directories holding only
+        such: nothing of this node's.  None otherwise.
+
+        A rename onto such a directory replaces it (each node renames its own temp directory
+        to the step's name, and a listing may have shown another node's renamed one here
+        first): the listed entries are only forgotten, nothing is deleted on the remote, and
+        the next listing of the new directory shows them in it again."""
+        found: list[Inode] = []
+        for ino in (directory.children or {}).values():
+            child = self.inodes[ino]
+            if child.kind == "dir":
+                below = self._others_files(child)
+                if not below:  # something of this node's, or an empty directory made here
+                    return None
+                found += below
+            elif not child.as_listed or child.writers or child.pending or child.links:
+                return None
+            found.append(child)
+        return found
+
+    def _forget_tree(self, entries: list[Inode], undo: Undo) -> list[Op]:
+        """Take the names of ``entries`` (``_others_files``: deepest first) here only."""
+        ops: list[Op] = []
+        for entry in entries:
+            parent = self.inodes[entry.parent]
+            if entry.kind == "dir":
+                ops += unlink_ops(entry.ino, entry.name, self.detach(parent, entry, undo))
+            else:
+                ops += forget_listed_ops(entry.ino, entry.name, self.detach(parent, entry, undo))
+        return ops

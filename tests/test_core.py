@@ -270,6 +270,44 @@ def test_listing_does_not_resurrect_a_renamed_directory(tmp_path: Path) -> None:
     run(tmp_path, body)
 
 
+def test_a_directory_renamed_onto_one_of_other_nodes_files_replaces_it_here_only(tmp_path: Path) -> None:
+    """Each node renames its own temp directory to the step's name; a listing may have shown
+    another node's renamed one first.  The rename replaces what was only listed here (nothing
+    is deleted on the remote) and the next listing shows those files in the new directory.
+    Anything of this node's in the target (a file, an empty directory made here) is ENOTEMPTY."""
+
+    async def body(core: BurstCore) -> None:
+        core.links.fetcher = ListingFetcher(
+            {"": ([], ["ck"]), "ck": ([("a.bin", 10, 1.0)], ["sub"]), "ck/sub": ([("b.bin", 5, 1.0)], [])}
+        )
+        root = core.namespace.inode(ROOT_INO)
+        assert await core.listings.refresh(root)
+        ck = core.namespace.inode(root.children[b"ck"])  # type: ignore[index]
+        assert await core.listings.refresh(ck)
+        assert await core.listings.refresh(core.namespace.inode(ck.children[b"sub"]))  # type: ignore[index]
+        tmp = await core.mkdir(ROOT_INO, b"tmp", 0o755, 0, 0)
+        await write_file(core, tmp.ino, b"mine.bin", b"mine")
+        mine = await core.mkdir(ck.ino, b"made-here", 0o755, 0, 0)
+        with raises_errno(errno.ENOTEMPTY):
+            await core.rename(ROOT_INO, b"tmp", ROOT_INO, b"ck", 0)
+        await core.rmdir(ck.ino, b"made-here")
+        assert mine.parent == 0
+        await core.rename(ROOT_INO, b"tmp", ROOT_INO, b"ck", 0)
+        assert sorted(root.children) == [b"ck"]  # type: ignore[arg-type]
+        assert sorted(tmp.children) == [b"mine.bin"]  # type: ignore[arg-type]
+        assert db_rows(tmp_path, "SELECT key FROM remote_deletes") == []
+        assert db_rows(tmp_path, "SELECT count(*) FROM inodes WHERE parent != 0") == [(3,)]  # /, ck, mine.bin
+        tmp.listed_at = -1e9
+        assert await core.listings.refresh(tmp)
+        assert sorted(tmp.children) == [b"a.bin", b"mine.bin", b"sub"]  # type: ignore[arg-type]
+        # A file of this node's in the target: ENOTEMPTY, as on any file system.
+        other = await core.mkdir(ROOT_INO, b"other", 0o755, 0, 0)
+        with raises_errno(errno.ENOTEMPTY):
+            await core.rename(ROOT_INO, b"other", ROOT_INO, b"ck", 0)
+
+    run(tmp_path, body)
+
+
 def test_open_trunc_and_truncate(tmp_path: Path) -> None:
     async def body(core: BurstCore) -> None:
         ino = await write_file(core, ROOT_INO, b"f", b"0123456789")

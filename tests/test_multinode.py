@@ -416,6 +416,31 @@ def test_a_temp_directory_renamed_on_every_node_publishes_and_holds_nothing_abov
     assert "relocate" not in admin("status", n0.path).stdout
 
 
+def test_a_temp_directory_renamed_onto_the_step_another_node_renamed_first_joins_it(
+    mounted_factory: type[MountedFS], bucket: Bucket
+) -> None:
+    """n1 renamed ck/tmp to ck/s1 first, and n0 had listed ck/s1 (n1's shard in it) before
+    renaming its own ck/tmp there: the rename failed with ENOTEMPTY, so n0's part never
+    reached the step.  The directory held only n1's file here: it is replaced, and n1's
+    shard shows up in n0's ck/s1 again from the next listing."""
+    n0 = node(mounted_factory, bucket, "n0", "--list-ttl", "0")
+    n1 = node(mounted_factory, bucket, "n1")
+    theirs = shard(1, 1)
+    write(n1, "ck/tmp/__1_0.distcp", theirs)
+    (n1.path / "ck/tmp").rename(n1.path / "ck/s1")
+    admin("wait", n1.path / "ck/s1")
+    write(n0, "ck/tmp/__0_0.distcp", shard(1, 0))
+    write(n0, "ck/tmp/.metadata", b"metadata of s1")
+    assert os.listdir(n0.path / "ck/s1") == ["__1_0.distcp"]
+    (n0.path / "ck/tmp").rename(n0.path / "ck/s1")
+    assert sorted(os.listdir(n0.path / "ck/s1")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert (n0.path / "ck/s1/__1_0.distcp").read_bytes() == theirs
+    admin("wait", n0.path / "ck/s1", "--timeout", "60")
+    latest = bucket.latest("ck")
+    assert latest["dir"] == "ck/s1", latest
+    assert {"ck/s1/__0_0.distcp", "ck/s1/__1_0.distcp", "ck/s1/.metadata"} <= bucket.keys()
+
+
 def test_a_published_temp_directory_renamed_on_one_node_waits_for_the_others_renames(
     mounted_factory: type[MountedFS], bucket: Bucket
 ) -> None:
