@@ -33,6 +33,7 @@ from .digests import FileDigests, StreamingDigests, WholeFileDigest, chunk_count
 from .errors import (
     OBJECT,
     OBJECT_GONE,
+    THROTTLED,
     CorruptDataError,
     ManifestError,
     RemoteError,
@@ -89,8 +90,8 @@ async def reported_call(
     try:
         result = await retry.call(remote, fn, *args, what=what, on_retry=health.retried)
     except RemoteError as exc:
-        if exc.kind != "unavailable":  # a refusal (missing, denied) is an answer too
-            health.answered()
+        if exc.kind not in ("unavailable", THROTTLED):  # a refusal (missing, denied) is an answer too
+            health.answered()  # (a "slow down" until the retries ran out is the outage going on)
         raise
     health.answered()
     return result

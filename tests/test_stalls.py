@@ -8,6 +8,7 @@ completion timeouts, never timing ratios.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import subprocess
@@ -21,6 +22,8 @@ import pytest
 from conftest import BIN, DATA_PATHS, FUSE_OK, MountedFS, burstfs, wait_for
 from faultproxy import FaultProxy
 from s3server import free_port, fresh_bucket
+
+from burstfs.errors import RemoteError
 
 pytestmark = pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse, fusermount3 and root")
 
@@ -432,6 +435,44 @@ def test_outage_headline_uses_the_error_kind_and_the_first_failed_attempt() -> N
     stats.error("unavailable", "later")
     outage = outage_of(stats)
     assert outage is not None and outage["since"] > first, outage
+
+
+def test_an_outage_that_turns_from_retrying_to_throttled_keeps_its_start() -> None:
+    """A store answering 503 SlowDown to every attempt: the headline said RETRYING since T,
+    then THROTTLING since the moment the retries ran out (the throttled end was taken for an
+    answer).  It is one outage, dated from its first failed attempt."""
+    from botocore.exceptions import ClientError
+
+    from burstfs.mover import MoverStats
+    from burstfs.objects import reported_call
+    from burstfs.remote import RetryPolicy
+    from burstfs.status import outage_of
+
+    class SlowDownStore:
+        url = "s3://b/ck"
+
+        def is_temp_failure(self, exc: BaseException) -> bool:
+            return True
+
+        def is_throttling(self, exc: BaseException) -> bool:
+            return True
+
+    async def put() -> None:
+        raise ClientError({"Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."}}, "PutObject")
+
+    stats = MoverStats()
+    stats.bytes_drained_recent.append((time.time() - 100, 1 << 20))
+    policy = RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.01)
+    started = time.time()
+    with pytest.raises(RemoteError) as failed:
+        asyncio.run(reported_call(policy, SlowDownStore(), stats, put, what="put ck/a.pt"))  # type: ignore[arg-type]
+    assert failed.value.kind == "throttled"
+    retrying = outage_of(stats)
+    assert retrying is not None and retrying["since"] <= started + 0.01, retrying
+    stats.error(failed.value.kind, str(failed.value))
+    outage = outage_of(stats)
+    assert outage is not None and outage["kind"] == "throttled" and not outage["unreachable"], outage
+    assert outage["since"] == retrying["since"], (outage, retrying)
 
 
 def test_the_drain_rate_is_zero_during_an_outage_in_status_and_the_metric() -> None:
