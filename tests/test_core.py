@@ -301,7 +301,7 @@ def test_a_directory_renamed_onto_one_of_other_nodes_files_replaces_it_here_only
         assert await core.listings.refresh(tmp)
         assert sorted(tmp.children) == [b"a.bin", b"mine.bin", b"sub"]  # type: ignore[arg-type]
         # A file of this node's in the target: ENOTEMPTY, as on any file system.
-        other = await core.mkdir(ROOT_INO, b"other", 0o755, 0, 0)
+        await core.mkdir(ROOT_INO, b"other", 0o755, 0, 0)
         with raises_errno(errno.ENOTEMPTY):
             await core.rename(ROOT_INO, b"other", ROOT_INO, b"ck", 0)
 
