@@ -484,8 +484,8 @@ class Namespace:
 
     def _others_files(self, directory: Inode) -> list[Inode] | None:
         """What ``directory`` holds, deepest first, when that is only other nodes' files as
-        listed here (``Inode.as_listed``, none being written) and directories holding only
-        such: nothing of this node's.  None otherwise.
+        listed here (``Inode.as_listed``, none being written, none read from the remote) and
+        directories holding only such: nothing of this node's.  None otherwise.
 
         A rename onto such a directory replaces it (each node renames its own temp directory
         to the step's name, and a listing may have shown another node's renamed one here
@@ -500,6 +500,8 @@ class Namespace:
                     return None
                 found += below
             elif not child.as_listed or child.writers or child.pending or child.links:
+                return None
+            elif child.handles and not child.local:  # a reader still needs its key to fetch from
                 return None
             found.append(child)
         return found

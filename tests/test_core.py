@@ -274,7 +274,8 @@ def test_a_directory_renamed_onto_one_of_other_nodes_files_replaces_it_here_only
     """Each node renames its own temp directory to the step's name; a listing may have shown
     another node's renamed one first.  The rename replaces what was only listed here (nothing
     is deleted on the remote) and the next listing shows those files in the new directory.
-    Anything of this node's in the target (a file, an empty directory made here) is ENOTEMPTY."""
+    Anything of this node's in the target (a file, an empty directory made here), or a file
+    being read from the remote, is ENOTEMPTY."""
 
     async def body(core: BurstCore) -> None:
         core.links.fetcher = ListingFetcher(
@@ -292,6 +293,10 @@ def test_a_directory_renamed_onto_one_of_other_nodes_files_replaces_it_here_only
             await core.rename(ROOT_INO, b"tmp", ROOT_INO, b"ck", 0)
         await core.rmdir(ck.ino, b"made-here")
         assert mine.parent == 0
+        reader = await core.open(ck.children[b"a.bin"], os.O_RDONLY)  # type: ignore[index]
+        with raises_errno(errno.ENOTEMPTY):  # it reads from the remote: its key stays known
+            await core.rename(ROOT_INO, b"tmp", ROOT_INO, b"ck", 0)
+        await core.release(reader)
         await core.rename(ROOT_INO, b"tmp", ROOT_INO, b"ck", 0)
         assert sorted(root.children) == [b"ck"]  # type: ignore[arg-type]
         assert sorted(tmp.children) == [b"mine.bin"]  # type: ignore[arg-type]
