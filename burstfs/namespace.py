@@ -499,12 +499,17 @@ class Namespace:
                 if not below:  # something of this node's, or an empty directory made here
                     return None
                 found += below
-            elif not child.as_listed or child.writers or child.pending or child.links:
-                return None
-            elif child.handles and not child.local:  # a reader still needs its key to fetch from
+            elif not self._only_listed(child):
                 return None
             found.append(child)
         return found
+
+    @staticmethod
+    def _only_listed(inode: Inode) -> bool:
+        """Another node's file as listed, nobody writing it, and no reader fetching it (a reader
+        of a file not all local needs its key)."""
+        busy = inode.writers or inode.pending or inode.links or (inode.handles and not inode.local)
+        return inode.as_listed and not busy
 
     def _forget_tree(self, entries: list[Inode], undo: Undo) -> list[Op]:
         """Take the names of ``entries`` (``_others_files``: deepest first) here only."""
