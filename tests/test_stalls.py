@@ -417,9 +417,8 @@ def test_outage_headline_uses_the_error_kind_and_the_first_failed_attempt() -> N
     stats = MoverStats()
     stats.bytes_drained_recent.append((time.time() - 100, 1 << 20))
     first = time.time() - 40  # the request's first attempt; its retries ran until now
-    stats.error(
-        "unavailable", "put ckpt/a.pt: remote s3://b unavailable after 8 attempts: EndpointError", first_attempt=first
-    )
+    stats.retried("put ckpt/a.pt: EndpointError", first)
+    stats.error("unavailable", "put ckpt/a.pt: remote s3://b unavailable after 8 attempts: EndpointError")
     outage = outage_of(stats)
     assert outage is not None and outage["unreachable"] and outage["kind"] == "unavailable", outage
     assert outage["since"] == first, outage

@@ -24,8 +24,8 @@ class MoverStats:
     recent_errors: collections.deque[tuple[float, str, str]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=20)
     )
-    #: When the current run of failures began: the first failed attempt of the first
-    #: error recorded since the drain last made progress (None: no failure since).
+    #: When the current run of failures began: the first error recorded since the drain
+    #: last made progress (None: no failure since; the retries before it: ``retrying_since``).
     trouble_since: float | None = None
     #: Retries of requests since the remote last answered one: the epoch time their first
     #: attempt started, how many, and the latest reason (None: it answered the last one).
@@ -51,18 +51,14 @@ class MoverStats:
         self.errors_by_kind[CORRUPT_READ_KIND] += 1
         self.recent_errors.append((time.time(), CORRUPT_READ_KIND, message))
 
-    def error(self, kind: str, message: str, *, first_attempt: float | None = None) -> None:
-        """Record a failure of ``kind``.  ``first_attempt``: when the failing request
-        first failed (before its retries), if the caller knows; else now."""
+    def error(self, kind: str, message: str) -> None:
+        """Record a failure of ``kind`` (the retries before it, if any, told ``retried``)."""
         now = time.time()
         self.errors_by_kind[kind] += 1
         self.recent_errors.append((now, kind, message))
-        started = now if first_attempt is None else min(first_attempt, now)
         last_progress = self.bytes_drained_recent[-1][0] if self.bytes_drained_recent else 0.0
         if self.trouble_since is None or self.trouble_since <= last_progress:  # a new run of failures
-            self.trouble_since = started
-        else:
-            self.trouble_since = min(self.trouble_since, started)
+            self.trouble_since = now
 
     def retried(self, reason: str, first_attempt: float) -> None:
         """A drain request failed for now and is tried again: status says so at once, not only
