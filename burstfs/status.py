@@ -146,8 +146,9 @@ def outage_of(stats: Any, now: float | None = None) -> dict[str, Any] | None:
     "unreachable"}``, or None while files drain (or nothing failed).
 
     Errors recorded after the newest durable file, the latest within
-    OUTAGE_FRESH_S, make an outage.  It started at the first failed attempt the
-    mover noted for them (``MoverStats.trouble_since``), else at the first of them.
+    OUTAGE_FRESH_S, make an outage.  It started at the first failed attempt of the
+    retries that led to them (``MoverStats.retrying_since``), else at the first of them
+    (``MoverStats.trouble_since``: the deque of recent errors forgets the oldest).
     ``unreachable`` comes from the error's kind, never from its message text.
     """
     now = time.time() if now is None else now
