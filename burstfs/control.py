@@ -304,7 +304,11 @@ class ControlServer:
                 errors_by_kind=dict(stats.errors_by_kind),
                 recent_errors=[{"time": t, "kind": k, "message": m} for t, k, m in list(stats.recent_errors)],
             )
-            doc.update(node_id=self.drain.mover.node_id, checkpoints_waiting=self.drain.mover.groups.waiting_markers())
+            doc.update(
+                node_id=self.drain.mover.node_id,
+                checkpoints_waiting=self.drain.mover.groups.waiting_markers(),
+                commit_markers=list(self.drain.mover.options.commit_markers),
+            )
         return doc
 
     async def _abandon(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:

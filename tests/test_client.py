@@ -123,6 +123,18 @@ def test_not_a_mount_and_daemon_gone(fs: MountedFS, tmp_path: Path) -> None:
         client.wait_durable(fs.cache)
 
 
+def test_checkpoints_are_ordered_by_the_numbers_in_their_names(tmp_path: Path) -> None:
+    """Not by mtime: a directory's mtime is one node's and moves when a listing merges in or
+    drops what other nodes wrote or deleted there."""
+    from burstfs.retention import checkpoints_in
+
+    for age, name in enumerate(["step_10", "step_9", "step_2", "epoch=1-step=3", "epoch=0-step=30"]):
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, (1e9 - age, 1e9 - age))  # the newest names are the oldest here
+    assert [p.name for p in checkpoints_in(tmp_path, "step_*")] == ["step_2", "step_9", "step_10"]
+    assert [p.name for p in checkpoints_in(tmp_path, "epoch=*")] == ["epoch=0-step=30", "epoch=1-step=3"]
+
+
 def test_prune_checkpoints_keeps_newer_ones_until_they_are_durable(fs: MountedFS) -> None:
     from burstfs.retention import checkpoints_in, prune_checkpoints
 
