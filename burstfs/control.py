@@ -293,10 +293,13 @@ class ControlServer:
             stats = self.drain.mover.stats
             outage = outage_of(stats)
             throughput = drain_rate(stats, outage)
+            waiting = self.drain.mover.groups.waiting_markers()
+            # A marker held for another node's part drains when that node is done: not at a rate.
+            held = any(entry["waiting"] and not entry["abandoned"] for entry in waiting)
             doc["drain"].update(
                 outage=outage,
                 throughput_bps=throughput,
-                eta_s=drain_eta(doc["states"], throughput),
+                eta_s=None if held else drain_eta(doc["states"], throughput),
                 files_drained=stats.files_drained,
                 bytes_drained=stats.bytes_drained,
                 halted=stats.halted,
@@ -306,7 +309,7 @@ class ControlServer:
             )
             doc.update(
                 node_id=self.drain.mover.node_id,
-                checkpoints_waiting=self.drain.mover.groups.waiting_markers(),
+                checkpoints_waiting=waiting,
                 commit_markers=list(self.drain.mover.options.commit_markers),
             )
         return doc

@@ -266,7 +266,7 @@ def remote_work(journal: Journal) -> dict[str, int]:
     """Remote work beyond uploads: durable files whose object still has to follow a rename
     (``moving``), and deletes of objects of removed or replaced files (``deletes``).  A cache
     removed before they are done leaves the remote behind the mount (``unmount --wait`` waits)."""
-    return {"moving": len(journal.keys.relocation_candidates()), "deletes": len(journal.keys.deletes_queued_under(""))}
+    return {"moving": len(journal.keys.relocation_candidates()), "deletes": journal.keys.removals_queued()}
 
 
 def journal_events(journal: Journal, since: float, rel: str = "", limit: int = 1000) -> dict[str, Any]:

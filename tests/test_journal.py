@@ -166,9 +166,12 @@ def test_retry_failed(journal: Journal, tree: JournalTree) -> None:
     assert isinstance(journal.drain.claim(ino, generation), tuple)
     assert journal.drain.fail(ino, generation, "corrupt")
     assert tree.state(ino) == FAILED
-    assert journal.drain.retry_failed() == 1
+    marker, marker_generation = tree.write_file(".metadata")
+    assert journal.drain.abandon(marker, marker_generation)
+    assert journal.drain.retry_failed() == 1  # not the abandoned checkpoint's marker: never published
     row = journal.inode(ino)
     assert row is not None and (row.state, row.error, row.attempts) == (STAGED, None, 0)
+    assert tree.state(marker) == FAILED
 
 
 # -- invariant 6: a key belongs to one inode ---------------------------------------------
@@ -202,6 +205,7 @@ def test_unlink_queues_the_object_and_an_unrecorded_upload_leaves_its_intent(
     other, other_generation = tree.write_file("b")
     claimed = journal.drain.claim(other, other_generation)
     assert isinstance(claimed, tuple)
+    assert journal.keys.removals_queued() == 1  # an upload's intent is no delete of a removed file (status)
     journal.apply(unlink_ops(other, b"b", time.time_ns()))
     assert not journal.drain.finish_upload(other, other_generation, claimed[0], claimed[1], "gone")
     assert ("b", "upload") in [(k, r) for _, k, r in journal.keys.pending_deletes(10)]

@@ -108,6 +108,8 @@ def test_marker_appears_only_after_every_node_shards_are_durable(
     )
     assert [w["node"] for w in status[0]["waiting"]] == ["n1"] and status[0]["dir"] == step
     assert "waiting for node n1" in admin("status", n0.path).stdout
+    # The held marker drains when n1 is done, not at a rate: no ETA ("ETA 0ms" before).
+    assert json.loads(admin("status", n0.path, "--json").stdout)["drain"]["eta_s"] is None
     assert {state(n1, p) for p in list(shards)[2:]} == {"staged"}
     keys = bucket.keys()
     assert f"{step}/.metadata" not in keys and set(list(shards)[:2]) <= keys

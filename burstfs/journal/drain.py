@@ -196,8 +196,12 @@ class DrainQueue:
             return bool(failed)
 
     def retry_failed(self) -> int:
-        """Every failed file staged again with a fresh retry budget; returns how many."""
-        return self._db.execute("UPDATE inodes SET state=?, attempts=0, error=NULL WHERE state=?", (STAGED, FAILED))
+        """Every failed file staged again with a fresh retry budget; returns how many.  An
+        abandoned checkpoint's marker stays failed: it is never published, even by ``retry``."""
+        return self._db.execute(
+            "UPDATE inodes SET state=?, attempts=0, error=NULL WHERE state=? AND error IS NOT ?",
+            (STAGED, FAILED, ABANDONED_MARKER),
+        )
 
     def recover(self) -> int:
         """After a restart nothing is in flight: draining files are staged again."""

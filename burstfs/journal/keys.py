@@ -103,6 +103,12 @@ class KeyOwnership:
             )
         return {str(row[0]) for row in rows}
 
+    def removals_queued(self) -> int:
+        """Queued deletes of removed, replaced or moved files' objects; not the intents of
+        uploads and moves in flight (``upload``, ``move``: their own crash cleanup)."""
+        rows = self._db.query("SELECT count(*) FROM remote_deletes WHERE reason NOT IN ('upload', 'move')")
+        return int(rows[0][0])
+
     def drop_delete(self, request_id: int) -> None:
         self._db.execute("DELETE FROM remote_deletes WHERE id=?", (request_id,))
 
