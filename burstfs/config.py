@@ -195,7 +195,8 @@ def check_endpoint_url(url: str, source: str = "--endpoint-url") -> str:
     except ValueError:
         port_ok = False
     key = "endpoint-url" if source == "--endpoint-url" else None
-    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+    extra = parts.path not in ("", "/") or parts.query or parts.fragment  # the bucket would be taken from it
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok or extra:
         raise ConfigError(
             f"{source} {redact_url(url)!r}: not an S3 endpoint; expected http://HOST[:PORT] or https://HOST[:PORT] "
             "(e.g. http://127.0.0.1:9000)",

@@ -125,7 +125,9 @@ def admin(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
     return subprocess.run([str(BIN / "burstfs-admin"), *args], capture_output=True, text=True, timeout=60, env=env)
 
 
-@pytest.mark.parametrize("url", ["notaurl", "ftp://host", "http://", "http://host:99999"])
+@pytest.mark.parametrize(
+    "url", ["notaurl", "ftp://host", "http://", "http://host:99999", "http://127.0.0.1:9000/bucket"]
+)
 def test_a_bad_endpoint_url_is_refused_in_one_line(dirs: tuple[Path, Path, str], url: str) -> None:
     mnt, cache, _ = dirs
     err = one_line(refused("mount", str(mnt), "--cache", str(cache), "--remote", "s3://bkt/p", "--endpoint-url", url))
@@ -134,6 +136,12 @@ def test_a_bad_endpoint_url_is_refused_in_one_line(dirs: tuple[Path, Path, str],
     assert result.returncode == USAGE and "Traceback" not in result.stderr, result.stderr
     assert f"--endpoint-url {url!r}" in one_line(result.stderr)
     assert not cache.exists() and not is_mounted(mnt)
+
+
+@pytest.mark.parametrize("subdir", ["../ckpt", "ckpt/./run", "ckpt//run"])
+def test_latest_refuses_a_remote_subdirectory_that_is_not_one(tmp_path: Path, subdir: str) -> None:
+    result = admin("latest", "--remote", f"file://{tmp_path}", subdir)
+    assert result.returncode == USAGE and "is a subdirectory of the remote" in result.stderr, result.stderr
 
 
 def test_a_bad_aws_endpoint_url_is_refused_and_named(dirs: tuple[Path, Path, str]) -> None:

@@ -99,6 +99,10 @@ def latest_checkpoint(
         if remote_url is not None:
             url, s3 = parse_remote_url(remote_url), S3Options(endpoint_url=endpoint_url, region=region)
             subdir, root = str(path or "").strip("/"), None
+            if any(part in (".", "..") for part in subdir.split("/")) or "//" in subdir:
+                raise AdminError(
+                    f"{path}: with --remote, PATH is a subdirectory of the remote (like ckpt/run1)", EXIT_USAGE
+                )
         else:
             if path is None:
                 raise AdminError("give a PATH inside a mount, or --remote URL", EXIT_USAGE)
