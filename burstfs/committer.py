@@ -111,15 +111,15 @@ class GroupCommitter:
         self._wakeup.set()
         self._urgent.set()
 
-    def defer(self, ops: Sequence[Op], undo: Undo) -> Batch:
+    def defer(self, ops: Sequence[Op], undo: Undo, *, within: float = DEFER_S) -> Batch:
         """Queue ``ops`` without waiting or hurrying: they go out with the next :meth:`commit`
-        (in order: later records may build on them) or ``DEFER_S`` from now.  If their
+        (in order: later records may build on them) or ``within`` seconds from now.  If their
         transaction fails, ``undo`` runs and the returned batch's ``error`` says why: the
         caller must look before it reports success for anything built on them."""
         batch = self._batch
         batch.ops.extend(ops)
         batch.undos.append(undo)
-        self._deadline = min(self._deadline, trio.current_time() + DEFER_S)
+        self._deadline = min(self._deadline, trio.current_time() + within)
         self._wakeup.set()
         return batch
 

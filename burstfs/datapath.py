@@ -20,7 +20,7 @@ import trio
 
 from . import fallocate
 from .capacity import TierCapacity
-from .committer import GroupCommitter
+from .committer import DEFER_S, GroupCommitter
 from .digests import StreamingDigests
 from .errors import BurstfsError, FsError, to_errno
 from .hooks import DrainLinks
@@ -41,6 +41,9 @@ PREFETCH_MARGIN = 64 << 20
 # them the kernel may skip a security.capability lookup on every write
 # (FUSE_HANDLE_KILLPRIV_V2, see burstfs/_passthrough.c).
 FILE_MODE_DROPPED = stat.S_ISUID | stat.S_ISGID
+#: A release record whose commit failed (the journal's file system full) is tried again this
+#: often until it lands.
+RELEASE_RETRY_S = 1.0
 
 
 def _write_hashed(fd: int, data: bytes, offset: int, digests: StreamingDigests | None) -> int:
@@ -477,6 +480,15 @@ class DataPath:
         if self.links.drain is not None and (dir_key := self.namespace.dir_key_of(inode)) is not None:
             await self.links.drain.closed_in(inode.ino, dir_key, inode.name)  # bounded (--remote-wait); never fails
 
+    def _journal_released(self, ino: int, within: float = DEFER_S) -> None:
+        """Record that ``ino``'s last writer left, with the next commit.  Until that record
+        lands, a restart takes the file for one still open (``incomplete``): a batch that
+        failed (the journal's file system full) is no reason to give up, so it is tried again
+        each RELEASE_RETRY_S until it lands (the headroom frees the journal's reserve)."""
+        undo = Undo()
+        undo.add(lambda: self._journal_released(ino, RELEASE_RETRY_S))
+        self.committer.defer([released_op(ino)], undo, within=within)
+
     async def release(self, fh: int) -> None:
         handle = self.handles.pop(fh, None)
         if handle is None:
@@ -494,7 +506,7 @@ class DataPath:
                     await self.committer.commit(ops, undo=undo)
                     self.links.file_closed()
                 else:  # rides with the next commit: a crash before it lands is within RELEASE_GRACE_S
-                    self.committer.defer([released_op(inode.ino)], Undo())
+                    self._journal_released(inode.ino)
                 inode.digests = None  # the last writer is gone (kept if the commit failed)
             if inode.handles == 1 and not inode.local and inode.accounted:
                 await self.capacity.count_held_blocks(inode)  # its fetch claimed the whole file

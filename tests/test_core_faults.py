@@ -70,7 +70,7 @@ from contextlib import AbstractAsyncContextManager  # noqa: E402
 from typing import Any  # noqa: E402
 
 import trio  # noqa: E402
-from test_core import open_core  # noqa: E402
+from test_core import db_rows, open_core  # noqa: E402
 
 from burstfs import listings  # noqa: E402
 from burstfs.committer import DEFER_S  # noqa: E402
@@ -273,6 +273,28 @@ def test_failed_close_keeps_the_file_unpublished_and_a_later_close_publishes_it(
     run_flaky(tmp_path, body)
     restarted = restarted_namespace(tmp_path)
     assert restarted["/model.pt"][-2:] == (2, b"weights")
+
+
+def test_a_release_record_whose_commit_failed_is_tried_again(tmp_path: Path) -> None:
+    """A file closed and released while the journal's file system was full: its release record
+    rode with a batch that failed, was never tried again, and the next start took the file for
+    one still open for writing (``incomplete``: a closed checkpoint that never drains)."""
+
+    async def body(core: BurstCore) -> None:
+        fh, inode = await core.create(ROOT_INO, b"f18", 0o644, os.O_WRONLY, UID, GID)
+        await core.write(fh, 0, b"closed shard")
+        await core.flush(fh)  # close(2) returned: journaled, held until the release
+        core.journal.fail_next = 2  # type: ignore[attr-defined]
+        await core.release(fh)
+        with trio.fail_after(10):
+            while core.journal.fail_next or core.journal.held_closes():  # type: ignore[attr-defined]
+                await trio.sleep(0.05)
+        assert core.journal.failed == 2  # type: ignore[attr-defined]
+
+    run_flaky(tmp_path, body)
+    restarted = restarted_namespace(tmp_path)  # a crash now: the file is closed, not incomplete
+    assert restarted["/f18"][-2:] == (1, b"closed shard")
+    assert db_rows(tmp_path, "SELECT state FROM inodes WHERE name=?", (b"f18",)) == [("staged",)]
 
 
 @pytest.mark.parametrize("fails", ["with its close", "on its own"])
