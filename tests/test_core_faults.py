@@ -281,7 +281,7 @@ def test_a_release_record_whose_commit_failed_is_tried_again(tmp_path: Path) -> 
     one still open for writing (``incomplete``: a closed checkpoint that never drains)."""
 
     async def body(core: BurstCore) -> None:
-        fh, inode = await core.create(ROOT_INO, b"f18", 0o644, os.O_WRONLY, UID, GID)
+        fh, _ = await core.create(ROOT_INO, b"f18", 0o644, os.O_WRONLY, UID, GID)
         await core.write(fh, 0, b"closed shard")
         await core.flush(fh)  # close(2) returned: journaled, held until the release
         core.journal.fail_next = 2  # type: ignore[attr-defined]
