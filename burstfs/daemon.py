@@ -230,6 +230,8 @@ def check_remote(config: MountConfig, timeout: float = 20.0) -> str | None:
 
     async def probe() -> None:
         remote = open_remote(config.remote, config.s3)
+        if _drained_to(config):
+            remote.expect_established()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         try:
@@ -263,6 +265,15 @@ def check_remote(config: MountConfig, timeout: float = 20.0) -> str | None:
 
 def _mounted_on(config: MountConfig) -> bool:
     """Whether the cache dir's journal says it was mounted on ``config.remote`` before."""
+    return _recorded(config, lambda journal: journal.get_meta("remote") == str(config.remote))
+
+
+def _drained_to(config: MountConfig) -> bool:
+    """Whether the cache dir's journal says a file of it became durable on ``config.remote``."""
+    return _recorded(config, lambda journal: journal.drained_to(str(config.remote)))
+
+
+def _recorded(config: MountConfig, ask: Callable[[Journal], bool]) -> bool:
     if not _journal_present(config.cache_dir):
         return False
     try:
@@ -270,7 +281,7 @@ def _mounted_on(config: MountConfig) -> bool:
     except (BurstfsError, sqlite3.Error):
         return False
     try:
-        return journal.get_meta("remote") == str(config.remote)
+        return ask(journal)
     finally:
         journal.close()
 

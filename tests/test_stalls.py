@@ -324,6 +324,29 @@ def test_a_file_remote_whose_file_system_unmounts_halts_the_drain_and_resumes_af
     assert (fs.remote_dir / "ck" / "step_2.pt").read_bytes() == data
 
 
+def test_a_restart_refuses_an_empty_stand_in_for_a_file_remote_it_drained_to(
+    mounted_factory: type[MountedFS],
+) -> None:
+    """The same, with the daemon restarted meanwhile (a crash, an upgrade): the new daemon took
+    the empty mount point for a new remote, set it up, and drained the next checkpoint there
+    ("durable" on the local disk).  Its cache drained to that remote before: it is refused."""
+    fs = mounted_factory("pfs", None, ())  # type: ignore[call-arg]
+    fs.mount()
+    (fs.path / "step_1.pt").write_bytes(b"one")
+    _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "25", str(fs.path)], "the first drain")
+    fs.unmount()
+    away = fs.root / "remote.unmounted"
+    fs.remote_dir.rename(away)
+    fs.remote_dir.mkdir()  # the mount point left behind
+    refused = burstfs("mount", str(fs.path), "--cache", str(fs.cache), "--remote", fs.remote_url, check=False)
+    assert refused.returncode != 0 and "no longer holds .burstfs/" in refused.stderr, refused.stderr
+    assert list(fs.remote_dir.iterdir()) == []  # nothing set up on the mount point's disk
+    fs.remote_dir.rmdir()
+    away.rename(fs.remote_dir)  # the file system is back
+    fs.mount()
+    assert (fs.path / "step_1.pt").read_bytes() == b"one"
+
+
 def test_status_counts_a_sparse_file_by_its_allocated_bytes(mounted_factory: type[MountedFS]) -> None:
     """Issue 11 #4: 'burstfs holds' is what the data files take, not their logical sizes."""
     fs = mounted_factory("sparse", None, ("--no-passthrough",))  # type: ignore[call-arg]

@@ -28,6 +28,10 @@ from .ops import event_op, released_object_ops, set_meta_op
 from .rows import INODE_SELECT, ROOT_INO, InodeRow, Op, row_from_values
 from .states import CLOSED_UNDRAINED, DONE, DURABLE, EVICTED, NOT_LOCAL, UNDRAINED, FileState, state_marks
 
+#: The meta key naming the remote this cache drained a file to: a remote that lacks the marks
+#: burstfs leaves there is then not a new one (``Remote.expect_established``).
+_DRAINED_TO = "drained_to"
+
 
 class Journal:
     """A connection to the journal database in ``cache_dir``: the namespace's rows, meta,
@@ -85,6 +89,13 @@ class Journal:
 
     def set_meta(self, key: str, value: str) -> None:
         self.apply([set_meta_op(key, value)])
+
+    def drained_to(self, remote: str) -> bool:
+        """Whether a file of this cache became durable on ``remote`` (``mark_drained_to``)."""
+        return self.get_meta(_DRAINED_TO) == remote
+
+    def mark_drained_to(self, remote: str) -> None:
+        self.set_meta(_DRAINED_TO, remote)
 
     def set_metas(self, items: Iterable[tuple[str, str]]) -> None:
         """Several meta rows in one transaction."""

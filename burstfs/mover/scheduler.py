@@ -67,6 +67,7 @@ class Mover:
         self.store: ObjectStore | None = None
         self.restore: RestoreService | None = None
         self._ready = threading.Event()  # set once the loop, remote and restore exist
+        self._drained_to = False  # a file of this cache is durable on this remote (journal meta)
         self._wakeup: asyncio.Event | None = None
         self._wake_pending = False  # a wake is on its way, or the event is set: see wake()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -226,6 +227,9 @@ class Mover:
                 max_connections=self.options.max_files * self.options.concurrency + timing.SMALL_FILES_IN_FLIGHT + 4,
             )
         self._hook_uploads(self.remote)
+        self._drained_to = await self.db(self.journal.drained_to, str(self.remote_url))
+        if self._drained_to:
+            self.remote.expect_established()
         self.store = ObjectStore(
             self.remote,
             on_upload_started=self._upload_started,
@@ -399,6 +403,13 @@ class Mover:
             await self.store.retry.call(remote, remote.put_object, LAYOUT_KEY, layout, what="put layout")
         except RemoteError as exc:
             self.halt(exc)
+
+    async def note_durable(self) -> None:
+        """A file became durable: the first one marks the remote as this cache's (a restart
+        then refuses a stand-in without burstfs' marks, see ``Remote.expect_established``)."""
+        if not self._drained_to:
+            self._drained_to = True
+            await self.db(self.journal.mark_drained_to, str(self.remote_url))
 
     async def _probe_remote(self) -> bool:
         assert self.remote is not None

@@ -163,6 +163,7 @@ class FileDrain:
             self.mover.key_moves.want(row.ino)
         latency = time.time() - started
         self.mover.stats.files_drained += 1
+        await self.mover.note_durable()
         self.mover.stats.bytes_drained += size
         self.mover.stats.bytes_drained_recent.append((time.time(), size))
         self.mover.stats.drain_latencies.append(latency)

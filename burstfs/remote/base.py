@@ -136,6 +136,11 @@ class Remote(abc.ABC):
             yield data
             start += len(data)
 
+    def expect_established(self) -> None:  # noqa: B027 (an object store has no such marks)
+        """This cache drained here before: a remote lacking the marks burstfs leaves in it is
+        another in its place (a file remote's file system unmounted: its empty mount point),
+        refused rather than set up anew."""
+
     async def warm(self) -> None:  # noqa: B027 (most remotes have nothing to prepare)
         """Prepare for the first request (clients, connections) so that a read does not pay for it."""
 

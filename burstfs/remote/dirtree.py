@@ -88,7 +88,8 @@ class DirTree:
             os.close(fd)
             raise RemoteError(
                 f"remote directory {self.root} no longer holds {INTERNAL_DIR}/: another directory is in its "
-                "place (a file system unmounted under it?); nothing is written or read there until it is back",
+                "place (a file system unmounted under it?); nothing is written or read there until it is back "
+                f"(emptied on purpose? make {self.root}/{INTERNAL_DIR} to drain there again)",
                 kind="no_directory",
             )
         return fd

@@ -86,6 +86,9 @@ class FileRemote(Remote):
 
     # -- Remote ------------------------------------------------------------------
 
+    def expect_established(self) -> None:
+        self.tree.established = True
+
     async def check(self) -> None:
         def probe() -> None:
             if not self.root.exists():
