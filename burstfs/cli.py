@@ -26,6 +26,7 @@ from .mountinfo import find_burstfs_mount
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+EXIT_TIMEOUT = 3  # as burstfs-admin wait
 
 
 def _fail(exc: BurstfsError) -> None:
@@ -372,12 +373,19 @@ def unmount(
 )
 @click.option("--endpoint-url", default=None, help="Override the S3 endpoint recorded by the last mount.")
 @click.option("--now", is_flag=True, help="Drain at once: skip the --drain-delay the last mount was started with.")
-def drain(cache_dir: Path, endpoint_url: str | None, now: bool) -> None:
+@click.option(
+    "--timeout",
+    type=float,
+    default=None,
+    help="Give up after this many seconds (exit 3); what is not durable stays in the cache. Default: no limit.",
+)
+def drain(cache_dir: Path, endpoint_url: str | None, now: bool, timeout: float | None) -> None:
     """Drain a cache dir without a mount (after unmount or a crash), then exit.
 
     Files drain with the options of the last mount, --drain-delay included
     (said on stderr); --now skips the delay.  Exit 0 when everything closed is
-    durable, 1 if the drain stopped on an error.
+    durable, 1 if the drain stopped on an error, 3 when --timeout ran out first
+    (a remote that is down: without it the drain waits for the remote).
     """
     import asyncio
 
@@ -388,6 +396,8 @@ def drain(cache_dir: Path, endpoint_url: str | None, now: bool) -> None:
 
     os.umask(PRIVATE_UMASK)  # the journal's WAL, the log, temp files: private to this user
     try:
+        if timeout is not None:
+            check_seconds(timeout, "timeout")
         secure_cache_dir(cache_dir, create=False)
     except BurstfsError as exc:
         _fail(exc)
@@ -415,7 +425,17 @@ def drain(cache_dir: Path, endpoint_url: str | None, now: bool) -> None:
                 err=True,
             )
         mover = Mover(cache_dir, config.remote, s3, options)
-        asyncio.run(mover.run(until_idle=True))
+        try:
+            asyncio.run(asyncio.wait_for(mover.run(until_idle=True), timeout))
+        except TimeoutError:
+            left, _ = _left_behind(cache_dir)
+            files = sum(count for fate, (count, _) in left.items() if fate != "incomplete")
+            click.echo(
+                f"burstfs: drain stopped after {timeout:g}s: {files} files are not durable yet; they stay in "
+                f"{cache_dir} (burstfs-admin status {cache_dir} says why)",
+                err=True,
+            )
+            sys.exit(EXIT_TIMEOUT)
         click.echo(f"drained {mover.stats.files_drained} files ({mover.stats.bytes_drained} bytes) to {config.remote}")
         _fail_on_left_behind(cache_dir)
     except BurstfsError as exc:

@@ -282,6 +282,9 @@ def test_unmount_does_not_wait_for_a_pass_stuck_on_a_hung_remote(
     started = time.monotonic()
     fs.unmount()
     assert time.monotonic() - started < 15, "unmount waited for the hung remote"
+    # Drained without a mount while the remote is a black hole: --timeout bounds it (exit 3).
+    drained = burstfs("drain", "--cache", str(fs.cache), "--now", "--timeout", "3", check=False, timeout=BOUND_S)
+    assert drained.returncode == 3 and "after 3s: 1 files are not durable" in drained.stderr, drained.stderr
     proxy.resume()
     fs.mount()
     _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "25", str(fs.path / "ck")], "the drain after the heal")
@@ -334,17 +337,23 @@ def test_a_restart_refuses_an_empty_stand_in_for_a_file_remote_it_drained_to(
     fs.mount()
     (fs.path / "step_1.pt").write_bytes(b"one")
     _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "25", str(fs.path)], "the first drain")
-    fs.unmount()
     away = fs.root / "remote.unmounted"
     fs.remote_dir.rename(away)
     fs.remote_dir.mkdir()  # the mount point left behind
+    (fs.path / "step_2.pt").write_bytes(b"two")  # staged: the running daemon halts its drain
+    fs.unmount()
     refused = burstfs("mount", str(fs.path), "--cache", str(fs.cache), "--remote", fs.remote_url, check=False)
     assert refused.returncode != 0 and "no longer holds .burstfs/" in refused.stderr, refused.stderr
+    # Drained without a mount: halted at once (exit 1), nothing written there.
+    drained = burstfs("drain", "--cache", str(fs.cache), "--now", check=False, timeout=BOUND_S)
+    assert drained.returncode == 1 and "no longer holds .burstfs/" in drained.stderr, drained.stderr
     assert list(fs.remote_dir.iterdir()) == []  # nothing set up on the mount point's disk
     fs.remote_dir.rmdir()
     away.rename(fs.remote_dir)  # the file system is back
     fs.mount()
     assert (fs.path / "step_1.pt").read_bytes() == b"one"
+    _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "25", str(fs.path)], "the drain after the heal")
+    assert (fs.remote_dir / "step_2.pt").read_bytes() == b"two"
 
 
 def test_status_counts_a_sparse_file_by_its_allocated_bytes(mounted_factory: type[MountedFS]) -> None:
