@@ -341,6 +341,8 @@ def test_a_restart_refuses_an_empty_stand_in_for_a_file_remote_it_drained_to(
     fs.remote_dir.rename(away)
     fs.remote_dir.mkdir()  # the mount point left behind
     (fs.path / "step_2.pt").write_bytes(b"two")  # staged: the running daemon halts its drain
+    for rank in range(8):  # uploads in flight when the drain halts: `burstfs drain` still ends
+        (fs.path / f"shard_{rank}.pt").write_bytes(b"shard")
     fs.unmount()
     refused = burstfs("mount", str(fs.path), "--cache", str(fs.cache), "--remote", fs.remote_url, check=False)
     assert refused.returncode != 0 and "no longer holds .burstfs/" in refused.stderr, refused.stderr
@@ -354,6 +356,7 @@ def test_a_restart_refuses_an_empty_stand_in_for_a_file_remote_it_drained_to(
     assert (fs.path / "step_1.pt").read_bytes() == b"one"
     _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "25", str(fs.path)], "the drain after the heal")
     assert (fs.remote_dir / "step_2.pt").read_bytes() == b"two"
+    assert (fs.remote_dir / "shard_7.pt").read_bytes() == b"shard"
 
 
 def test_status_counts_a_sparse_file_by_its_allocated_bytes(mounted_factory: type[MountedFS]) -> None:

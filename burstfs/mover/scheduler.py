@@ -260,6 +260,9 @@ class Mover:
                 self._wakeup.clear()
                 await asyncio.sleep(timing.COALESCE_S)  # a burst of closes becomes one pass
                 if self.stats.halted is not None and not await self._probe_remote():
+                    if until_idle:  # `burstfs drain`: a halt ends it (exit 1) once its uploads ended
+                        await asyncio.gather(*tasks, return_exceptions=True)
+                        raise RemoteError(self.stats.halted, kind="halted")
                     await self._sleep(timing.HALT_PROBE_S)
                     continue
                 try:
