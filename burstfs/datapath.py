@@ -480,14 +480,15 @@ class DataPath:
         if self.links.drain is not None and (dir_key := self.namespace.dir_key_of(inode)) is not None:
             await self.links.drain.closed_in(inode.ino, dir_key, inode.name)  # bounded (--remote-wait); never fails
 
-    def _journal_released(self, ino: int, within: float = DEFER_S) -> None:
-        """Record that ``ino``'s last writer left, with the next commit.  Until that record
-        lands, a restart takes the file for one still open (``incomplete``): a batch that
-        failed (the journal's file system full) is no reason to give up, so it is tried again
-        each RELEASE_RETRY_S until it lands (the headroom frees the journal's reserve)."""
+    def _journal_released(self, ino: int, generation: int, within: float = DEFER_S) -> None:
+        """Record that ``ino``'s last writer left (its closes up to ``generation``), with the
+        next commit.  Until that record lands, a restart takes the file for one still open
+        (``incomplete``): a batch that failed (the journal's file system full) is no reason to
+        give up, so it is tried again each RELEASE_RETRY_S until it lands (the headroom frees
+        the journal's reserve)."""
         undo = Undo()
-        undo.add(lambda: self._journal_released(ino, RELEASE_RETRY_S))
-        self.committer.defer([released_op(ino)], undo, within=within)
+        undo.add(lambda: self._journal_released(ino, generation, RELEASE_RETRY_S))
+        self.committer.defer([released_op(ino, generation)], undo, within=within)
 
     async def release(self, fh: int) -> None:
         handle = self.handles.pop(fh, None)
@@ -506,7 +507,7 @@ class DataPath:
                     await self.committer.commit(ops, undo=undo)
                     self.links.file_closed()
                 else:  # rides with the next commit: a crash before it lands is within RELEASE_GRACE_S
-                    self._journal_released(inode.ino)
+                    self._journal_released(inode.ino, inode.generation)
                 inode.digests = None  # the last writer is gone (kept if the commit failed)
             if inode.handles == 1 and not inode.local and inode.accounted:
                 await self.capacity.count_held_blocks(inode)  # its fetch claimed the whole file

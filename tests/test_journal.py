@@ -38,9 +38,11 @@ from burstfs.journal import (
     close_ops,
     connection,
     drop_unlinked_ops,
+    held_close_op,
     link_ops,
     mark_writing_op,
     recovered_incomplete_ops,
+    released_op,
     schema,
     set_meta_op,
     unchanged_close_op,
@@ -159,6 +161,17 @@ def test_recover_stages_draining_files_again(journal: Journal, tree: JournalTree
     assert isinstance(journal.drain.claim(ino, generation), tuple)
     assert journal.drain.recover() == 1
     assert tree.state(ino) == STAGED and journal.keys.holder("f") is None
+
+
+def test_a_release_record_takes_back_only_the_closes_up_to_its_generation(journal: Journal, tree: JournalTree) -> None:
+    """A release record tried again after a failed commit lands after a new writer's close:
+    it must leave that close held (a crash then flags the file incomplete, as it should)."""
+    ino, _ = tree.write_file("f")
+    journal.apply([held_close_op(ino, 3)])
+    journal.apply([released_op(ino, 2)])
+    assert ino in journal.held_closes()
+    journal.apply([released_op(ino, 3)])
+    assert ino not in journal.held_closes()
 
 
 def test_retry_failed(journal: Journal, tree: JournalTree) -> None:

@@ -116,9 +116,13 @@ def held_close_op(ino: int, generation: int) -> Op:
     return ("INSERT OR REPLACE INTO held_closes VALUES (?, ?, ?)", (ino, generation, time.time()))
 
 
-def released_op(ino: int) -> Op:
-    """The last writable open of ``ino`` was released (or fsync asked for its bytes)."""
-    return ("DELETE FROM held_closes WHERE ino=?", (ino,))
+def released_op(ino: int, generation: int | None = None) -> Op:
+    """The last writable open of ``ino`` was released (or fsync asked for its bytes); with
+    ``generation``, only the closes journaled up to it (a record tried again after a failed
+    commit must not take back the hold of a writer that opened the file since)."""
+    if generation is None:
+        return ("DELETE FROM held_closes WHERE ino=?", (ino,))
+    return ("DELETE FROM held_closes WHERE ino=? AND generation<=?", (ino, generation))
 
 
 #: The delete reason of an unlinked name's object (see unlink_ops).
