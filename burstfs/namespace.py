@@ -411,6 +411,7 @@ class Namespace:
         target = self.inodes[target_ino] if target_ino is not None else None
         if target is inode:
             return False
+        forgotten: list[Inode] = []  # a directory target's entries, only listed here
         if target is not None:
             if flags & RENAME_NOREPLACE:
                 raise FsError(errno.EEXIST)
@@ -418,8 +419,10 @@ class Namespace:
                 raise FsError(errno.ENOTDIR)
             if inode.kind != "dir" and target.kind == "dir":
                 raise FsError(errno.EISDIR)
-            if target.children and self._others_files(target) is None:
+            others = self._others_files(target) if target.children else []
+            if others is None:
                 raise FsError(errno.ENOTEMPTY)
+            forgotten = others
         if inode.kind == "dir":  # the VFS checks this too; keep the core safe on its own
             ancestor = new_parent
             while ancestor.ino != ROOT_INO:
@@ -427,10 +430,7 @@ class Namespace:
                     raise FsError(errno.EINVAL)
                 ancestor = self.inodes[ancestor.parent]
         undo = Undo()
-        forgotten: list[Inode] = []
-        if target is not None and target.children:
-            forgotten = self._others_files(target) or []
-            ops += self._forget_tree(forgotten, undo)
+        ops += self._forget_tree(forgotten, undo)
         if target is not None:
             ops += self._unlink_ops(new_parent, new_name, target, undo)
             target.pending += 1
