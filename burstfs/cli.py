@@ -197,11 +197,12 @@ def _left_behind(cache_dir: Path) -> tuple[dict[str, tuple[int, int]], dict[str,
     """What a stopped mount leaves undrained, by fate (status.left_behind), and its remote
     work beyond uploads (status.remote_work)."""
     from .journal import Journal
+    from .localtier import LocalTier
     from .status import left_behind, remote_work
 
     journal = Journal(cache_dir, readonly=True)
     try:
-        return left_behind(journal), remote_work(journal)
+        return left_behind(journal, LocalTier(cache_dir)), remote_work(journal)
     finally:
         journal.close()
 
@@ -212,11 +213,12 @@ def _fail_on_left_behind(cache_dir: Path) -> None:
     Slurm epilog) keeps the only copy.  Files left ``incomplete`` by a crash never drain: said,
     not an error (``unmount --wait`` leaves them out too)."""
     from .journal import Journal
+    from .localtier import LocalTier
     from .status import left_behind, stuck_moves
 
     journal = Journal(cache_dir, readonly=True)
     try:
-        left, stuck = left_behind(journal), stuck_moves(journal)
+        left, stuck = left_behind(journal, LocalTier(cache_dir)), stuck_moves(journal)
     finally:
         journal.close()
     files, nbytes = left.get("incomplete", (0, 0))

@@ -114,13 +114,7 @@ def recover(journal: Journal, tier: LocalTier) -> tuple[dict[int, Inode], int]:
         if row.parent == 0 and row.ino not in linked:  # unlinked while open when the daemon stopped
             ops.extend(drop_unlinked_ops(row.ino))
             continue
-        why = None
-        if row.state == WRITING:
-            why = "open for writing when the daemon stopped"
-        elif row.kind == "file" and row.state in CLOSED_LOCAL and _held_open(held.get(row.ino), row, last_alive):
-            why = "open for writing when the daemon stopped (a close of one of its descriptors was journaled)"
-        elif row.kind == "file" and row.state in CLOSED_LOCAL and _written_after_close(tier, row):
-            why = "written after its last close when the daemon stopped"
+        why = _incomplete_reason(row, held, last_alive, tier)
         if why is not None:
             # The data file is all there is of it: show its length, so that the bytes
             # can be inspected and a later extension reads zeros, not stale bytes.
@@ -158,6 +152,38 @@ def recover(journal: Journal, tier: LocalTier) -> tuple[dict[int, Inode], int]:
         journal.apply(ops)
     log.info("event=recovered inodes=%d", len(inodes))
     return inodes, last_row
+
+
+def _incomplete_reason(
+    row: InodeRow, held: dict[int, tuple[int, float]], last_alive: float | None, tier: LocalTier
+) -> str | None:
+    """Why the stopped daemon's file ``row`` may lack bytes of its last version (it becomes
+    ``incomplete`` at the next start), or None."""
+    if row.state == WRITING:
+        return "open for writing when the daemon stopped"
+    if row.kind != "file" or row.state not in CLOSED_LOCAL:
+        return None
+    if _held_open(held.get(row.ino), row, last_alive):
+        return "open for writing when the daemon stopped (a close of one of its descriptors was journaled)"
+    if _written_after_close(tier, row):
+        return "written after its last close when the daemon stopped"
+    return None
+
+
+def incomplete_at_next_start(journal: Journal, tier: LocalTier) -> list[tuple[InodeRow, int]]:
+    """The named files of a stopped daemon's cache that its next start flags ``incomplete``
+    (as :func:`recover` does), each with the length of its data file: all there is of it
+    (with passthrough the journal never saw the bytes written)."""
+    held = journal.held_closes()
+    last_alive = _last_alive(tier.cache_dir)
+    return [
+        (row, tier.data_size(row.ino))
+        for row in journal.inodes()
+        if row.link_of is None
+        and row.parent != 0
+        and row.kind == "file"
+        and _incomplete_reason(row, held, last_alive, tier) is not None
+    ]
 
 
 def _written_after_close(tier: LocalTier, row: InodeRow) -> bool:

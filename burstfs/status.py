@@ -38,6 +38,7 @@ from .journal import (
     Journal,
 )
 from .localtier import LocalTier
+from .recovery import incomplete_at_next_start
 
 SCHEMA = 1  # version of the JSON documents (docs/ADMIN.md); bump on incompatible change
 WAIT_POLL_S = 0.1  # journal reads are cheap (WAL readers never block the daemon)
@@ -291,9 +292,18 @@ LEFT_BEHIND_FATES: dict[str, frozenset[FileState]] = {
 }
 
 
-def left_behind(journal: Journal) -> dict[str, tuple[int, int]]:
-    """(files, bytes) per fate of LEFT_BEHIND_FATES, for the fates that have any."""
+def left_behind(journal: Journal, tier: LocalTier | None = None) -> dict[str, tuple[int, int]]:
+    """(files, bytes) per fate of LEFT_BEHIND_FATES, for the fates that have any.  Given the
+    stopped daemon's ``tier``, a file its next start flags ``incomplete`` counts there, with the
+    bytes its data file holds (a crash: passthrough writes the journal never saw)."""
     counts = journal.state_counts()
+    if tier is not None:
+        counts = dict(counts)
+        for row, size in incomplete_at_next_start(journal, tier):
+            files, nbytes = counts[row.state]
+            counts[row.state] = (files - 1, nbytes - row.size)
+            files, nbytes = counts.get(INCOMPLETE, (0, 0))
+            counts[INCOMPLETE] = (files + 1, nbytes + size)
     left = {}
     for fate, states in LEFT_BEHIND_FATES.items():
         files = sum(counts[s][0] for s in states if s in counts)
