@@ -44,6 +44,10 @@ LISTING_BACKOFF = 30.0
 #: A directory of the remote no listing has reached yet (``unseen``) is listed again this
 #: soon after a failed attempt, not after the TTL: its lookups fail with EIO meanwhile.
 UNSEEN_RETRY_S = 1.0
+#: An object of this node's missing from listings while its manifest stays is logged as lost
+#: once two listings this far apart found it so: another node's delete removes the object,
+#: then the manifest, and a listing between the two must not call it lost.
+LOST_CONFIRM_S = 5.0
 #: The per-inode memos (etags, directories seen) are swept of inodes gone from the namespace
 #: once they hold this many entries, and then whenever they have doubled since the last sweep.
 MEMO_SWEEP_MIN = 4096
@@ -106,6 +110,7 @@ class RemoteListings:
         self._in_flight: dict[int, tuple[trio.Event, list[bool], float, float]] = {}
         self._skipped_logged: set[str] = set()  # listed keys already logged as skipped
         self._lost_logged: set[str] = set()  # keys of this node's objects logged as lost
+        self._lost_since: dict[str, float] = {}  # key -> when a listing first missed it (manifest there)
         self._seen: set[int] = set()  # directories listed (merged) in this life, or made here
         # Another node's files (Inode.as_listed) -> the etag their object had when this mount first
         # listed them: a rewrite of the same size within the same second changes only that.
@@ -246,10 +251,18 @@ class RemoteListings:
             for key, raw in vanished.items():
                 if key not in deleted:
                     del own_durable[raw]
-                    if key not in self._lost_logged:
-                        self._lost_logged.add(key)
-                        log.error("event=object_lost key=%s note=gone from the remote, its manifest is not", key)
+                    self._note_lost(key, now)
+        for key in [key for key in self._lost_since if key.startswith(prefix) and key not in vanished]:
+            del self._lost_since[key]  # deleted with its manifest since, or back
         return await self._merge(directory, prefix, now, wanted_files, wanted_dirs, remote_versions, own_durable)
+
+    def _note_lost(self, key: str, now: float) -> None:
+        """This node's object ``key`` is missing from a listing and its manifest is not: logged
+        once a listing ``LOST_CONFIRM_S`` later still finds it so (a delete between the two)."""
+        first = self._lost_since.setdefault(key, now)
+        if now - first >= LOST_CONFIRM_S and key not in self._lost_logged:
+            self._lost_logged.add(key)
+            log.error("event=object_lost key=%s note=gone from the remote, its manifest is not", key)
 
     def _list_failed(self, dir_key: str, exc: Exception) -> bool:
         """A listing that could not be taken: logged, retried after the TTL; requests meanwhile

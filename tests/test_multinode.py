@@ -22,6 +22,8 @@ import pytest
 from conftest import BIN, FUSE_OK, MountedFS, burstfs, journal_rows, wait_for
 from s3server import fresh_bucket
 
+from burstfs.remote.base import manifest_key
+
 pytestmark = pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse, fusermount3 and root")
 
 ADMIN = str(BIN / "burstfs-admin")
@@ -636,14 +638,25 @@ def test_a_nodes_own_durable_file_another_node_deleted_goes_here_too(
     write(n1, "ck/step_1/__1_0.distcp", shard(1, 1))
     write(n1, "ck/step_1/kept.bin", b"kept")
     write(n1, "ck/step_1/lost.bin", b"lost")
+    write(n1, "ck/step_1/halfway.bin", b"halfway")
     admin("wait", n1.path / "ck")
     (n0.path / "ck/step_1/__1_0.distcp").unlink()
     wait_for(lambda: "ck/step_1/__1_0.distcp" not in bucket.keys(), what="the delete on the remote")
+    # A delete by another node caught between its object and its manifest is no loss: the
+    # file stays until a listing finds both gone, and nothing is logged as lost.
+    bucket.client.delete_object(Bucket=bucket.name, Key="job/ck/step_1/halfway.bin")
     # An object removed behind burstfs' back (its manifest stays: a lifecycle rule, an
     # operator) was lost, not deleted by a node: its file stays here, for verify to report.
     bucket.client.delete_object(Bucket=bucket.name, Key="job/ck/step_1/lost.bin")
-    assert sorted(os.listdir(n1.path / "ck/step_1")) == ["kept.bin", "lost.bin"]
-    assert "event=object_lost key=ck/step_1/lost.bin" in n1.log_text()
+    assert sorted(os.listdir(n1.path / "ck/step_1")) == ["halfway.bin", "kept.bin", "lost.bin"]
+    bucket.client.delete_object(Bucket=bucket.name, Key=f"job/{manifest_key('ck/step_1/halfway.bin')}")
+    wait_for(lambda: "halfway.bin" not in os.listdir(n1.path / "ck/step_1"), what="the delete seen whole")
+    # Still missing with its manifest a while later (listings LOST_CONFIRM_S apart): lost.
+    wait_for(
+        lambda: os.listdir(n1.path / "ck/step_1") and "event=object_lost key=ck/step_1/lost.bin" in n1.log_text(),
+        what="the loss logged",
+    )
+    assert "object_lost key=ck/step_1/halfway.bin" not in n1.log_text()
     assert (n1.path / "ck/step_1/lost.bin").read_bytes() == b"lost"
     # The kernel's entry goes by an asynchronous invalidation: a stat may beat it by a moment.
     wait_for(lambda: not (n1.path / "ck/step_1/__1_0.distcp").exists(), what="the kernel's entry dropped")
