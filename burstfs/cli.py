@@ -392,6 +392,7 @@ def drain(cache_dir: Path, endpoint_url: str | None, now: bool, timeout: float |
     import asyncio
 
     from .cachelock import PRIVATE_UMASK, CacheLock, secure_cache_dir
+    from .config import STORE_META, check_cache_store
     from .journal import Journal
     from .log import setup_logging
     from .mover import Mover
@@ -412,10 +413,13 @@ def drain(cache_dir: Path, endpoint_url: str | None, now: bool, timeout: float |
         journal = Journal(cache_dir)
         try:
             config = config_from_meta(journal.get_meta, cache_dir)
+            store = journal.get_meta(STORE_META)
         finally:
             journal.close()
         if config is None:
             raise ConfigError(f"{cache_dir} is not a burstfs cache dir (no journal)")
+        if not endpoint_url:  # an explicit one is the operator's word that it reaches the same store
+            check_cache_store(config, store)
         s3 = dataclasses.replace(config.s3, endpoint_url=endpoint_url) if endpoint_url else config.s3
         options = config.drain
         if now:

@@ -264,6 +264,17 @@ class S3Options:
             return self.endpoint_url
         return check_endpoint_url(from_env, "AWS_ENDPOINT_URL")
 
+    def store(self) -> str:
+        """Which store :meth:`endpoint` reaches, as a cache dir records it: ``scheme://host:port``
+        (``aws`` for AWS's own).  The bucket and prefix alone do not say it: the same names on
+        another store hold none of the cache's objects or checkpoint rounds."""
+        url = self.endpoint()
+        if url is None:
+            return "aws"
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        return f"{parts.scheme}://{(parts.hostname or '').lower()}:{port}"
+
 
 #: The most parts per file (--concurrency) and files (--max-files) a drain keeps in flight:
 #: each part is held in memory (64 x 64 x 8 MiB is already 32 GiB).
@@ -444,4 +455,28 @@ def config_from_meta(get_meta: Callable[[str], str | None], cache_dir: Path) -> 
         remote=parse_remote_url(remote),
         s3=S3Options(**json.loads(get_meta("s3") or "{}")),
         drain=DrainOptions(**drain),
+    )
+
+
+#: Journal meta: the S3 store (``S3Options.store``) the cache's files go to.
+STORE_META = "store"
+
+
+def check_cache_store(config: MountConfig, recorded: str | None) -> None:
+    """Refuse to drain a cache's files into another S3 store than the one it was mounted on
+    (``recorded``): same bucket and prefix, another endpoint (a changed $AWS_ENDPOINT_URL).
+    Its staged files would land there, its evicted ones be missing, and its checkpoint rounds
+    stay open on the first store, where the other nodes wait for this node's part."""
+    if config.remote.scheme != "s3" or recorded is None or recorded == config.s3.store():
+        return
+    cache, now, endpoint = config.cache_dir, config.s3.store(), config.s3.endpoint()
+    back = "leave out --endpoint-url and AWS_ENDPOINT_URL" if recorded == "aws" else f"use --endpoint-url {recorded}"
+    same = (
+        f", or, if {now} is the same store under another name, drain this cache with "
+        f"`burstfs drain --cache {cache} --endpoint-url {endpoint}` and remove it first"
+        if endpoint
+        else ""
+    )
+    raise ConfigError(
+        f"cache dir {cache} holds files for {config.remote} on the store at {recorded}, not {now}; {back}{same}"
     )

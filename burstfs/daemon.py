@@ -32,7 +32,7 @@ import trio
 
 from .cachelock import PRIVATE_UMASK, CacheLock, secure_cache_dir
 from .commitgroups import unfinished_rounds
-from .config import MountConfig, default_node_id, parse_metrics_addr
+from .config import STORE_META, MountConfig, check_cache_store, default_node_id, parse_metrics_addr
 from .control import serve_control
 from .core import BurstCore
 from .drainservice import DrainService
@@ -175,13 +175,14 @@ def _check_cache_owner(config: MountConfig) -> None:
     try:
         journal = Journal(cache, readonly=True)
         try:
-            recorded = journal.get_meta("remote")
+            recorded, store = journal.get_meta("remote"), journal.get_meta(STORE_META)
         finally:
             journal.close()
     except sqlite3.Error:  # e.g. a crash left a WAL that needs a writer: the daemon checks
         return
     if recorded is not None and recorded != str(config.remote):
         raise _other_remote(config, recorded)
+    check_cache_store(config, store)
 
 
 def _journal_present(cache: Path) -> bool:
@@ -302,7 +303,14 @@ def open_cache(config: MountConfig) -> tuple[CacheLock, Journal, MountConfig]:
         if recorded is not None and recorded != str(config.remote):
             journal.close()
             raise _other_remote(config, recorded)
+        try:
+            check_cache_store(config, journal.get_meta(STORE_META))
+        except ConfigError:
+            journal.close()
+            raise
         journal.set_meta("remote", str(config.remote))
+        if config.remote.scheme == "s3":
+            journal.set_meta(STORE_META, config.s3.store())
         config = _keep_node_id(config, journal)
         # The latest mount's options are the ones `burstfs drain` and `burstfs-admin` reuse.
         journal.set_meta("config", config.to_json())

@@ -735,3 +735,36 @@ def test_a_slow_start_up_names_the_step_it_waits_in(caplog: pytest.LogCaptureFix
     stacks = [m for m in slow if "event=start_slow_stacks" in m]
     # Once, after the second warning, with this (blocked) thread's stack in it.
     assert len(stacks) == 1 and "test_a_slow_start_up_names_the_step_it_waits_in" in stacks[0], slow
+
+
+def test_a_cache_is_not_drained_into_another_store_with_the_same_bucket(
+    mounted_factory: type[MountedFS], s3_env: str
+) -> None:
+    """Remounted with another --endpoint-url (same bucket and prefix), a cache drained its staged
+    files into that store, and left its checkpoint rounds open on the first.  Refused, the way
+    another remote URL is; `burstfs drain --endpoint-url` is the operator's word that it is the
+    same store under another name."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    import boto3
+    from faultproxy import FaultProxy
+    from s3server import fresh_bucket
+
+    bucket = fresh_bucket(s3_env)
+    client = boto3.client("s3", endpoint_url=s3_env, region_name="us-east-1")
+    with FaultProxy(s3_env) as first:
+        fs = mounted_factory("moved", f"s3://{bucket}/job", ("--drain-delay", "600"))  # type: ignore[call-arg]
+        mount = ("mount", str(fs.path), "--cache", str(fs.cache), "--remote", fs.remote_url, "--drain-delay", "600")
+        burstfs(*mount, env={**os.environ, "AWS_ENDPOINT_URL": first.endpoint})
+        (fs.path / "model.pt").write_bytes(b"m" * 1000)
+        fs.unmount()
+        result = burstfs(*mount, "--endpoint-url", s3_env, check=False)
+        assert result.returncode != 0 and not is_mounted(fs.path)
+        message = one_line(result.stderr)
+        assert f"on the store at {first.endpoint}" in message and f"--endpoint-url {first.endpoint}" in message
+        moved_env = {**os.environ, "AWS_ENDPOINT_URL": s3_env}
+        refused = burstfs("drain", "--cache", str(fs.cache), "--now", check=False, env=moved_env)
+        assert refused.returncode != 0 and f"on the store at {first.endpoint}" in refused.stderr
+        assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix="job/model.pt")
+        burstfs("drain", "--cache", str(fs.cache), "--now", "--endpoint-url", s3_env, timeout=60)
+        assert client.get_object(Bucket=bucket, Key="job/model.pt")["Body"].read() == b"m" * 1000
