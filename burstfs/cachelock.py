@@ -94,8 +94,12 @@ class CacheLock:
             raise ConfigError(
                 f"cache dir {self.path.parent} is in use by another burstfs process (pid {owner})"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:  # a full file system: no lock held
+            os.close(fd)
+            raise
         self._fd = fd
 
     def release(self) -> None:

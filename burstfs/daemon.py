@@ -289,7 +289,16 @@ def _recorded(config: MountConfig, ask: Callable[[Journal], bool]) -> bool:
 
 def open_cache(config: MountConfig) -> tuple[CacheLock, Journal, MountConfig]:
     """Lock the cache dir and open its journal; refuse a cache that belongs to another remote
-    or (with rounds open) to another node id.  Returns the config with the cache's node id."""
+    or (with rounds open) to another node id.  Returns the config with the cache's node id.
+    A file system that fails it (full, read-only) is said in one line."""
+    try:
+        return _open_cache(config)
+    except (OSError, sqlite3.Error) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise BurstfsError(f"cannot set up cache dir {config.cache_dir}: {why}") from exc
+
+
+def _open_cache(config: MountConfig) -> tuple[CacheLock, Journal, MountConfig]:
     os.umask(PRIVATE_UMASK)  # journal.db, its WAL and everything else: 0600
     secure_cache_dir(config.cache_dir)
     lock = CacheLock(config.cache_dir)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from conftest import BIN, DATA_PATHS, FUSE_OK, MountedFS, wait_for
+from conftest import BIN, DATA_PATHS, FUSE_OK, MountedFS, burstfs, is_mounted, wait_for
 
 from burstfs.core import BurstCore
 from burstfs.headroom import headroom_bytes
@@ -256,3 +256,22 @@ def test_a_file_whose_writes_failed_at_close_shows_what_the_tier_holds(
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
     assert os.stat(late).st_size == 12 * MiB and late.read_bytes() == on_tier
+
+
+def test_a_new_cache_dir_on_a_full_file_system_is_one_line(small_tier: Path, tmp_path: Path) -> None:
+    """A cache dir made on a full file system: `burstfs mount` printed a Python traceback (the
+    lock's pid could not be written).  Now one line that names the cache and the cause."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    with open(small_tier / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
+        while True:
+            filler.write(b"\0" * MiB)
+    (tmp_path / "remote").mkdir()
+    (tmp_path / "mnt").mkdir()
+    cache = small_tier / "cache"
+    result = burstfs(
+        "mount", str(tmp_path / "mnt"), "--cache", str(cache), "--remote", f"file://{tmp_path / 'remote'}", check=False
+    )  # fmt: skip
+    assert result.returncode == 1 and not is_mounted(tmp_path / "mnt"), result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"cannot set up cache dir {cache}: No space left on device" in result.stderr
