@@ -41,7 +41,7 @@ from .fuse_ops import BurstOperations
 from .headroom import drop_reserve_if_full
 from .journal import ROOT_INO, Journal
 from .localtier import holds_data
-from .log import setup_logging
+from .log import reopen_log_file, setup_logging
 from .metrics import start_metrics
 from .mountinfo import FSNAME_PREFIX, device_of, find_burstfs_mount, mounts
 from .mover import Mover
@@ -467,8 +467,13 @@ async def serve(config: MountConfig, ops: BurstOperations, on_ready: Callable[[]
 
 
 async def _stop_on_signals(scope: trio.CancelScope) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    """SIGTERM and SIGINT unmount; SIGHUP (logrotate's, a closed terminal) reopens the log."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
+            if signum == signal.SIGHUP:
+                reopen_log_file()
+                log.info("event=signal signal=SIGHUP action=reopen_log")
+                continue
             log.info("event=signal signal=%s action=unmount", signal.Signals(signum).name)
             pyfuse3.terminate()
             return

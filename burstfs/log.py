@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import logging.handlers
 import os
 import sys
 from pathlib import Path
@@ -26,7 +27,8 @@ def setup_logging(level: str, *, log_file: Path | None = None, stderr: bool = Tr
             os.fchmod(fd, 0o600)
         finally:
             os.close(fd)
-        file_handler = logging.FileHandler(log_file)
+        # Reopened when moved or removed (logrotate, with or without its SIGHUP).
+        file_handler = logging.handlers.WatchedFileHandler(log_file)
         file_handler.setFormatter(formatter)
         root.addHandler(file_handler)
     if stderr:
@@ -36,3 +38,10 @@ def setup_logging(level: str, *, log_file: Path | None = None, stderr: bool = Tr
     # Libraries that could log request details (and so credentials) stay quiet.
     for noisy in ("botocore", "aiobotocore", "urllib3", "aiohttp"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def reopen_log_file() -> None:
+    """Reopen ``burstfs.log`` if it was rotated away (SIGHUP)."""
+    for handler in logging.getLogger("burstfs").handlers:
+        if isinstance(handler, logging.handlers.WatchedFileHandler):
+            handler.reopenIfNeeded()

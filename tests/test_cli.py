@@ -768,3 +768,25 @@ def test_a_cache_is_not_drained_into_another_store_with_the_same_bucket(
         assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix="job/model.pt")
         burstfs("drain", "--cache", str(fs.cache), "--now", "--endpoint-url", s3_env, timeout=60)
         assert client.get_object(Bucket=bucket, Key="job/model.pt")["Body"].read() == b"m" * 1000
+
+
+def test_sighup_reopens_a_rotated_log_and_the_mount_lives_on(mounted_factory: type[MountedFS]) -> None:
+    """logrotate's `kill -HUP` (or the hang-up of the terminal of a `--foreground` mount) killed
+    the daemon outright: a dead mount, an open writer's file left incomplete.  It now reopens
+    burstfs.log (moved away by the rotation) and the mount goes on."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    import signal
+
+    fs = mounted_factory("hup", None, ())  # type: ignore[call-arg]
+    fs.mount()
+    with open(fs.path / "open.pt", "wb") as writer:
+        writer.write(b"a" * 100)
+        (fs.cache / "burstfs.log").rename(fs.cache / "burstfs.log.1")
+        os.kill(fs.daemon_pid(), signal.SIGHUP)
+        wait_for(lambda: "action=reopen_log" in fs.log_text(), what="the reopened log")
+        writer.write(b"b" * 100)
+    assert (fs.path / "open.pt").read_bytes() == b"a" * 100 + b"b" * 100
+    assert "event=signal signal=SIGHUP" in fs.log_text()
+    fs.unmount("--wait", "--wait-timeout", "60")
+    assert (fs.remote_dir / "open.pt").read_bytes() == b"a" * 100 + b"b" * 100
