@@ -402,9 +402,13 @@ def drain(cache_dir: Path, endpoint_url: str | None, now: bool, timeout: float |
         if timeout is not None:
             check_seconds(timeout, "timeout")
         secure_cache_dir(cache_dir, create=False)
+        if not os.access(cache_dir, os.W_OK | os.X_OK):  # a file system gone read-only after I/O errors
+            raise ConfigError(f"cache dir {cache_dir} is not writable: copy it elsewhere to drain it")
+        setup_logging("INFO", log_file=cache_dir / "burstfs.log", stderr=True)
     except BurstfsError as exc:
         _fail(exc)
-    setup_logging("INFO", log_file=cache_dir / "burstfs.log", stderr=True)
+    except OSError as exc:
+        _fail(BurstfsError(f"cannot write to cache dir {cache_dir}: {exc.strerror}"))
     lock = CacheLock(cache_dir)
     try:
         if not (cache_dir / "journal.db").exists():

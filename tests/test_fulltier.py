@@ -275,3 +275,21 @@ def test_a_new_cache_dir_on_a_full_file_system_is_one_line(small_tier: Path, tmp
     assert result.returncode == 1 and not is_mounted(tmp_path / "mnt"), result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert f"cannot set up cache dir {cache}: No space left on device" in result.stderr
+
+
+def test_drain_of_a_cache_on_a_read_only_file_system_is_one_line(
+    small_tier: Path, tmp_path: Path, mounted_factory: type[MountedFS]
+) -> None:
+    """A cache whose file system went read-only (I/O errors): `burstfs drain --cache` ended in a
+    traceback (its log could not be opened).  Now one line, exit 2, the cache untouched."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    fs = _on_tier(mounted_factory, small_tier, tmp_path, "--drain-delay", "600")
+    fs.mount()
+    (fs.path / "model.pt").write_bytes(b"m" * 1000)
+    fs.unmount()
+    subprocess.run(["mount", "-o", "remount,ro", str(small_tier)], check=True)
+    result = burstfs("drain", "--cache", str(fs.cache), "--now", check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip() == f"burstfs: cache dir {fs.cache} is not writable: copy it elsewhere to drain it"
+    assert not (tmp_path / "remote" / "model.pt").exists()
