@@ -219,6 +219,8 @@ def test_unlink_queues_the_object_and_an_unrecorded_upload_leaves_its_intent(
     claimed = journal.drain.claim(other, other_generation)
     assert isinstance(claimed, tuple)
     assert journal.keys.removals_queued() == 1  # an upload's intent is no delete of a removed file (status)
+    assert journal.keys.deletes_queued_under("") == {key}  # nor one that `wait` waits for
+    assert journal.keys.deletes_queued_under("b") == set()
     journal.apply(unlink_ops(other, b"b", time.time_ns()))
     assert not journal.drain.finish_upload(other, other_generation, claimed[0], claimed[1], "gone")
     assert ("b", "upload") in [(k, r) for _, k, r in journal.keys.pending_deletes(10)]

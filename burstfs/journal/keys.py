@@ -18,6 +18,9 @@ from .rows import ROOT_INO
 from .states import DONE, DURABLE, RESTAGED, STAGED, state_marks
 
 # Every file at or below a seed ``(ino, path)``, with its path: the walk behind relocations.
+#: Queued deletes of removed, replaced or moved files' objects; not the intents ('upload',
+#: 'move') that uploads and moves in flight leave for their own crash cleanup.
+_REMOVALS = "reason NOT IN ('upload', 'move')"
 _PATHS_BELOW = """WITH RECURSIVE paths(ino, path) AS (
        SELECT ?, ?
        UNION ALL SELECT i.ino, paths.path || '/' || CAST(i.name AS TEXT)
@@ -93,20 +96,23 @@ class KeyOwnership:
             ]
 
     def deletes_queued_under(self, rel: str) -> set[str]:
-        """Keys at or below ``rel`` ("" = everywhere) whose remote delete is still queued."""
+        """Keys at or below ``rel`` ("" = everywhere) whose remote delete is still queued: those
+        of removed, replaced or moved files, not the intents of uploads and moves in flight (their
+        files are not durable yet: a wait waits for them anyway)."""
         if not rel:
-            rows = self._db.query("SELECT key FROM remote_deletes")
+            rows = self._db.query(f"SELECT key FROM remote_deletes WHERE {_REMOVALS}")
         else:
             low, high = f"{rel}/", f"{rel}0"  # '0' sorts right after '/'
             rows = self._db.query(
-                "SELECT key FROM remote_deletes WHERE key=? OR (key >= ? AND key < ?)", (rel, low, high)
+                f"SELECT key FROM remote_deletes WHERE (key=? OR (key >= ? AND key < ?)) AND {_REMOVALS}",
+                (rel, low, high),
             )
         return {str(row[0]) for row in rows}
 
     def removals_queued(self) -> int:
         """Queued deletes of removed, replaced or moved files' objects; not the intents of
         uploads and moves in flight (``upload``, ``move``: their own crash cleanup)."""
-        rows = self._db.query("SELECT count(*) FROM remote_deletes WHERE reason NOT IN ('upload', 'move')")
+        rows = self._db.query(f"SELECT count(*) FROM remote_deletes WHERE {_REMOVALS}")
         return int(rows[0][0])
 
     def drop_delete(self, request_id: int) -> None:
