@@ -75,9 +75,9 @@ class TierCapacity:
 
     def room(self) -> int:
         """The most bytes files may take on the tier (``--cache-size``, or the tier's file system
-        less ``--min-free``)."""
+        less ``--min-free`` and the cache dir's own files)."""
         st = self.tier.statvfs()
-        room = max(0, st.f_blocks * st.f_frsize - self.policy.min_free)
+        room = max(0, st.f_blocks * st.f_frsize - self.policy.min_free - self.tier.overhead())
         return room if self.policy.cache_size is None else min(room, self.policy.cache_size)
 
     def fits(self, nbytes: int) -> bool:
@@ -127,9 +127,10 @@ class TierCapacity:
             # More than the tier can ever hold, every durable copy evicted: waiting for the drain
             # would only end in the same ENOSPC, later, and blaming data not yet durable.
             log.error("event=tier_too_small bytes=%d room=%d ino=%s", whole, self.room(), inode.ino if inode else None)
+            cure = "raise --cache-size" if self.policy.cache_size is not None else "give the tier a larger file system"
             raise NoSpaceError(
                 f"{whole} bytes do not fit on the local tier ({self.room()} bytes with every durable file "
-                "evicted: --cache-size, less --min-free); raise --cache-size"
+                f"evicted: --cache-size, or its file system less --min-free and the cache's own files); {cure}"
             )
         if not self.fits(nbytes):
             spent = self._full_waited.get(inode.ino, 0.0) if inode is not None else 0.0

@@ -126,6 +126,16 @@ class LocalTier:
     def statvfs(self) -> os.statvfs_result:
         return os.statvfs(self.data_dir)
 
+    def overhead(self) -> int:
+        """Bytes the cache dir's own files take beside the data files (the journal and its WAL,
+        the journal's reserve, the log): room that no eviction gives to files."""
+        total = 0
+        with os.scandir(self.cache_dir) as entries:
+            for entry in entries:
+                if entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_blocks * 512
+        return total
+
     def close_all(self) -> None:
         for fd, _ in self._fds.values():
             os.close(fd)

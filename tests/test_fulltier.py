@@ -13,6 +13,7 @@ import contextlib
 import errno
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -293,3 +294,31 @@ def test_drain_of_a_cache_on_a_read_only_file_system_is_one_line(
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip() == f"burstfs: cache dir {fs.cache} is not writable: copy it elsewhere to drain it"
     assert not (tmp_path / "remote" / "model.pt").exists()
+
+
+def test_a_remote_file_larger_than_the_tier_can_hold_fails_at_once(
+    small_tier: Path, tmp_path: Path, mounted_factory: type[MountedFS]
+) -> None:
+    """A restore node's read of a remote file smaller than the tier's file system but larger
+    than what files may take there (the journal, its reserve and the log take the rest) waited
+    --full-timeout for a drain with nothing undrained, then blamed data not yet durable."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    data = os.urandom(TIER_MIB * MiB - (128 << 10))  # less than the file system, more than files may take
+    (tmp_path / "remote").mkdir()
+    writer = mounted_factory("writer", f"file://{tmp_path / 'remote'}", ())  # type: ignore[call-arg]
+    writer.mount()
+    (writer.path / "big.bin").write_bytes(data)
+    writer.unmount("--wait", "--wait-timeout", "60")
+    reader = _on_tier(mounted_factory, small_tier, tmp_path, "--full-timeout", "30")
+    reader.mount()
+    reader.expect_log("tier_too_small")
+    reader.expect_log("request_failed")
+    started = time.monotonic()
+    with pytest.raises(OSError) as failed, open(reader.path / "big.bin", "rb") as f:
+        f.read(4096)
+    assert failed.value.errno == errno.ENOSPC and time.monotonic() - started < 20
+    assert "event=tier_too_small" in reader.log_text() and "give the tier a larger file system" in reader.log_text()
+    small = b"s" * 1000  # the tier still works
+    (reader.path / "small.bin").write_bytes(small)
+    assert (reader.path / "small.bin").read_bytes() == small
