@@ -22,7 +22,7 @@ from . import configfile
 from .cachelock import CacheLock
 from .config import DEFAULT_COMMIT_MARKERS, check_seconds, config_from_meta
 from .errors import BurstfsError, ConfigError
-from .mountinfo import find_burstfs_mount
+from .mountinfo import UnexaminedPath, find_burstfs_mount
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -48,7 +48,7 @@ def _mountpoint_command(config_help: str) -> Callable[[Callable[..., Any]], clic
         config = click.option(
             "--config", "config_file", type=click.Path(path_type=Path, dir_okay=False), help=config_help
         )
-        fn = click.argument("mountpoint", required=False, type=click.Path(path_type=Path))(config(fn))
+        fn = click.argument("mountpoint", required=False, type=UnexaminedPath())(config(fn))
         return main.command()(fn)
 
     return register
@@ -315,7 +315,8 @@ def unmount(
             _fail(ConfigError("give MOUNTPOINT, or --config FILE with a mountpoint"))
             return
     found = find_burstfs_mount(mountpoint)
-    if found is None or found[0] != Path(os.path.realpath(mountpoint)):
+    named = Path(os.path.abspath(mountpoint))  # before resolving links: see find_burstfs_mount
+    if found is None or (found[0] != named and found[0] != Path(os.path.realpath(mountpoint))):
         _fail(ConfigError(f"{mountpoint} is not a burstfs mount point"))
         return
     point, cache_dir = found

@@ -8,8 +8,23 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
+
+import click
 
 FSNAME_PREFIX = "burstfs:"
+
+
+class UnexaminedPath(click.Path):
+    """A command-line path taken as named: click's Path stats every value, and a stat of a
+    mount whose daemon stopped answering (SIGSTOP, a hang) never returns, so ``burstfs
+    unmount`` and ``burstfs-admin wait`` hung on the very mount they were meant to help with."""
+
+    def __init__(self) -> None:
+        super().__init__(path_type=Path)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
+        return value if isinstance(value, Path) else Path(os.fsdecode(value))
 
 
 def _unescape(field: str) -> str:
@@ -40,12 +55,23 @@ def device_of(mountpoint: Path) -> str | None:
 
 
 def find_burstfs_mount(path: Path) -> tuple[Path, Path] | None:
-    """The burstfs mount containing ``path``: (mount point, cache dir), or None."""
+    """The burstfs mount containing ``path``: (mount point, cache dir), or None.
+
+    A mount point named as the kernel lists it is found without a look at it: resolving its
+    links would ask its daemon for the root's attributes, and a daemon that stopped
+    answering (SIGSTOP, a hang) would hang ``burstfs unmount`` for good."""
+    burstfs_mounts = [
+        (point, Path(source[len(FSNAME_PREFIX) :]))
+        for point, fstype, source, _ in mounts()
+        if fstype.startswith("fuse") and source.startswith(FSNAME_PREFIX)
+    ]
+    named = Path(os.path.abspath(path))
+    for point, cache in reversed(burstfs_mounts):  # the latest mount on a point is the one seen
+        if point == named:
+            return point, cache
     real = Path(os.path.realpath(path))
     best: tuple[Path, Path] | None = None
-    for point, fstype, source, _ in mounts():
-        if not fstype.startswith("fuse") or not source.startswith(FSNAME_PREFIX):
-            continue
+    for point, cache in burstfs_mounts:
         if (real == point or point in real.parents) and (best is None or len(str(point)) > len(str(best[0]))):
-            best = (point, Path(source[len(FSNAME_PREFIX) :]))
+            best = (point, cache)
     return best

@@ -790,3 +790,52 @@ def test_sighup_reopens_a_rotated_log_and_the_mount_lives_on(mounted_factory: ty
     assert "event=signal signal=SIGHUP" in fs.log_text()
     fs.unmount("--wait", "--wait-timeout", "60")
     assert (fs.remote_dir / "open.pt").read_bytes() == b"a" * 100 + b"b" * 100
+
+
+def test_a_mount_point_named_as_listed_is_found_without_a_look_at_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`burstfs unmount MNT` resolved MNT's links first: a stat of the mount's root, which a
+    daemon that stopped answering (SIGSTOP, a hang) never answers once its attributes expired,
+    so the unmount hung for good.  A mount point named as the kernel lists it needs no look."""
+    from burstfs import mountinfo
+
+    listed = [(Path("/jobs/ckpt"), "fuse.burstfs", f"{mountinfo.FSNAME_PREFIX}/nvme/cache", "0:99")]
+    monkeypatch.setattr(mountinfo, "mounts", lambda: listed)
+
+    def hangs(path: object) -> str:
+        raise AssertionError(f"looked at {path}")
+
+    monkeypatch.setattr(mountinfo.os.path, "realpath", hangs)
+    assert mountinfo.find_burstfs_mount(Path("/jobs/ckpt")) == (Path("/jobs/ckpt"), Path("/nvme/cache"))
+    assert mountinfo.find_burstfs_mount(Path("/jobs/../jobs/ckpt/")) == (Path("/jobs/ckpt"), Path("/nvme/cache"))
+
+
+def test_admin_wait_and_status_are_bounded_by_a_daemon_that_stopped_answering(mounted_factory: type[MountedFS]) -> None:
+    """A daemon stopped (SIGSTOP) or hung: `burstfs-admin wait --timeout 3` took 60 s and exited 1
+    ("lost the daemon") instead of 3, and `status CACHE` took 60 s and printed nothing instead of
+    the journal."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    import signal
+
+    fs = mounted_factory("stopped", None, ("--drain-delay", "600"))  # type: ignore[call-arg]
+    fs.mount()
+    (fs.path / "model.pt").write_bytes(b"m" * 1000)
+    time.sleep(3 * DEFER_S)  # a new file's name is journaled at most DEFER_S after its create
+    pid = fs.daemon_pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        waited = subprocess.run(
+            [str(BIN / "burstfs-admin"), "wait", str(fs.path), "--timeout", "3"],  # a path inside would need it
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert waited.returncode == 3 and time.monotonic() - started < 30, (waited.returncode, waited.stderr)
+        status = subprocess.run(
+            [str(BIN / "burstfs-admin"), "status", str(fs.cache)], capture_output=True, text=True, timeout=120
+        )
+        assert status.returncode == 0 and "showing the journal" in status.stderr, status.stderr
+        assert "undrained: 1 files" in status.stdout, status.stdout
+    finally:
+        os.kill(pid, signal.SIGCONT)

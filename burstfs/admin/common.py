@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import sqlite3
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from ..config import RemoteURL, S3Options, check_seconds, config_from_meta
 from ..control import SOCKET_NAME, socket_address
 from ..errors import BurstfsError, ConfigError
 from ..journal import FileState, Journal
-from ..mountinfo import FSNAME_PREFIX, find_burstfs_mount, mounts
+from ..mountinfo import FSNAME_PREFIX, UnexaminedPath, find_burstfs_mount, mounts
 from ..status import Durability, lookup
 from ..status import wait_durable as wait_in_journal
 
@@ -199,6 +200,9 @@ def resolve(paths: Sequence[Path], cache: Path | None) -> Target:
         root = Path(last) if last else None
     rels = []
     for path in paths:
+        if root is not None and Path(os.path.abspath(path)) == root:  # no look at a live root (find_burstfs_mount)
+            rels.append("")
+            continue
         real = Path(os.path.realpath(path))
         if real == cache_dir:
             rels.append("")
@@ -226,7 +230,7 @@ def _check_paths_exist(paths: Sequence[Path], rels: list[str], cache_dir: Path, 
     nothing as if it succeeded.  A live mount answers for its paths (it also knows files only
     on the remote); a stopped one, or one whose daemon is gone, by its journal."""
     if live is not None:
-        missing = [path for path in paths if not os.path.lexists(path)]
+        missing = [path for path, rel in zip(paths, rels, strict=True) if rel and not os.path.lexists(path)]
         where = f"in the burstfs mount {live}"
     else:
         with read_journal(cache_dir) as journal:
@@ -254,18 +258,36 @@ def wait_durable(
     """status.wait_durable on the target's journal (read-only), asking its daemon, if one runs,
     whether the drain is halted; the last poll's outcome (``result`` "waiting": timed out)."""
     daemon = target.daemon
+    deadline = None if timeout is None else time.monotonic() + timeout
+
+    def ask(op: str) -> dict[str, Any] | None:
+        """The daemon's answer to ``op``, or None once the wait's own time ran out first (a daemon
+        that stopped answering: the wait times out, as it would for files not durable)."""
+        assert daemon is not None
+        left = REQUEST_TIMEOUT_S if deadline is None else deadline - time.monotonic()
+        try:
+            return daemon.call(op, timeout=max(0.5, min(REQUEST_TIMEOUT_S, left)))
+        except DaemonLost:
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            raise
+
+    def halted() -> str | None:
+        answer = ask("status")
+        return None if answer is None else answer["drain"]["halted"]
+
     if daemon is not None:
-        daemon.call("settle")  # a file created just now is journaled before we look
+        ask("settle")  # a file created just now is journaled before we look
     with target.journal() as journal:
         try:
             return wait_in_journal(
                 journal,
                 target.rels,
-                timeout=timeout,
+                timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
                 on_poll=on_poll,
                 ignore=ignore,
                 skip_abandoned=skip_abandoned,
-                halted=None if daemon is None else lambda: daemon.call("status")["drain"]["halted"],
+                halted=None if daemon is None else halted,
             )
         except BurstfsError as exc:
             raise AdminError(str(exc)) from None
@@ -328,9 +350,9 @@ def path_command(name: str | None = None, *, many: bool = False) -> Callable[[Ca
             help="Cache dir of the mount (to read a stopped mount's journal).",
         )(fn)
         if many:
-            fn = click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))(fn)
+            fn = click.argument("paths", nargs=-1, required=True, type=UnexaminedPath())(fn)
         else:
-            fn = click.argument("path", type=click.Path(path_type=Path))(fn)
+            fn = click.argument("path", type=UnexaminedPath())(fn)
         return main.command(name)(fn)
 
     return register

@@ -31,6 +31,7 @@ from .common import (
     EXIT_FAILED,
     EXIT_TIMEOUT,
     AdminError,
+    DaemonLost,
     Target,
     emit_json,
     fmt_time,
@@ -45,9 +46,16 @@ from .common import (
 WATCH_INTERVAL_S = 1.0
 
 
+#: A daemon that does not answer status this fast (stopped, hung) is left out: the journal answers.
+STATUS_ANSWER_S = 10.0
+
+
 def _status_doc(target: Target) -> dict[str, Any]:
     if target.daemon is not None:
-        return target.daemon.call("status")
+        try:
+            return target.daemon.call("status", timeout=STATUS_ANSWER_S)
+        except DaemonLost as exc:
+            click.echo(f"warning: {exc} (stopped or hung?); showing the journal", err=True)
     doc = journal_call(target, journal_status, target.cache_dir)
     doc["pid"] = CacheLock(target.cache_dir).owner_pid()
     return doc
