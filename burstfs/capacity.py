@@ -10,12 +10,13 @@ data is left, the writer waits for the drain (backpressure) until
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import trio
 
@@ -72,6 +73,8 @@ class TierCapacity:
         self.local_bytes = sum(inode.accounted for inode in inodes.values())
         self._space_freed = trio.Event()
         self._full_waited: dict[int, float] = {}  # ino -> seconds its writes waited on a full tier
+        self._fetched_into: set[int] = set()  # files not (yet) local that a fetch claimed room for
+        self._fetching: dict[int, int] = {}  # ino -> fetches of it under way (ensure_local calls)
 
     def room(self) -> int:
         """The most bytes files may take on the tier (``--cache-size``, or the tier's file system
@@ -82,12 +85,37 @@ class TierCapacity:
 
     def fits(self, nbytes: int) -> bool:
         """``nbytes`` more fit on the tier now, without evicting anything: within the byte
-        limit, and in the file system itself (less ``--min-free``), whoever else fills it."""
+        limit, and in the file system itself (less ``--min-free`` and the room fetches in
+        flight claimed but have not written yet), whoever else fills it."""
         limit = self.policy.cache_size
         if limit is not None and self.local_bytes + nbytes > limit:
             return False
         st = self.tier.statvfs()
-        return st.f_bavail * st.f_frsize - nbytes >= self.policy.min_free
+        return st.f_bavail * st.f_frsize - self._claimed_ahead() - nbytes >= self.policy.min_free
+
+    def _claimed_ahead(self) -> int:
+        """Bytes fetches claimed that are not on the tier's file system yet.  The file system's
+        free room does not show them: without this, concurrent restore reads each saw the same
+        free room, fetched at once and filled the tier."""
+        ahead = 0
+        for ino in list(self._fetched_into):
+            inode = self.inodes.get(ino)
+            if inode is None or inode.local or inode.accounted == 0:
+                self._fetched_into.discard(ino)
+            elif inode.handles or ino in self._fetching:
+                ahead += max(0, inode.accounted - self.allocated(ino))
+        return ahead
+
+    @contextlib.contextmanager
+    def fetching(self, inode: Inode) -> Iterator[None]:
+        """A fetch of ``inode`` is under way: its partial copy is not evicted from under it."""
+        self._fetching[inode.ino] = self._fetching.get(inode.ino, 0) + 1
+        try:
+            yield
+        finally:
+            self._fetching[inode.ino] -= 1
+            if not self._fetching[inode.ino]:
+                del self._fetching[inode.ino]
 
     async def admit_writer(self) -> None:
         """Make room on the tier's file system for a file opened for writing.
@@ -184,6 +212,8 @@ class TierCapacity:
         except BaseException:
             inode.accounted -= need
             raise
+        if not inode.local:
+            self._fetched_into.add(inode.ino)
 
     def allocated(self, ino: int) -> int:
         """Bytes the data file of ``ino`` takes on the tier (``st_blocks``; holes take none)."""
@@ -250,12 +280,39 @@ class TierCapacity:
         return 0 if self.policy.evict == "none" else self._reclaimable(self.journal.evictable())
 
     def _reclaimable(self, rows: list[tuple[int, int]]) -> int:
-        total = 0
+        total = sum(inode.accounted for inode in self._partial_copies())
         for ino, _ in rows:
             inode = self.inodes.get(ino)
             if inode is not None and inode.local and not inode.dirty and not inode.handles:
                 total += inode.accounted
         return total
+
+    def partial_bytes(self) -> int:
+        """Bytes held for files not local (fetches under way, what partial reads left): the
+        journal does not know them, status adds them."""
+        held = (
+            min(inode.accounted, self.allocated(ino))
+            for ino in self._fetched_into
+            if (inode := self.inodes.get(ino)) is not None and not inode.local
+        )
+        return sum(held)
+
+    def _partial_copies(self) -> list[Inode]:
+        """What fetches left of files that are not local, nobody reads and nothing fetches (a
+        restore that touched part of a file, a fetch that failed): a cache of durable bytes."""
+        partial = []
+        for ino in self._fetched_into:
+            inode = self.inodes.get(ino)
+            if (
+                inode is not None
+                and not inode.local
+                and inode.accounted
+                and not inode.handles
+                and not inode.dirty
+                and ino not in self._fetching
+            ):
+                partial.append(inode)
+        return partial
 
     def release(self, nbytes: int) -> None:
         self.local_bytes = max(0, self.local_bytes - nbytes)
@@ -270,6 +327,10 @@ class TierCapacity:
         """Evict durable files by policy until ``enough()``; True if it now is."""
         if self.policy.evict == "none":
             return enough()
+        for partial in self._partial_copies():  # first: no reader is coming back for these
+            if enough():
+                return True
+            await self._drop_partial(partial)
         rows = await trio.to_thread.run_sync(self.journal.evictable)
         candidates = []
         for ino, close_seq in rows:
@@ -287,7 +348,16 @@ class TierCapacity:
         changed = await trio.to_thread.run_sync(self.journal.evict, inode.ino, inode.generation)
         if not changed or inode.handles or inode.dirty:
             return 0
-        inode.local, inode.local_prefix = False, 0
+        inode.local = False
+        await self._drop_local_bytes(inode)
+        log.info("event=evicted ino=%d bytes=%d", inode.ino, inode.size)
+        return inode.size
+
+    async def _drop_local_bytes(self, inode: Inode) -> int:
+        """Remove the data file of a file that is durable on the remote (and not local now);
+        bytes freed."""
+        inode.local_prefix = 0
+        self._fetched_into.discard(inode.ino)
         # Fetch state left from this copy's restore (a reader that came in as it completed)
         # says its chunks are here: a fetch of the new copy must start from nothing.
         self.forget_fetch(inode.ino)
@@ -298,13 +368,20 @@ class TierCapacity:
         if trashed is not None:  # unlinking 1 GiB takes 170 ms: not on the FUSE loop
             await trio.to_thread.run_sync(unlink_trashed, trashed)
         self.release(freed)
-        log.info("event=evicted ino=%d bytes=%d", inode.ino, inode.size)
-        return inode.size
+        return freed
+
+    async def _drop_partial(self, inode: Inode) -> int:
+        freed = await self._drop_local_bytes(inode)
+        log.info("event=evicted ino=%d bytes=%d partial=1", inode.ino, freed)
+        return freed
 
     async def evict(self, inode: Inode) -> int:
-        """Drop the local copy of a durable file (``burstfs-admin evict``); bytes freed."""
+        """Drop the local copy of a durable file (``burstfs-admin evict``), or what fetches left
+        of one; bytes freed."""
         if inode.kind == "file" and inode.handles:  # also one partly fetched: its reader goes on
             raise FsError(errno.EBUSY, "file is open")
+        if inode.kind == "file" and inode in self._partial_copies():
+            return await self._drop_partial(inode)
         if inode.kind != "file" or not inode.local:
             return 0
         freed = 0 if inode.dirty else await self._evict(inode)

@@ -285,6 +285,7 @@ class ControlServer:
         )
         fs = await self.core.statfs()
         doc["local_tier"].update(
+            used_bytes=doc["local_tier"]["used_bytes"] + self.core.capacity.partial_bytes(),
             limit_bytes=self.config.tier.cache_size,
             mount_total_bytes=fs.blocks * fs.block_size,
             mount_free_bytes=fs.blocks_free * fs.block_size,

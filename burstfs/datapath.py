@@ -338,7 +338,8 @@ class DataPath:
             raise FsError(errno.EIO, "file is not on the local tier and no remote is configured")
         await self.capacity.account(inode, inode.size)  # room for the whole file: a restore usually reads all of it
         try:
-            prefix = await self.links.fetcher.ensure_local(inode.ino, offset, inode.size if size is None else size)
+            with self.capacity.fetching(inode):
+                prefix = await self.links.fetcher.ensure_local(inode.ino, offset, inode.size if size is None else size)
         except FsError as exc:
             if exc.errno == errno.ESTALE and inode.local:
                 return  # emptied here meanwhile (O_TRUNC): what is local now is the file

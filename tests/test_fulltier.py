@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -322,3 +324,105 @@ def test_a_remote_file_larger_than_the_tier_can_hold_fails_at_once(
     small = b"s" * 1000  # the tier still works
     (reader.path / "small.bin").write_bytes(small)
     assert (reader.path / "small.bin").read_bytes() == small
+
+
+def _remote_files(tmp_path: Path, mounted_factory: type[MountedFS], sizes: dict[str, int]) -> dict[str, bytes]:
+    """Files written durable to the remote through a mount off the small tier (a writer node)."""
+    (tmp_path / "remote").mkdir(exist_ok=True)
+    writer = mounted_factory("writer", f"file://{tmp_path / 'remote'}", ())  # type: ignore[call-arg]
+    writer.mount()
+    data = {name: os.urandom(size) for name, size in sizes.items()}
+    for name, content in data.items():
+        (writer.path / name).write_bytes(content)
+    writer.unmount("--wait", "--wait-timeout", "60")
+    return data
+
+
+def test_concurrent_restore_reads_do_not_overfill_the_tier(
+    small_tier: Path, tmp_path: Path, mounted_factory: type[MountedFS]
+) -> None:
+    """Three 9 MiB files read at once on a 24 MiB tier with no byte limit: each fetch saw the
+    file system's free room, not the room the fetches in flight had claimed, so all three
+    fetched at once, filled the tier and failed; the partial copies they left were never
+    evicted (not local), so every later read waited --full-timeout for a drain with nothing
+    to drain, then failed, until a remount."""
+    data = _remote_files(tmp_path, mounted_factory, {f"rank{i}.pt": 9 * MiB for i in range(3)})
+    reader = _on_tier(mounted_factory, small_tier, tmp_path, "--full-timeout", "30")
+    reader.mount()
+    errors: list[BaseException] = []
+
+    def read(name: str) -> None:
+        try:
+            assert (reader.path / name).read_bytes() == data[name], name
+        except BaseException as exc:  # the thread's failure is the test's
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read, args=(name,)) for name in data]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    fresh = os.urandom(4 * MiB)  # the next checkpoint still finds room (durable copies are evicted)
+    (reader.path / "next.pt").write_bytes(fresh)
+    assert (reader.path / "next.pt").read_bytes() == fresh
+
+
+def test_a_prefetch_larger_than_the_tier_leaves_it_working(
+    small_tier: Path, tmp_path: Path, mounted_factory: type[MountedFS]
+) -> None:
+    """`burstfs-admin prefetch` of four 8 MiB files onto a 24 MiB tier: its fetches filled the
+    tier at once, all failed, and the partial copies they left wedged every later read."""
+    data = _remote_files(tmp_path, mounted_factory, {f"shard{i}.bin": 8 * MiB for i in range(4)})
+    reader = _on_tier(mounted_factory, small_tier, tmp_path, "--full-timeout", "30")
+    reader.mount()
+    prefetch = subprocess.run(
+        [str(BIN / "burstfs-admin"), "prefetch", str(reader.path)], capture_output=True, text=True, timeout=120
+    )
+    assert prefetch.returncode == 0, prefetch.stdout + prefetch.stderr
+    for name, content in data.items():
+        assert (reader.path / name).read_bytes() == content, name
+    fresh = os.urandom(4 * MiB)  # within the headroom kept ahead of the writers (passthrough)
+    (reader.path / "next.pt").write_bytes(fresh)
+    assert (reader.path / "next.pt").read_bytes() == fresh
+
+
+def test_what_partial_reads_left_on_the_tier_is_evicted_for_a_writer(mounted_factory: type[MountedFS]) -> None:
+    """Reads of a few chunks of remote files leave those chunks on the tier (a cache for the
+    next read).  They were never evicted (the files are not local), so a tier filled by such
+    restores failed the next checkpoint's writes with ENOSPC while burstfs held nothing
+    undrained; `burstfs-admin evict` freed nothing either."""
+    fs = mounted_factory("partial", None, ("--cache-size", "40M", "--full-timeout", "3"))  # type: ignore[call-arg]
+    fs.mount()
+    data = {f"f{i}": os.urandom(16 << 20) for i in range(4)}
+    for name, content in data.items():
+        (fs.path / name).write_bytes(content)
+        subprocess.run(
+            [str(BIN / "burstfs-admin"), "wait", str(fs.path / name), "--timeout", "120"],
+            check=True,
+            capture_output=True,
+        )
+    subprocess.run([str(BIN / "burstfs-admin"), "evict", str(fs.path)], check=True, capture_output=True)
+    fs.unmount()  # a restart: no page cache to answer from
+    fs.mount()
+    for name, content in data.items():
+        with open(fs.path / name, "rb") as f:
+            f.seek(9 << 20)
+            assert f.read(1 << 20) == content[9 << 20 : 10 << 20], name
+    status = subprocess.run([str(BIN / "burstfs-admin"), "status", str(fs.path), "--json"], capture_output=True)
+    assert json.loads(status.stdout)["local_tier"]["used_bytes"] >= 4 << 20  # what the reads left is shown
+    fresh = os.urandom(38 << 20)  # room for it only once the partial copies (4 MiB) are gone
+    (fs.path / "next.pt").write_bytes(fresh)
+    assert (fs.path / "next.pt").read_bytes() == fresh
+    for name, content in data.items():  # and the files read back whole, fetched anew
+        assert (fs.path / name).read_bytes() == content, name
+    subprocess.run([str(BIN / "burstfs-admin"), "evict", str(fs.path)], check=True, capture_output=True)
+    fs.unmount()  # no page cache to answer from
+    fs.mount()
+    with open(fs.path / "f0", "rb") as f:  # burstfs-admin evict drops what a partial read left
+        f.seek(9 << 20)
+        f.read(1 << 20)
+    evicted = subprocess.run(
+        [str(BIN / "burstfs-admin"), "evict", str(fs.path / "f0"), "--json"], capture_output=True, check=True
+    )
+    assert json.loads(evicted.stdout)["bytes_freed"] > 0, evicted.stdout
