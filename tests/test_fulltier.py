@@ -118,6 +118,30 @@ def test_a_tier_full_of_undrained_data_still_removes_files(
     assert (fs.path / "after.pt").read_bytes() == data
 
 
+def _durable_then_evicted(fs: MountedFS, count: int, size: int) -> dict[str, bytes]:
+    """``count`` files of ``size`` bytes, each durable before the next, then all evicted and the
+    mount restarted (no page cache to answer from): every read fetches."""
+    data = {f"f{i}": os.urandom(size) for i in range(count)}
+    for name, content in data.items():
+        (fs.path / name).write_bytes(content)
+        subprocess.run(
+            [str(BIN / "burstfs-admin"), "wait", str(fs.path / name), "--timeout", "120"],
+            check=True,
+            capture_output=True,
+        )
+    subprocess.run([str(BIN / "burstfs-admin"), "evict", str(fs.path)], check=True, capture_output=True)
+    fs.unmount()
+    fs.mount()
+    return data
+
+
+def _read_a_mib_of_each(fs: MountedFS, data: dict[str, bytes], offset: int) -> None:
+    for name, content in data.items():
+        with open(fs.path / name, "rb") as f:
+            f.seek(offset)
+            assert f.read(1 << 20) == content[offset : offset + (1 << 20)], name
+
+
 def test_reads_of_a_few_chunks_of_evicted_files_leave_room_for_the_next_checkpoint(
     mounted_factory: type[MountedFS],
 ) -> None:
@@ -126,21 +150,8 @@ def test_reads_of_a_few_chunks_of_evicted_files_leave_room_for_the_next_checkpoi
     and the next checkpoint's write failed with ENOSPC (nothing undrained, burstfs holding 0 B)."""
     fs = mounted_factory("partial", None, ("--cache-size", "64M", "--full-timeout", "3"))  # type: ignore[call-arg]
     fs.mount()
-    data = {f"f{i}": os.urandom(20 << 20) for i in range(4)}
-    for name, content in data.items():  # each durable before the next: 80 MiB go through 64 MiB
-        (fs.path / name).write_bytes(content)
-        subprocess.run(
-            [str(BIN / "burstfs-admin"), "wait", str(fs.path / name), "--timeout", "120"],
-            check=True,
-            capture_output=True,
-        )
-    subprocess.run([str(BIN / "burstfs-admin"), "evict", str(fs.path)], check=True, capture_output=True)
-    fs.unmount()  # a restart: no page cache to answer from
-    fs.mount()
-    for name, content in data.items():
-        with open(fs.path / name, "rb") as f:
-            f.seek(5 << 20)
-            assert f.read(1 << 20) == content[5 << 20 : 6 << 20], name
+    data = _durable_then_evicted(fs, 4, 20 << 20)  # each durable before the next: 80 MiB go through 64 MiB
+    _read_a_mib_of_each(fs, data, 5 << 20)
     fresh = os.urandom(10 << 20)
     (fs.path / "next.pt").write_bytes(fresh)
     assert (fs.path / "next.pt").read_bytes() == fresh
@@ -394,21 +405,8 @@ def test_what_partial_reads_left_on_the_tier_is_evicted_for_a_writer(mounted_fac
     undrained; `burstfs-admin evict` freed nothing either."""
     fs = mounted_factory("partial", None, ("--cache-size", "40M", "--full-timeout", "3"))  # type: ignore[call-arg]
     fs.mount()
-    data = {f"f{i}": os.urandom(16 << 20) for i in range(4)}
-    for name, content in data.items():
-        (fs.path / name).write_bytes(content)
-        subprocess.run(
-            [str(BIN / "burstfs-admin"), "wait", str(fs.path / name), "--timeout", "120"],
-            check=True,
-            capture_output=True,
-        )
-    subprocess.run([str(BIN / "burstfs-admin"), "evict", str(fs.path)], check=True, capture_output=True)
-    fs.unmount()  # a restart: no page cache to answer from
-    fs.mount()
-    for name, content in data.items():
-        with open(fs.path / name, "rb") as f:
-            f.seek(9 << 20)
-            assert f.read(1 << 20) == content[9 << 20 : 10 << 20], name
+    data = _durable_then_evicted(fs, 4, 16 << 20)
+    _read_a_mib_of_each(fs, data, 9 << 20)
     status = subprocess.run([str(BIN / "burstfs-admin"), "status", str(fs.path), "--json"], capture_output=True)
     assert json.loads(status.stdout)["local_tier"]["used_bytes"] >= 4 << 20  # what the reads left is shown
     fresh = os.urandom(38 << 20)  # room for it only once the partial copies (4 MiB) are gone
