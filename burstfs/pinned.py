@@ -391,7 +391,7 @@ def _write(
         handle._error = exc
         try:
             os.unlink(tmp)
-        except FileNotFoundError:
+        except OSError:  # not there, or its file system gone too (ENOTCONN): the save's error is the news
             pass
     finally:
         if buffer is not None:

@@ -6,12 +6,14 @@ structure, dtypes, layouts, autograd flags, classes, bytes and storage sharing.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
 import subprocess
 import sys
 import threading
+import time
 import types
 import uuid
 from collections.abc import Iterator
@@ -287,6 +289,30 @@ def test_write_error_raises_from_wait_and_pool_recovers(
     monkeypatch.setattr(torch, "save", real_save)
     async_save({"x": torch.ones(2)}, tmp_path / "a.pt", pool=pool).wait(30)
     assert torch.equal(_load(tmp_path / "a.pt")["x"], torch.ones(2))
+
+
+def test_a_save_whose_file_system_went_away_reports_only_through_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mount died under a save (ENOTCONN): the clean-up's unlink failed too, and its error
+    escaped the writer thread as a stray traceback instead of the save's error from wait()."""
+    stray: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: stray.append(args.exc_value))
+
+    def failing_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+
+    def gone(path: Any, *args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    monkeypatch.setattr(os, "unlink", gone)
+    handle = async_save({"x": torch.ones(2)}, tmp_path / "a.pt", pool=PinnedPool())
+    with pytest.raises(OSError, match="not connected"):
+        handle.wait(30)
+    monkeypatch.undo()
+    time.sleep(0.1)  # the writer thread's last steps after it set the handle done
+    assert stray == []
 
 
 def test_bad_paths_fail_before_snapshot(tmp_path: Path) -> None:
