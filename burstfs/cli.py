@@ -364,6 +364,12 @@ def unmount(
             f"{files} files ({nbytes} bytes) are incomplete (open for writing at a crash, or a write "
             "failed): they will not drain; rewrite or delete them"
         )
+    files, _ = left.get("abandoned", (0, 0))
+    if files:
+        click.echo(
+            f"{files} markers of abandoned checkpoints (burstfs-admin abandon) stay in {cache_dir}: "
+            "they are never published"
+        )
 
 
 @main.command()
@@ -440,7 +446,7 @@ def drain(cache_dir: Path, endpoint_url: str | None, now: bool, timeout: float |
             asyncio.run(asyncio.wait_for(mover.run(until_idle=True), timeout))
         except TimeoutError:
             left, _ = _left_behind(cache_dir)
-            files = sum(count for fate, (count, _) in left.items() if fate != "incomplete")
+            files = sum(count for fate, (count, _) in left.items() if fate not in ("incomplete", "abandoned"))
             click.echo(
                 f"burstfs: drain stopped after {timeout:g}s: {files} files are not durable yet; they stay in "
                 f"{cache_dir} (burstfs-admin status {cache_dir} says why)",

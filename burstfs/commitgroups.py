@@ -823,7 +823,9 @@ class CommitGroups:
                         for w in verdict.waiting
                     ],
                     "own_pending": [d for d, _ in verdict.own_pending],
-                    "abandoned": dir_key in self.abandoned,
+                    # A marker waiting here now is a later one than any given up here (those are
+                    # failed, not asked about): an abandon here long ago says nothing of it.
+                    "abandoned": False,
                 }
             )
         for dir_key in sorted(given_up):

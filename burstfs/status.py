@@ -284,7 +284,8 @@ def journal_events(journal: Journal, since: float, rel: str = "", limit: int = 1
 
 #: What a stopped mount leaves behind, by fate: it drains at the next start, it waits for
 #: ``burstfs-admin retry``, or it never drains (a file still ``writing`` in the journal of a
-#: stopped daemon becomes ``incomplete`` at the next start).
+#: stopped daemon becomes ``incomplete`` at the next start; the marker of an abandoned
+#: checkpoint, counted apart as "abandoned", is failed but never published, even by retry).
 LEFT_BEHIND_FATES: dict[str, frozenset[FileState]] = {
     "drains": QUEUED,
     "failed": frozenset({FAILED}),
@@ -304,7 +305,11 @@ def left_behind(journal: Journal, tier: LocalTier | None = None) -> dict[str, tu
             counts[row.state] = (files - 1, nbytes - row.size)
             files, nbytes = counts.get(INCOMPLETE, (0, 0))
             counts[INCOMPLETE] = (files + 1, nbytes + size)
-    left = {}
+    abandoned = journal.abandoned_markers()
+    if abandoned[0]:
+        files, nbytes = counts[FAILED]
+        counts = {**counts, FAILED: (files - abandoned[0], nbytes - abandoned[1])}
+    left = {"abandoned": abandoned} if abandoned[0] else {}
     for fate, states in LEFT_BEHIND_FATES.items():
         files = sum(counts[s][0] for s in states if s in counts)
         if files:

@@ -78,8 +78,8 @@ class MountedFS:
             raise AssertionError(f"{exc}; the daemon's log ends:\n{self.log_text()[-20000:]}") from None
         assert is_mounted(self.path)
 
-    def unmount(self, *args: str) -> None:
-        burstfs("unmount", str(self.path), *args)
+    def unmount(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return burstfs("unmount", str(self.path), *args)
 
     def daemon_pid(self) -> int:
         return int((self.cache / "lock").read_text().strip())

@@ -296,7 +296,13 @@ def test_a_killed_node_holds_its_checkpoint_back_and_latest_returns_the_previous
     write(n0, "ckpt/latest", b"step_300")
     admin("wait", n0.path / "ckpt/latest", n0.path / "ckpt/step_300", "--timeout", "60")
     assert {"ckpt/latest", "ckpt/step_300/.metadata"} <= bucket.keys()
-    n0.unmount("--wait", "--wait-timeout", "60")  # the abandoned marker is no reason to refuse (a node's stop)
+    # Nothing waits now: status said "abandoned" for good (the `latest` marker beside the steps
+    # counted as the abandoned checkpoint's), and unmount said the abandoned marker drains
+    # after `burstfs-admin retry` (it never does).
+    wait_for(lambda: "abandoned" not in admin("status", n0.path).stdout, what="status to stop saying abandoned")
+    stopped = n0.unmount("--wait", "--wait-timeout", "60")  # the abandoned marker is no reason to refuse
+    assert "failed to drain" not in stopped.stdout, stopped.stdout
+    assert "1 markers of abandoned checkpoints" in stopped.stdout, stopped.stdout
 
 
 SAVE_LOOP = textwrap.dedent(

@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from .connection import Database
-from .drain import DrainQueue
+from .drain import ABANDONED_MARKER, DrainQueue
 from .keys import KeyOwnership
 from .ops import event_op, released_object_ops, set_meta_op
 from .rows import INODE_SELECT, ROOT_INO, InodeRow, Op, row_from_values
-from .states import CLOSED_UNDRAINED, DONE, DURABLE, EVICTED, NOT_LOCAL, UNDRAINED, FileState, state_marks
+from .states import CLOSED_UNDRAINED, DONE, DURABLE, EVICTED, FAILED, NOT_LOCAL, UNDRAINED, FileState, state_marks
 
 #: The meta key naming the remote this cache drained a file to: a remote that lacks the marks
 #: burstfs leaves there is then not a new one (``Remote.expect_established``).
@@ -213,6 +213,15 @@ class Journal:
             "SELECT state, COUNT(*), COALESCE(SUM(size), 0) FROM inodes WHERE kind='file' AND parent!=0 GROUP BY state"
         )
         return {FileState(state): (int(files), int(nbytes)) for state, files, nbytes in rows}
+
+    def abandoned_markers(self) -> tuple[int, int]:
+        """(files, bytes) of the markers of abandoned checkpoints (failed, never published)."""
+        files, nbytes = self.query(
+            "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM inodes"
+            " WHERE kind='file' AND parent!=0 AND state=? AND error=?",
+            (FAILED, ABANDONED_MARKER),
+        )[0]
+        return int(files), int(nbytes)
 
     def undrained(self) -> dict[str, tuple[int, int]]:
         """{state: (files, bytes)} of files not yet durable; they stay staged in the cache."""
