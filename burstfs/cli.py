@@ -399,7 +399,7 @@ def drain(cache_dir: Path, endpoint_url: str | None, now: bool, timeout: float |
     import asyncio
 
     from .cachelock import PRIVATE_UMASK, CacheLock, secure_cache_dir
-    from .config import STORE_META, check_cache_store
+    from .config import check_cache_store, recorded_store
     from .journal import Journal
     from .log import setup_logging
     from .mover import Mover
@@ -424,7 +424,7 @@ def drain(cache_dir: Path, endpoint_url: str | None, now: bool, timeout: float |
         journal = Journal(cache_dir)
         try:
             config = config_from_meta(journal.get_meta, cache_dir)
-            store = journal.get_meta(STORE_META)
+            store = recorded_store(journal.get_meta)
         finally:
             journal.close()
         if config is None:

@@ -257,23 +257,55 @@ class S3Options:
             check_region(self.region)
 
     def endpoint(self) -> str | None:
-        """The endpoint to use: ``endpoint_url``, else ``$AWS_ENDPOINT_URL`` (checked, and said to
-        come from there), else None (AWS).  Read when a client is made, never journaled."""
-        from_env = os.environ.get("AWS_ENDPOINT_URL")
-        if self.endpoint_url or not from_env:
+        """The endpoint to use: ``endpoint_url``, else the one botocore takes from the environment
+        or the AWS config file (:func:`configured_endpoint`; checked, and said to come from there),
+        else None (AWS).  Read when a client is made, never journaled; the client is given it, so
+        that :meth:`store` is where its requests go."""
+        if self.endpoint_url:
             return self.endpoint_url
-        return check_endpoint_url(from_env, "AWS_ENDPOINT_URL")
+        configured = configured_endpoint()
+        return None if configured is None else check_endpoint_url(*configured)
 
     def store(self) -> str:
-        """Which store :meth:`endpoint` reaches, as a cache dir records it: ``scheme://host:port``
-        (``aws`` for AWS's own).  The bucket and prefix alone do not say it: the same names on
-        another store hold none of the cache's objects or checkpoint rounds."""
-        url = self.endpoint()
-        if url is None:
-            return "aws"
-        parts = urllib.parse.urlsplit(url)
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        return f"{parts.scheme}://{(parts.hostname or '').lower()}:{port}"
+        """Which store :meth:`endpoint` reaches, as a cache dir records it (:func:`endpoint_store`)."""
+        return endpoint_store(self.endpoint())
+
+
+def endpoint_store(url: str | None) -> str:
+    """The store an endpoint ``url`` reaches: ``scheme://host:port`` (``aws`` for None, AWS's own).
+    The bucket and prefix alone do not say it: the same names on another store hold none of a
+    cache's objects or checkpoint rounds."""
+    if url is None:
+        return "aws"
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"{parts.scheme}://{(parts.hostname or '').lower()}:{port}"
+
+
+def configured_endpoint() -> tuple[str, str] | None:
+    """The endpoint botocore gives an S3 client made without one, and where it is set; None for
+    AWS's own.  botocore's own lookup, so that none of its sources goes unseen by the store check:
+    $AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL, then the profile's ``services`` section and its
+    ``endpoint_url`` in the AWS config file, all ignored under ``ignore_configured_endpoint_urls``
+    ($AWS_IGNORE_CONFIGURED_ENDPOINT_URLS).  Reads only the environment and the config file."""
+    import botocore.exceptions
+    import botocore.session
+    from botocore.configprovider import ConfiguredEndpointProvider
+
+    session = botocore.session.Session()
+    try:
+        if session.get_config_variable("ignore_configured_endpoint_urls"):
+            return None
+        url = ConfiguredEndpointProvider(session.full_config, session.get_scoped_config(), "s3").provide()
+    except botocore.exceptions.BotoCoreError as exc:  # no such profile, a malformed config file
+        raise ConfigError(f"AWS configuration: {exc}") from None
+    if not url:
+        return None
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):  # botocore's order: the first set one won
+        if os.environ.get(name) == url:
+            return url, name
+    where = session.get_config_variable("config_file")
+    return url, f"endpoint_url of AWS profile {session.profile or 'default'} in {where}"
 
 
 #: The most parts per file (--concurrency) and files (--max-files) a drain keeps in flight:
@@ -462,15 +494,35 @@ def config_from_meta(get_meta: Callable[[str], str | None], cache_dir: Path) -> 
 STORE_META = "store"
 
 
+def recorded_store(get_meta: Callable[[str], str | None]) -> str | None:
+    """The store a cache's files go to, as its journal (``Journal.get_meta``) says: its ``store``,
+    else, for a cache last mounted by a burstfs that did not record one, the store of the
+    --endpoint-url its last mount journaled with its options (that mount's requests went there).
+    None when nothing tells (that mount reached AWS or an endpoint set in the environment or the
+    AWS config file, never journaled): the next mount's store becomes the cache's."""
+    store = get_meta(STORE_META)
+    if store is not None:
+        return store
+    text = get_meta("config")
+    s3 = json.loads(text).get("s3", {}) if text is not None else json.loads(get_meta("s3") or "{}")
+    url = s3.get("endpoint_url")
+    return endpoint_store(url) if url else None
+
+
 def check_cache_store(config: MountConfig, recorded: str | None) -> None:
     """Refuse to drain a cache's files into another S3 store than the one it was mounted on
-    (``recorded``): same bucket and prefix, another endpoint (a changed $AWS_ENDPOINT_URL).
+    (``recorded``, see :func:`recorded_store`): same bucket and prefix, another endpoint (a
+    changed --endpoint-url, $AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL or AWS config file).
     Its staged files would land there, its evicted ones be missing, and its checkpoint rounds
     stay open on the first store, where the other nodes wait for this node's part."""
     if config.remote.scheme != "s3" or recorded is None or recorded == config.s3.store():
         return
     cache, now, endpoint = config.cache_dir, config.s3.store(), config.s3.endpoint()
-    back = "leave out --endpoint-url and AWS_ENDPOINT_URL" if recorded == "aws" else f"use --endpoint-url {recorded}"
+    back = (
+        "leave out --endpoint-url, AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL and the AWS config file's endpoint_url"
+        if recorded == "aws"
+        else f"use --endpoint-url {recorded}"
+    )
     same = (
         f", or, if {now} is the same store under another name, drain this cache with "
         f"`burstfs drain --cache {cache} --endpoint-url {endpoint}` and remove it first"

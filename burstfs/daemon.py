@@ -32,7 +32,7 @@ import trio
 
 from .cachelock import PRIVATE_UMASK, CacheLock, secure_cache_dir
 from .commitgroups import unfinished_rounds
-from .config import STORE_META, MountConfig, check_cache_store, default_node_id, parse_metrics_addr
+from .config import STORE_META, MountConfig, check_cache_store, default_node_id, parse_metrics_addr, recorded_store
 from .control import serve_control
 from .core import BurstCore
 from .drainservice import DrainService
@@ -175,7 +175,7 @@ def _check_cache_owner(config: MountConfig) -> None:
     try:
         journal = Journal(cache, readonly=True)
         try:
-            recorded, store = journal.get_meta("remote"), journal.get_meta(STORE_META)
+            recorded, store = journal.get_meta("remote"), recorded_store(journal.get_meta)
         finally:
             journal.close()
     except sqlite3.Error:  # e.g. a crash left a WAL that needs a writer: the daemon checks
@@ -313,7 +313,7 @@ def _open_cache(config: MountConfig) -> tuple[CacheLock, Journal, MountConfig]:
             journal.close()
             raise _other_remote(config, recorded)
         try:
-            check_cache_store(config, journal.get_meta(STORE_META))
+            check_cache_store(config, recorded_store(journal.get_meta))
         except ConfigError:
             journal.close()
             raise

@@ -6,6 +6,7 @@ refused mount leaves nothing mounted and changes nothing in an existing cache.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -839,3 +840,74 @@ def test_admin_wait_and_status_are_bounded_by_a_daemon_that_stopped_answering(mo
         assert "undrained: 1 files" in status.stdout, status.stdout
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+def test_a_cache_is_not_drained_into_another_store_named_by_the_aws_environment_or_config(
+    mounted_factory: type[MountedFS], s3_env: str, tmp_path: Path
+) -> None:
+    """botocore takes the endpoint from $AWS_ENDPOINT_URL_S3 and the AWS config file too: the cache
+    recorded "aws" for a mount whose requests went there, and a switch through them was not seen,
+    so its files drained into the other store.  The store is the endpoint botocore uses, from
+    whichever source; another variable naming the same store drains there."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    import boto3
+    from faultproxy import FaultProxy
+    from s3server import fresh_bucket
+
+    bucket = fresh_bucket(s3_env)
+    client = boto3.client("s3", endpoint_url=s3_env, region_name="us-east-1")
+    aws_config = tmp_path / "aws-config"
+    aws_config.write_text(f"[default]\nendpoint_url = {s3_env}\n")
+    with FaultProxy(s3_env) as first:
+        fs = mounted_factory("moved", f"s3://{bucket}/job", ("--drain-delay", "600"))  # type: ignore[call-arg]
+        mount = ("mount", str(fs.path), "--cache", str(fs.cache), "--remote", fs.remote_url, "--drain-delay", "600")
+        burstfs(*mount, env={**os.environ, "AWS_ENDPOINT_URL_S3": first.endpoint})
+        (fs.path / "model.pt").write_bytes(b"m" * 1000)
+        fs.unmount()
+        result = burstfs(*mount, check=False, env={**os.environ, "AWS_CONFIG_FILE": str(aws_config)})
+        assert result.returncode != 0 and not is_mounted(fs.path)
+        assert f"on the store at {first.endpoint}, not {s3_env}" in one_line(result.stderr), result.stderr
+        moved_env = {**os.environ, "AWS_ENDPOINT_URL_S3": s3_env}
+        refused = burstfs("drain", "--cache", str(fs.cache), "--now", check=False, env=moved_env)
+        assert refused.returncode != 0 and f"on the store at {first.endpoint}" in refused.stderr
+        assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix="job/model.pt")
+        burstfs(
+            "drain",
+            "--cache",
+            str(fs.cache),
+            "--now",
+            timeout=60,
+            env={**os.environ, "AWS_ENDPOINT_URL": first.endpoint},
+        )
+        assert client.get_object(Bucket=bucket, Key="job/model.pt")["Body"].read() == b"m" * 1000
+
+
+def test_a_cache_from_before_the_store_was_recorded_keeps_the_store_of_its_last_mount(
+    mounted_factory: type[MountedFS], s3_env: str
+) -> None:
+    """A cache last mounted by a burstfs that did not record its store adopted whichever store its
+    next mount named.  The --endpoint-url its last mount journaled with its options says it."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    import sqlite3
+
+    from faultproxy import FaultProxy
+    from s3server import fresh_bucket
+
+    bucket = fresh_bucket(s3_env)
+    with FaultProxy(s3_env) as first:
+        fs = mounted_factory("old", f"s3://{bucket}/job", ("--drain-delay", "600"))  # type: ignore[call-arg]
+        fs.mount("--endpoint-url", first.endpoint)
+        (fs.path / "model.pt").write_bytes(b"m" * 1000)
+        fs.unmount()
+        with contextlib.closing(sqlite3.connect(fs.cache / "journal.db")) as db, db:
+            db.execute("DELETE FROM meta WHERE key='store'")  # as a burstfs before the store check left it
+        mount = ("mount", str(fs.path), "--cache", str(fs.cache), "--remote", fs.remote_url)
+        result = burstfs(*mount, "--endpoint-url", s3_env, check=False)
+        assert result.returncode != 0 and not is_mounted(fs.path)
+        assert f"on the store at {first.endpoint}, not {s3_env}" in one_line(result.stderr), result.stderr
+        fs.mount("--endpoint-url", first.endpoint)
+        assert (fs.path / "model.pt").read_bytes() == b"m" * 1000
+        with contextlib.closing(sqlite3.connect(fs.cache / "journal.db")) as db:
+            assert db.execute("SELECT value FROM meta WHERE key='store'").fetchall() == [(first.endpoint,)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,10 @@ from burstfs.config import (
     check_node_id,
     check_read_ahead,
     config_from_meta,
+    configured_endpoint,
+    endpoint_store,
     parse_remote_url,
+    recorded_store,
 )
 from burstfs.errors import ConfigError
 from burstfs.journal import Journal
@@ -351,6 +355,82 @@ def test_a_cache_mounted_before_the_config_was_journaled_still_drains(tmp_path: 
     assert config is not None and config.remote == parse_remote_url("file:///srv/r") and config.s3.region == "r"
     assert config.drain == DrainOptions(delay=2.0, commit_markers=("m",))
     assert config_from_meta({}.get, tmp_path) is None
+
+
+#: An AWS config file that sets S3 endpoints botocore honours: a services section for the default
+#: profile, a plain endpoint_url for another.
+AWS_CONFIG = """\
+[default]
+services = stores
+
+[services stores]
+s3 =
+  endpoint_url = http://Service.example:9000
+
+[profile plain]
+endpoint_url = https://profile.example
+"""
+
+
+@pytest.mark.parametrize(
+    ("env", "store", "source"),
+    [
+        (
+            {"AWS_ENDPOINT_URL_S3": "http://s3-env.example:1", "AWS_ENDPOINT_URL": "http://env.example:2"},
+            "http://s3-env.example:1",
+            "AWS_ENDPOINT_URL_S3",
+        ),
+        ({"AWS_ENDPOINT_URL": "http://env.example:2"}, "http://env.example:2", "AWS_ENDPOINT_URL"),
+        ({}, "http://service.example:9000", "profile default"),
+        ({"AWS_PROFILE": "plain"}, "https://profile.example:443", "profile plain"),
+        ({"AWS_ENDPOINT_URL": "http://env.example:2", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS": "true"}, "aws", None),
+    ],
+)
+def test_the_store_is_the_endpoint_botocore_takes_from_the_environment_or_config_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, env: dict[str, str], store: str, source: str | None
+) -> None:
+    """The store a cache records was only --endpoint-url or $AWS_ENDPOINT_URL: an endpoint set
+    through $AWS_ENDPOINT_URL_S3 or the AWS config file was recorded as "aws", and switching it
+    went unseen by the store check.  The store is the endpoint a botocore client would use."""
+    import botocore.session
+    from botocore import UNSIGNED
+    from botocore.config import Config
+
+    for name in [name for name in os.environ if name.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    (tmp_path / "aws-config").write_text(AWS_CONFIG)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config"))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert S3Options().store() == store
+    unsigned = Config(signature_version=UNSIGNED)  # no credential lookup: nothing leaves the machine
+    used = botocore.session.Session().create_client("s3", region_name="us-east-1", config=unsigned).meta.endpoint_url
+    assert endpoint_store(None if used.endswith(".amazonaws.com") else used) == store
+    found = configured_endpoint()
+    if source is None:
+        assert found is None
+    else:
+        assert found is not None and source in found[1]
+    assert S3Options(endpoint_url="http://given.example").store() == "http://given.example:80"  # the option wins
+
+
+def test_a_cache_from_before_the_store_was_recorded_has_the_store_of_its_journaled_endpoint() -> None:
+    """A cache last mounted by a burstfs that did not record its store took on the store of its
+    next mount, whichever; the --endpoint-url its last mount journaled says where its files went."""
+    config = MountConfig(
+        mountpoint=Path("/m"),
+        cache_dir=Path("/c"),
+        remote=parse_remote_url("s3://bucket/run"),
+        s3=S3Options(endpoint_url="http://Old.example:9000"),
+        drain=DrainOptions(),
+    )
+    assert recorded_store({"config": config.to_json()}.get) == "http://old.example:9000"
+    legacy = {"remote": "s3://bucket/run", "s3": '{"endpoint_url": "https://old.example"}'}  # before the config
+    assert recorded_store(legacy.get) == "https://old.example:443"
+    assert recorded_store({"store": "aws", "config": config.to_json()}.get) == "aws"
+    # AWS's own or an endpoint from the environment: never journaled, so unknown.
+    assert recorded_store({"config": dataclasses.replace(config, s3=S3Options()).to_json()}.get) is None
+    assert recorded_store({}.get) is None
 
 
 @pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse, fusermount3 and root")

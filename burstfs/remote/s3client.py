@@ -121,6 +121,9 @@ class S3Session:
             # some S3-compatible stores reject its trailing checksums.
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
+            # The endpoint is resolved once, by S3Options.endpoint (botocore's lookup): the
+            # client goes nowhere else, so that the store the cache records is the one it uses.
+            ignore_configured_endpoint_urls=True,
         )
         self._stack = contextlib.AsyncExitStack()
         self._client: Any = None
