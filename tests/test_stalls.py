@@ -52,13 +52,15 @@ def _mount(factory: type[MountedFS], proxy: FaultProxy, url: str, data_path: str
 
 
 def _durable_then_fresh_node(
-    factory: type[MountedFS], proxy: FaultProxy, url: str, name: str, data: bytes
+    factory: type[MountedFS], proxy: FaultProxy, url: str, name: str, data: bytes, also: dict[str, bytes] | None = None
 ) -> MountedFS:
-    """Node A writes ckpt/``name`` and drains it; node B is mounted on a fresh cache (returned)."""
+    """Node A writes ckpt/``name`` (and the files ``also``) and drains it; node B is mounted on a
+    fresh cache (returned)."""
     a = factory("node-a", url, ("--endpoint-url", proxy.endpoint))  # type: ignore[call-arg]
     a.mount()
     (a.path / "ckpt").mkdir()
-    (a.path / "ckpt" / name).write_bytes(data)
+    for each, content in {name: data, **(also or {})}.items():
+        (a.path / "ckpt" / each).write_bytes(content)
     _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "25", str(a.path / "ckpt")], "node A's drain")
     b = factory("node-b", url, ("--endpoint-url", proxy.endpoint))  # type: ignore[call-arg]
     b.mount()
@@ -213,10 +215,11 @@ def test_a_read_of_a_file_the_hung_remote_holds_fails_within_its_bound(
     """A read of a file that is only on the remote, while the remote hangs: EIO within the
     read's bound (30 s without progress), and the file's next read at once.  A manifest's
     GET, then a chunk's, then their retries each waited out the silent remote on their own
-    (one read(2) took 100-120 s, the next one as long again)."""
+    (one read(2) took 100-120 s, the next one as long again).  Once the remote answers another
+    file's fetch, the file reads again at once (its reads failed for 10 s more)."""
     proxy, url = s3_proxy
-    data = os.urandom(24 << 20)
-    reader = _durable_then_fresh_node(mounted_factory, proxy, url, "model.pt", data)
+    data, other = os.urandom(24 << 20), os.urandom(1 << 20)
+    reader = _durable_then_fresh_node(mounted_factory, proxy, url, "model.pt", data, {"other.pt": other})
     reader.expect_log("event=request_failed")
     target = reader.path / "ckpt" / "model.pt"
     if cached_manifest:
@@ -231,6 +234,17 @@ def test_a_read_of_a_file_the_hung_remote_holds_fails_within_its_bound(
             raise AssertionError(f"{what} of a file on the hung remote did not fail within 50 s") from None
         assert result.returncode != 0 and "Input/output error" in result.stderr, (what, result.stderr)
     proxy.resume()
+
+    def other_read() -> bool:
+        try:
+            return (reader.path / "ckpt" / "other.pt").read_bytes() == other
+        except OSError:  # EIO until a listing lands (a fresh node whose first listing failed)
+            return False
+
+    wait_for(other_read, timeout=60, what="another file read after the heal")
+    with open(target, "rb") as f:
+        f.seek(20 << 20)
+        assert f.read(1 << 20) == data[20 << 20 : 21 << 20]
 
 
 def test_a_fresh_node_that_cannot_list_the_remote_says_eio_not_enoent(

@@ -251,6 +251,8 @@ class RestoreService:
                 )
                 self._remember_unanswered(ino, error)
                 raise error
+            if any(not f.cancelled() and f.exception() is None for f in done):
+                self._unanswered.clear()  # the remote answers again
             wait = READ_STALL_S
         return [f.exception() if not f.cancelled() else asyncio.CancelledError() for f in needed]
 
@@ -284,6 +286,7 @@ class RestoreService:
         self._opening[ino] = future
         try:
             fetch = await self._open(ino)
+            self._unanswered.clear()  # the remote answers again: no file's read fails for its silence
             self._files[ino] = fetch
             future.set_result(fetch)
             return fetch

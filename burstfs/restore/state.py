@@ -52,7 +52,8 @@ LISTING_RETRY = RetryPolicy(attempts=1)
 #: then EIO (a black-holed remote costs the S3 read timeout per attempt).
 READ_RETRY = RetryPolicy(budget=30.0)
 #: For this long after the remote left the open of a file's fetch (or a read) unanswered, reads
-#: of that file fail at once with the same error (the kernel retries a failed readahead right away).
+#: of that file fail at once with the same error (the kernel retries a failed readahead right away),
+#: unless the remote answered another fetch since.
 UNANSWERED_MEMO_S = 10.0
 #: A read whose chunks make no progress for this long fails (EIO): each request has its own
 #: retries, and a manifest, then a chunk, then its retry each waiting out a silent remote
