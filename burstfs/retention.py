@@ -46,7 +46,7 @@ def prune_checkpoints(checkpoints: Sequence[Path], keep_last: int) -> list[Path]
     """
     if keep_last < 1:
         raise ValueError("keep_last must be at least 1: the newest durable checkpoint is never deleted")
-    markers = _commit_markers(checkpoints)
+    patterns = markers = _commit_markers(checkpoints)
     if not any(_holds_marker(checkpoint, markers) for checkpoint in checkpoints):
         markers = ()  # checkpoints without markers (torch.save files, plain directories)
     durable = 0
@@ -55,6 +55,7 @@ def prune_checkpoints(checkpoints: Sequence[Path], keep_last: int) -> list[Path]
         if durable >= keep_last:
             if checkpoint.is_dir():
                 _list_afresh(checkpoint)
+                _remove_markers(checkpoint, patterns)
                 shutil.rmtree(checkpoint)
             else:
                 checkpoint.unlink()
@@ -94,6 +95,15 @@ def _complete(checkpoint: Path, markers: tuple[str, ...]) -> bool:
     if markers and not _holds_marker(checkpoint, markers):
         return False
     return any(files for _, _, files in os.walk(checkpoint))
+
+
+def _remove_markers(checkpoint: Path, patterns: tuple[str, ...]) -> None:
+    """Unlink the commit markers under ``checkpoint`` before its other files: the remote deletes
+    go in that order, so a crash part-way through leaves no marker over a torn checkpoint."""
+    for directory, _, files in os.walk(checkpoint):
+        for name in files:
+            if is_commit_marker(name, patterns):
+                (Path(directory) / name).unlink()
 
 
 def _list_afresh(checkpoint: Path) -> None:

@@ -429,6 +429,44 @@ def test_a_deleted_checkpoint_takes_its_commit_record_with_it(tmp_path: Path) ->
     run_nodes([node], scenario)
 
 
+def test_a_removed_checkpoint_loses_its_marker_on_the_remote_before_any_other_file(tmp_path: Path) -> None:
+    """``rm -r`` of a committed step unlinks in readdir order, the marker written last perhaps
+    last: the remote deletes still take the marker first.  A daemon killed between two deletes
+    then leaves a step without its marker, never a marker over a torn step."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    node = Node(tmp_path, "a", remote_dir)
+    deleted: list[str] = []
+    delete = node.remote.delete
+
+    async def observed(key: str) -> None:
+        if not key.startswith(".burstfs/"):  # not the manifests and records
+            deleted.append(key)
+        await delete(key)
+
+    node.remote.delete = observed  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        shards = [node.write(f"ck/s1/__{rank}_0.distcp", b"x" * 100) for rank in range(3)]
+        meta = node.write("ck/s1/.metadata", b"m")
+        await until(lambda: node.durable(meta), "the marker")
+        await until(lambda: keys(remote_dir, COMMITS_PREFIX), "the commit record")
+        node.front.unlink(shards[0])  # the first entry rm -r finds ...
+        node.mover.namespace_changed()
+        await asyncio.sleep(0.5)  # the mover's passes come and go
+        assert deleted == [] and "ck/s1/__0_0.distcp" in keys(remote_dir)
+        node.front.unlink(shards[1])  # ... and the next, before the marker
+        node.front.unlink(meta)
+        node.front.unlink(shards[2])
+        node.mover.namespace_changed()
+        await until(lambda: not node.front.journal.keys.pending_deletes(10), "the remote deletes")
+        assert deleted[0] == "ck/s1/.metadata", deleted
+        assert sorted(deleted[1:]) == [f"ck/s1/__{rank}_0.distcp" for rank in range(3)]
+        assert not keys(remote_dir, "ck/") and not keys(remote_dir, COMMITS_PREFIX)
+
+    run_nodes([node], scenario)
+
+
 def test_a_node_never_deletes_or_moves_the_object_another_node_wrote_at_its_key(tmp_path: Path) -> None:
     """Two nodes write the same path (last writer wins on the remote); the node written over
     then removes or renames its own copy: the other node's object stays, with its manifest

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -204,6 +205,31 @@ def test_pruning_a_checkpoint_deletes_the_shards_other_nodes_drained_since_it_wa
     assert deleted == [n0.path / "run/step_1"]
     wait_for(lambda: not any(k.startswith("run/step_1/") for k in bucket.keys()), what="step 1 gone from the remote")
     assert {k for k in bucket.keys() if k.startswith("run/step_3/")} >= {"run/step_3/__1_0.distcp"}
+
+
+def test_removing_a_committed_checkpoint_deletes_its_marker_on_the_remote_first(
+    mounted_factory: type[MountedFS], bucket: Bucket
+) -> None:
+    """``rm -r`` of a step (readdir order: the shards, then the marker written last) and
+    keep-last-N both delete the step's marker on the remote before any of its shards: a daemon
+    killed part-way through leaves no marker over a torn step for ``latest`` and other nodes."""
+    from burstfs.retention import checkpoints_in, prune_checkpoints
+
+    n0 = node(mounted_factory, bucket, "n0")
+    for step in (1, 2, 3):
+        for rank in range(3):
+            write(n0, f"run/step_{step}/__{rank}_0.distcp", shard(step, rank))
+        write(n0, f"run/step_{step}/.metadata", b"metadata")
+        admin("wait", n0.path / f"run/step_{step}")
+    wait_for(lambda: bucket.latest("run", expect=None).get("dir") == "run/step_3", what="step 3's commit")
+    subprocess.run(["rm", "-r", str(n0.path / "run/step_3")], check=True)
+    assert prune_checkpoints(checkpoints_in(n0.path / "run", "step_*"), keep_last=1) == [n0.path / "run/step_1"]
+    admin("wait", n0.path, "--timeout", "60")
+    deletes = re.findall(r"event=remote_delete key=run/(step_\d)/(\S+)", n0.log_text())
+    for step in ("step_1", "step_3"):
+        names = [name for deleted, name in deletes if deleted == step]
+        assert names[0] == ".metadata" and sorted(names[1:]) == [f"__{r}_0.distcp" for r in range(3)], deletes
+    assert bucket.latest("run")["dir"] == "run/step_2"
 
 
 def test_keep_last_n_on_a_second_node_never_deletes_the_newest_complete_checkpoint(

@@ -10,7 +10,7 @@ unlink is seen whole.
 from __future__ import annotations
 
 import os
-from collections.abc import Container, Iterable
+from collections.abc import Callable, Container, Iterable
 
 from .connection import Database
 from .ops import event_op
@@ -78,20 +78,28 @@ class KeyOwnership:
         ]
 
     def pending_deletes_held(
-        self, limit: int, skip_keys: Container[str] = frozenset()
+        self, limit: int, skip_keys: Container[str] = frozenset(), also: Iterable[int] = ()
     ) -> list[tuple[int, str, str, str | None, int | None]]:
         """``(id, key, reason, version, holder)`` of queued remote deletes, oldest first, with the
         inode that holds each key (owns it or uploads to it; None: free to delete), read at once;
         ``version``: the listed version of another node's file (the only one to delete).
         Keys in ``skip_keys`` (the uploads in flight, each with its intent here) are left out
-        before their holder is looked up: a drain of many small files has dozens."""
+        before their holder is looked up: a drain of many small files has dozens.  The requests
+        ``also`` (ids) come with the first ``limit`` wherever they are in the queue."""
+        extra = list(also)
         with self._db.lock:
             rows = self._db.connection.execute(
                 "SELECT id, key, reason, version FROM remote_deletes ORDER BY id LIMIT ?", (limit,)
             ).fetchall()
+            for start in range(0, len(extra), 500):  # under SQLite's limit of bound parameters
+                batch = extra[start : start + 500]
+                rows += self._db.connection.execute(
+                    f"SELECT id, key, reason, version FROM remote_deletes WHERE id IN ({', '.join('?' * len(batch))})",
+                    batch,
+                ).fetchall()
             return [
                 (int(i), str(k), str(r), v, self._db.holder_locked(str(k), 0))
-                for i, k, r, v in rows
+                for i, k, r, v in sorted(set(rows))
                 if k not in skip_keys
             ]
 
@@ -108,6 +116,50 @@ class KeyOwnership:
                 (rel, low, high),
             )
         return {str(row[0]) for row in rows}
+
+    def removals_after(self, request_id: int) -> list[tuple[int, str]]:
+        """``(id, key)`` of the removals queued after request ``request_id``, oldest first: the
+        mover reads each once (a full queue is read once per run, not once per pass)."""
+        rows = self._db.query(
+            f"SELECT id, key FROM remote_deletes WHERE id > ? AND {_REMOVALS} ORDER BY id", (request_id,)
+        )
+        return [(int(i), str(k)) for i, k in rows]
+
+    def still_queued(self, request_ids: Iterable[int]) -> set[int]:
+        """Which of ``request_ids`` are still in the delete queue."""
+        ids = list(request_ids)
+        found: set[int] = set()
+        for start in range(0, len(ids), 500):  # under SQLite's limit of bound parameters
+            batch = ids[start : start + 500]
+            rows = self._db.query(f"SELECT id FROM remote_deletes WHERE id IN ({', '.join('?' * len(batch))})", batch)
+            found.update(int(row[0]) for row in rows)
+        return found
+
+    def dirs_holding(self, dir_keys: Iterable[str], wanted: Callable[[str], bool]) -> set[str]:
+        """Of the directories ``dir_keys`` ("" = the root), those holding a file whose name
+        ``wanted`` accepts and whose object is on the remote (it has a remote key)."""
+        found: set[str] = set()
+        with self._db.lock:
+            db = self._db.connection
+            for dir_key in set(dir_keys):
+                ino: int | None = ROOT_INO
+                for part in filter(None, dir_key.split("/")):
+                    row = db.execute(
+                        "SELECT ino FROM inodes WHERE parent=? AND name=? AND parent!=0 AND kind='dir'",
+                        (ino, os.fsencode(part)),
+                    ).fetchone()
+                    ino = int(row[0]) if row else None
+                    if ino is None:
+                        break
+                if ino is None:
+                    continue
+                names = db.execute(
+                    "SELECT name FROM inodes WHERE parent=? AND parent!=0 AND kind='file' AND remote_key IS NOT NULL",
+                    (ino,),
+                )
+                if any(wanted(os.fsdecode(bytes(name))) for (name,) in names):
+                    found.add(dir_key)
+        return found
 
     def removals_queued(self) -> int:
         """Queued deletes of removed, replaced or moved files' objects; not the intents of

@@ -39,10 +39,18 @@ class KeyMoves:
         self._retry: dict[int, float] = {}  # ino -> earliest retry of its relocation
         self._failures: dict[int, int] = {}
         self._delete_retry: dict[str, float] = {}  # key -> earliest retry of its delete
+        # The whole queue's commit markers (not only the pass's window of it), read
+        # incrementally: request id -> key, the last request id read, and when the queue
+        # last grew (monotonic).
+        self._marker_deletes: dict[int, str] = {}
+        self._read_to = 0
+        self._grew_at = 0.0
 
     def restart(self) -> None:
-        """A new run of the mover: walk the whole namespace first."""
+        """A new run of the mover: walk the whole namespace (and the delete queue) first."""
         self._needed = self._full = True
+        self._marker_deletes.clear()
+        self._read_to = 0
 
     def changed(self) -> None:
         """A rename was journaled: walk the subtrees renamed since the last pass."""
@@ -63,14 +71,23 @@ class KeyMoves:
         self._retry = dict.fromkeys(self._retry, 0.0)
 
     async def process_deletes(self) -> None:
-        """Delete objects of unlinked or replaced files (never a key another inode owns or uploads to)."""
+        """Delete objects of unlinked or replaced files (never a key another inode owns or uploads to).
+
+        A checkpoint's commit marker goes before its other files (``_held_for_marker``): a
+        crash part-way through removing a checkpoint leaves it without its marker, not a
+        marker that publishes a torn checkpoint.
+        """
         assert self.mover.store is not None
         now = time.time()
         # One read of the queue with each key's holder: no claim or move runs during this
         # pass, and an upload in flight holds its key from its claim on, so a key free
         # now stays free until its delete.
         flying = frozenset(self.mover.in_flight.values())  # skipped below in any case
-        pending = await self.mover.db(self.mover.journal.keys.pending_deletes_held, 500, flying)
+        # The markers' requests too, wherever they are in the queue (as of the last read): the
+        # files they hold back may fill the window.
+        pending = await self.mover.db(
+            self.mover.journal.keys.pending_deletes_held, 500, flying, list(self._marker_deletes)
+        )
         owned = [
             row_id
             for row_id, key, _, _, holder in pending
@@ -81,8 +98,21 @@ class KeyMoves:
         ]
         if owned:  # live files own these keys now: nothing to delete
             await self.mover.db(self.mover.journal.keys.drop_deletes, owned)
+        # Every request read above is noted here too (and any queued since): a queued marker
+        # holds the files below it, and whether removals are still coming in is known before
+        # the markers still in place are looked for.
+        await self._read_marker_deletes()
+        live_markers = await self._live_marker_dirs(
+            [key for _, key, _, _, holder in pending if holder is None and not self._is_marker_key(key)]
+        )
+        # Again: a marker unlinked since the read above is neither in place nor noted yet.
+        await self._read_marker_deletes()
+        # Markers first; a pass may then delete, after a marker, the files it held back.
+        pending.sort(key=lambda row: not self._is_marker_key(row[1]))
         for row_id, key, reason, version, holder in pending:
             if holder is not None or key in self.mover.in_flight.values() or self._delete_retry.get(key, 0.0) > now:
+                continue
+            if self._held_for_marker(key, live_markers):
                 continue
             try:
                 if reason == UNLINK_LISTED:
@@ -100,6 +130,7 @@ class KeyMoves:
                     log.warning("event=remote_delete_skipped key=%s reason=%s error=%s", key, reason, exc)
                     self.mover.stats.error(exc.kind, f"delete {key}: {exc}")
                     await self.mover.db(self.mover.journal.keys.drop_delete, row_id)
+                    self._marker_deletes.pop(row_id, None)
                     continue
                 if scope == HALT:
                     self.mover.halt(exc)
@@ -108,9 +139,44 @@ class KeyMoves:
                 return
             self._delete_retry.pop(key, None)
             await self.mover.db(self.mover.journal.keys.drop_delete, row_id)
+            self._marker_deletes.pop(row_id, None)  # after its row is gone: a crash before leaves it queued
             log.info("event=remote_delete key=%s reason=%s", key, reason)
-            if self.mover.is_marker_name(key.rpartition("/")[2]):
+            if self._is_marker_key(key):
                 await self.mover.groups.marker_deleted(self.mover.store.remote, key)
+
+    def _is_marker_key(self, key: str) -> bool:
+        return self.mover.is_marker_name(key.rpartition("/")[2])
+
+    async def _read_marker_deletes(self) -> None:
+        """Note the commit markers among the removals queued since the last pass, and forget
+        those no longer queued (deleted, or owned by a live file again)."""
+        new = await self.mover.db(self.mover.journal.keys.removals_after, self._read_to)
+        if new:
+            self._read_to = new[-1][0]
+            self._grew_at = time.monotonic()
+            self._marker_deletes.update((row_id, key) for row_id, key in new if self._is_marker_key(key))
+        if self._marker_deletes:
+            queued = await self.mover.db(self.mover.journal.keys.still_queued, list(self._marker_deletes))
+            self._marker_deletes = {row_id: key for row_id, key in self._marker_deletes.items() if row_id in queued}
+
+    async def _live_marker_dirs(self, keys: list[str]) -> set[str]:
+        """The directories at or above ``keys`` that still hold a commit marker on the remote,
+        while removals keep coming in (``timing.DELETE_SETTLE_S``): an ``rm -r`` in progress
+        may unlink that marker next, after the files it lists (its order is readdir's)."""
+        if not keys or time.monotonic() - self._grew_at >= timing.DELETE_SETTLE_S:
+            return set()
+        dirs = {above for key in keys for above in _dirs_above(key)}
+        return await self.mover.db(self.mover.journal.keys.dirs_holding, dirs, self.mover.is_marker_name)
+
+    def _held_for_marker(self, key: str, live_markers: set[str]) -> bool:
+        """Whether ``key``, not a marker, waits for the marker of a checkpoint it is in: one
+        whose delete is queued and not done yet, or one still in place (``live_markers``)."""
+        if self._is_marker_key(key):
+            return False
+        above = _dirs_above(key)
+        if not live_markers.isdisjoint(above):
+            return True
+        return any(dir_of(marker) in above for marker in self._marker_deletes.values())
 
     async def relocate_renamed(self) -> None:
         """Durable files whose path changed move with a server-side copy; their old key is queued for deletion.
@@ -253,3 +319,9 @@ class KeyMoves:
         await self.mover.db(self.mover.journal.keys.finish_relocation, ino, old_key, parked, intent)
         log.info("event=remote_rename_parked from=%s to=%s", old_key, parked)
         return None
+
+
+def _dirs_above(key: str) -> set[str]:
+    """The directories ``key`` is in: its own, each one above it, and the root ("")."""
+    parts = key.split("/")[:-1]
+    return {"/".join(parts[:depth]) for depth in range(len(parts) + 1)}

@@ -60,3 +60,6 @@ BURST_MIN_FREE = 0.10
 PASS_ERROR_BACKOFF_S = 2.0
 # Parked objects of a rename cycle (a→b, b→a) wait here until their target frees up.
 PARK_PREFIX = f"{INTERNAL_DIR}/moving/"
+# A checkpoint's files wait for its commit marker to go first (mover/keymoves.py): while
+# removals keep coming in less than this apart, an ``rm -r`` may still unlink the marker.
+DELETE_SETTLE_S = 2.0
