@@ -348,19 +348,13 @@ class ControlServer:
         return {"schema": SCHEMA, "requeued": requeued}
 
     async def _refresh_listings(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:
-        """List every directory at or below the paths from the remote now, whatever the TTL:
-        ``retention.prune_checkpoints`` deletes what other nodes drained since this node last
-        listed a checkpoint (they would be left on the remote, and the step come back)."""
+        """List every directory at or below the paths from the remote now, whatever the TTL
+        (``RemoteListings.refresh_path``): ``retention.prune_checkpoints`` deletes what other
+        nodes drained since this node last listed a checkpoint (they would be left on the
+        remote, and the step come back); ``burstfs-admin latest`` shows the step it names."""
         listed = 0
         for rel in self._rels(request):
-            stack = [await self._inode_at(rel, listed=False)]
-            while stack:
-                directory = stack.pop()
-                if directory.kind != "dir":
-                    continue
-                await self.core.listings.refresh(directory, force=True)
-                listed += 1
-                stack += [child for _, child in self.core.namespace.entries(directory) if child.kind == "dir"]
+            listed += (await self.core.listings.refresh_path(rel))[1]
         return {"schema": SCHEMA, "listed": listed}
 
     async def _evict(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:

@@ -89,7 +89,9 @@ class BurstCore:
             self.namespace, journal, self.committer, self.links, tombstones, ttl=list_ttl, wait=listing_wait
         )
         self.inodes = self.namespace.inodes  # the one inode table
-        self.xattrs = ExtendedAttributes(journal, self.committer, self.links, self.namespace.path_of)
+        self.xattrs = ExtendedAttributes(
+            journal, self.committer, self.links, self.namespace.path_of, self.listings.refresh_path
+        )
         self.publisher = Publisher(self.committer, journal.max_close_seq() + 1)
         self.capacity = TierCapacity(self.tier, journal, capacity, self.inodes, self._forget_fetch)
         self.reaper = TierReaper(self.tier, self.capacity)  # run by the daemon's nursery

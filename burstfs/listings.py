@@ -19,6 +19,7 @@ import trio
 import trio.lowlevel
 
 from .committer import GroupCommitter
+from .errors import FsError
 from .hooks import DrainLinks, ListedFile
 from .journal import META, REMOTE, ROOT_INO, Journal, Op, forget_listed_ops, insert_inode_op, update_inode_op
 from .namespace import Namespace
@@ -255,6 +256,31 @@ class RemoteListings:
         for key in [key for key in self._lost_since if key.startswith(prefix) and key not in vanished]:
             del self._lost_since[key]  # deleted with its manifest since, or back
         return await self._merge(directory, prefix, now, wanted_files, wanted_dirs, remote_versions, own_durable)
+
+    async def refresh_path(self, rel: str) -> tuple[Inode, int]:
+        """List ``rel`` (a path below the root) afresh, whatever the TTL: each directory on the
+        way where the next name is missing (another node made it since this mount listed there),
+        then every directory at or below it.  Returns its inode and how many directories were
+        listed; ENOENT if it is not there even then.  ``burstfs-admin latest`` names a step
+        another node just published: a lookup of it must not miss for up to the TTL."""
+        inode = self.namespace.inode(ROOT_INO)
+        listed = 0
+        for part in filter(None, rel.split("/")):
+            name = os.fsencode(part)
+            if inode.kind == "dir" and name not in (inode.children or {}):
+                listed += await self.refresh(inode, force=True)
+            try:
+                inode = self.namespace.child(inode.ino, name)
+            except FsError as exc:
+                raise FsError(exc.errno, f"/{rel}: {os.strerror(exc.errno)}") from None
+        top, pending = inode, [inode]
+        while pending:
+            directory = pending.pop()
+            if directory.kind != "dir":
+                continue
+            listed += await self.refresh(directory, force=True)
+            pending += [child for _, child in self.namespace.entries(directory) if child.kind == "dir"]
+        return top, listed
 
     def _note_lost(self, key: str, now: float) -> None:
         """This node's object ``key`` is missing from a listing and its manifest is not: logged

@@ -3,9 +3,11 @@ read-only ``user.burstfs.*`` names that show a file's drain state."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -30,12 +32,18 @@ class ExtendedAttributes:
     """The extended attributes of inodes; every change is committed before it returns."""
 
     def __init__(
-        self, journal: Journal, committer: GroupCommitter, links: DrainLinks, path_of: Callable[[Inode], str | None]
+        self,
+        journal: Journal,
+        committer: GroupCommitter,
+        links: DrainLinks,
+        path_of: Callable[[Inode], str | None],
+        show: Callable[[str], Awaitable[object]],
     ) -> None:
         self.journal = journal
         self.committer = committer
         self.links = links  # user.burstfs.latest asks the drain side
         self.path_of = path_of
+        self.show = show  # lists a path afresh (RemoteListings.refresh_path)
         self._latest: dict[int, tuple[float, bytes]] = {}  # directory -> (monotonic time, answer)
 
     async def get(self, inode: Inode, name: bytes) -> bytes:
@@ -81,7 +89,14 @@ class ExtendedAttributes:
         dir_key = self.path_of(directory)
         if self.links.drain is None or dir_key is None:
             raise FsError(errno.ENODATA)
-        answer = (await self.links.drain.latest_under(dir_key)).encode()
+        document = await self.links.drain.latest_under(dir_key)
+        found = json.loads(document)["dir"]
+        if found is not None:
+            # The step may be another node's, published since this mount listed its parent:
+            # the loader's open right after this answer must find it.
+            with contextlib.suppress(FsError):  # removed meanwhile: the answer stands
+                await self.show(found)
+        answer = document.encode()
         self._latest = {ino: m for ino, m in self._latest.items() if now - m[0] < LATEST_MEMO_S}
         self._latest[directory.ino] = (time.monotonic(), answer)
         return answer

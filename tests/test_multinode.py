@@ -261,6 +261,37 @@ def test_keep_last_n_on_a_second_node_never_deletes_the_newest_complete_checkpoi
     assert {"run/step_3/.metadata", "run/step_3/__0_0.distcp", "run/step_3/__1_0.distcp"} <= bucket.keys()
 
 
+def test_the_step_latest_names_opens_at_once_through_the_same_mount(
+    mounted_factory: type[MountedFS], bucket: Bucket
+) -> None:
+    """A restart on n1 asks for the step n0 published after n1 last listed ``run`` (well within
+    ``--list-ttl``): the step ``latest`` names opens at once through n1's mount, whether it asked
+    ``burstfs-admin latest`` or the ``user.burstfs.latest`` attribute (a DCP resume got ENOENT)."""
+    n0 = node(mounted_factory, bucket, "n0")
+    written: dict[int, bytes] = {}
+
+    def publish(step: int) -> None:
+        written[step] = shard(step, 0)
+        write(n0, f"run/step_{step}/__0_0.distcp", written[step])
+        write(n0, f"run/step_{step}/.metadata", f"metadata {step}".encode())
+        admin("wait", n0.path / f"run/step_{step}")
+        wait_for(lambda: bucket.latest("run", expect=None).get("dir") == f"run/step_{step}", what=f"step {step}")
+
+    publish(1)
+    n1 = node(mounted_factory, bucket, "n1", "--list-ttl", "3600")
+    assert os.listdir(n1.path / "run") == ["step_1"]
+    publish(2)
+    found = Path(admin("latest", n1.path / "run").stdout.strip())
+    assert found == n1.path / "run/step_2"
+    assert (found / ".metadata").read_bytes() == b"metadata 2"
+    assert (found / "__0_0.distcp").read_bytes() == written[2]
+    publish(3)
+    doc = json.loads(os.getxattr(n1.path / "run", "user.burstfs.latest"))
+    assert doc["dir"] == "run/step_3"
+    assert (n1.path / doc["dir"] / "__0_0.distcp").read_bytes() == written[3]
+    assert sorted(os.listdir(n1.path / "run")) == ["step_1", "step_2", "step_3"]
+
+
 def test_a_killed_node_holds_its_checkpoint_back_and_latest_returns_the_previous(
     mounted_factory: type[MountedFS], bucket: Bucket
 ) -> None:

@@ -23,6 +23,7 @@ from .common import (
     EXIT_USAGE,
     AccessDenied,
     AdminError,
+    Daemon,
     emit_json,
     json_option,
     main,
@@ -98,7 +99,7 @@ def latest_checkpoint(
     try:
         if remote_url is not None:
             url, s3 = parse_remote_url(remote_url), S3Options(endpoint_url=endpoint_url, region=region)
-            subdir, root = str(path or "").strip("/"), None
+            subdir, root, daemon = str(path or "").strip("/"), None, None
             if any(part in (".", "..") for part in subdir.split("/")) or "//" in subdir:
                 raise AdminError(
                     f"{path}: with --remote, PATH is a subdirectory of the remote (like ckpt/run1)", EXIT_USAGE
@@ -113,7 +114,7 @@ def latest_checkpoint(
             with target.journal() as journal:
                 url, s3 = remote_of(journal, target.cache_dir)
             s3 = dataclasses.replace(s3, endpoint_url=endpoint_url or s3.endpoint_url, region=region or s3.region)
-            subdir, root = target.rels[0], target.mountpoint
+            subdir, root, daemon = target.rels[0], target.mountpoint, target.daemon
         if url.scheme == "s3":
             s3.endpoint()  # a bad $AWS_ENDPOINT_URL, said as such (botocore raises a bare ValueError)
     except ConfigError as exc:
@@ -138,6 +139,8 @@ def latest_checkpoint(
         raise AdminError(f"{url}: the remote did not answer within {LATEST_TIMEOUT_S:.0f}s", EXIT_UNKNOWN) from None
     except BurstfsError as exc:
         raise AdminError(f"{url}: {exc}", EXIT_UNKNOWN) from None
+    if found is not None and daemon is not None:
+        _show(daemon, found.dir)
     shown = None if found is None else str(root / found.dir) if root is not None else found.dir
     return Latest(
         remote=str(url),
@@ -149,6 +152,16 @@ def latest_checkpoint(
         files=found.files if found else 0,
         skipped=[{"dir": d, "reason": r} for d, r in skipped],
     )
+
+
+def _show(daemon: Daemon, found: str) -> None:
+    """Have the mount list ``found`` now: another node may have published it since this mount
+    listed its parent, and the restart that opens it next must not get ENOENT for up to
+    ``--list-ttl``.  Best effort: the answer stands without it."""
+    try:
+        daemon.call("refresh_listings", paths=[found])
+    except AdminError as exc:
+        click.echo(f"warning: {found} may not show in the mount until its next listing: {exc.message}", err=True)
 
 
 def latest_through_mount(path: Path) -> Latest:
