@@ -146,7 +146,11 @@ def recover(journal: Journal, tier: LocalTier) -> tuple[dict[int, Inode], int]:
             continue
         target.links[row.ino] = (row.parent, row.name)
         parent.children[row.name] = target.ino
-    for ino in tier.data_inodes() - set(inodes):
+    # Data files of no inode, and those of files that are not local: what a fetch cut short by
+    # the stop left (or an eviction the stop caught between journal and unlink).  No fetch state
+    # trusts those bytes and the tier's count starts without them: kept, they took room for good.
+    kept = {ino for ino, inode in inodes.items() if inode.kind != "file" or inode.local}
+    for ino in tier.data_inodes() - kept:
         tier.remove(ino)
     if ops:
         journal.apply(ops)

@@ -424,3 +424,19 @@ def test_what_partial_reads_left_on_the_tier_is_evicted_for_a_writer(mounted_fac
         [str(BIN / "burstfs-admin"), "evict", str(fs.path / "f0"), "--json"], capture_output=True, check=True
     )
     assert json.loads(evicted.stdout)["bytes_freed"] > 0, evicted.stdout
+
+
+def test_what_a_fetch_left_when_the_daemon_died_is_removed_at_the_next_start(
+    mounted_factory: type[MountedFS],
+) -> None:
+    """A partial read of a remote file, then kill -9: its partly fetched data file stayed on the
+    tier after the restart, counted nowhere (not local) and never evicted: room lost for good."""
+    fs = mounted_factory("partial", None, ("--cache-size", "64M"))  # type: ignore[call-arg]
+    fs.mount()
+    data = _durable_then_evicted(fs, 1, 16 << 20)
+    _read_a_mib_of_each(fs, data, 9 << 20)
+    assert any((fs.cache / "data").iterdir())  # the chunks the read fetched
+    fs.kill()
+    fs.mount()
+    assert not any((fs.cache / "data").iterdir())
+    assert (fs.path / "f0").read_bytes() == data["f0"]
