@@ -211,11 +211,12 @@ class ControlServer:
 
     async def _list(self, directory: Inode, path: str, *, fresh: bool) -> None:
         """Merge the remote listing of ``directory`` (at ``path``): if older than the TTL, a
-        failure logged and passed over; ``fresh``: now, and a failure raised (EIO), since what
-        the directory holds on the remote is then not known."""
+        failure logged and passed over (none tried while the remote is down: it would wait
+        again for each directory); ``fresh``: now, and a failure raised (EIO), since what the
+        directory holds on the remote is then not known."""
         listings = self.core.listings
         if not fresh:
-            await listings.refresh(directory)
+            await listings.refresh_unless_down(directory)
         elif listings.links.fetcher is not None and not await listings.refresh(directory, force=True):
             raise FsError(
                 errno.EIO,

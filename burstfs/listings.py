@@ -182,6 +182,14 @@ class RemoteListings:
             self._in_flight.pop(directory.ino, None)
             done.set()
 
+    async def refresh_unless_down(self, directory: Inode) -> bool:
+        """:meth:`refresh`, unless a listing failed or was slow within ``backoff`` (an admin
+        walk, ``burstfs-admin prefetch DIR``): a hung remote costs the walk one listing's
+        wait, not one per directory."""
+        if time.monotonic() < self._slow_until:
+            return False
+        return await self.refresh(directory)
+
     async def refresh(self, directory: Inode, *, force: bool = False) -> bool:
         """Merge the remote listing of ``directory`` if it is older than the TTL (``force``: now).
 

@@ -608,3 +608,32 @@ def test_a_mount_rides_out_one_503_and_a_daemon_restarted_in_an_outage_comes_bac
     )
     assert refused.returncode == 1 and "503" in refused.stderr, refused.stderr  # a cache never mounted there: refused
     proxy.clear()
+
+
+def test_prefetch_of_local_files_while_the_remote_hangs_waits_for_one_listing_not_one_per_directory(
+    mounted_factory: type[MountedFS], s3_proxy: tuple[FaultProxy, str]
+) -> None:
+    """`burstfs-admin prefetch run/step_100` of six rank directories whose files are all local
+    and durable, the remote black-holed and the listings due: each directory on the way and
+    under it waited out a 20 s listing attempt in turn (over two minutes for nothing to fetch)."""
+    proxy, url = s3_proxy
+    fs = _mount(mounted_factory, proxy, url, "passthrough", "--list-ttl", "1")
+    fs.expect_log("event=list_failed")
+    fs.expect_log("event=listing_slow")
+    for rank in range(6):
+        (fs.path / "run" / "step_100" / f"rank{rank}").mkdir(parents=True)
+        (fs.path / "run" / "step_100" / f"rank{rank}" / "shard.pt").write_bytes(os.urandom(100_000))
+    _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "25", str(fs.path)], "the drain")
+    proxy.blackhole()
+    time.sleep(1.5)  # every listing due
+    try:  # one listing attempt (20 s), not eight
+        result = subprocess.run(
+            [str(BIN / "burstfs-admin"), "prefetch", str(fs.path / "run" / "step_100")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired:
+        raise AssertionError("prefetch of local files waited a listing per directory") from None
+    assert result.returncode == 0, result.stderr
+    proxy.resume()
