@@ -21,7 +21,17 @@ import trio.lowlevel
 from .committer import GroupCommitter
 from .errors import FsError
 from .hooks import DrainLinks, ListedFile
-from .journal import META, REMOTE, ROOT_INO, Journal, Op, forget_listed_ops, insert_inode_op, update_inode_op
+from .journal import (
+    META,
+    REMOTE,
+    ROOT_INO,
+    Journal,
+    Op,
+    forget_listed_ops,
+    insert_inode_op,
+    known_dir_op,
+    update_inode_op,
+)
 from .namespace import Namespace
 from .nodes import NAME_MAX, NEVER_LISTED, RESERVED_ROOT_NAME, Inode, Undo
 from .remote.base import object_version
@@ -112,7 +122,9 @@ class RemoteListings:
         self._skipped_logged: set[str] = set()  # listed keys already logged as skipped
         self._lost_logged: set[str] = set()  # keys of this node's objects logged as lost
         self._lost_since: dict[str, float] = {}  # key -> when a listing first missed it (manifest there)
-        self._seen: set[int] = set()  # directories listed (merged) in this life, or made here
+        # Directories whose entries are known: made here or listed (merged), in this life or an
+        # earlier one (journaled: ops.KNOWN_DIR).
+        self._seen: set[int] = journal.known_dirs()
         # Another node's files (Inode.as_listed) -> the etag their object had when this mount first
         # listed them: a rewrite of the same size within the same second changes only that.
         self._etags: dict[int, str | None] = {}
@@ -376,6 +388,8 @@ class RemoteListings:
                 ops += self._forget_listed_ops(directory, gone, undo)
                 forgotten.append((raw, gone))
                 ops += self._add_listed(directory, raw, "file", size, mtime_ns, key, undo, etag)
+        if directory.ino not in self._seen:  # its first listing in this cache: known from now on
+            ops.append(known_dir_op(directory.ino))
         if ops:
             for _, gone in forgotten:
                 gone.pending += 1

@@ -31,6 +31,7 @@ from .journal import (
     event_op,
     forget_listed_ops,
     insert_inode_op,
+    known_dir_op,
     link_ops,
     unlink_keeping_object_ops,
     unlink_name_ops,
@@ -242,7 +243,9 @@ class Namespace:
         inode.listed_at = time.monotonic()  # just created here: nothing remote to merge yet
         undo = Undo()
         self.attach(parent, inode, undo)
-        await self.commit_new(parent, inode, META, undo)
+        await self.committer.commit(
+            [insert_inode_op(self.row(inode, META)), known_dir_op(inode.ino), self.touch_parent_op(parent)], undo=undo
+        )
         inode.lookups += 1
         return inode
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -637,3 +638,30 @@ def test_prefetch_of_local_files_while_the_remote_hangs_waits_for_one_listing_no
         raise AssertionError("prefetch of local files waited a listing per directory") from None
     assert result.returncode == 0, result.stderr
     proxy.resume()
+
+
+def test_directories_this_cache_made_or_listed_take_saves_after_a_restart_while_the_remote_hangs(
+    mounted_factory: type[MountedFS], s3_proxy: tuple[FaultProxy, str]
+) -> None:
+    """kill -9 and a restart while the remote hangs: an empty directory this node made (the
+    trainer's checkpoint dir), a step emptied by `rm`, and the mount root answered EIO to ls,
+    create and rmdir for the whole outage: what this cache knew of them lived only in memory."""
+    proxy, url = s3_proxy
+    fs = _mount(mounted_factory, proxy, url, "passthrough")
+    fs.expect_log("event=list_failed")
+    fs.expect_log("event=listing_slow")
+    fs.expect_log("remote_unreachable")
+    (fs.path / "run" / "checkpoints").mkdir(parents=True)
+    (fs.path / "run" / "step_50").mkdir()
+    (fs.path / "run" / "step_50" / "model.pt").write_bytes(b"m" * 1000)
+    _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "25", str(fs.path)], "the drain")
+    proxy.blackhole()
+    fs.kill()
+    fs.mount()  # "mounted on this remote before, so it mounts anyway" after one bounded try
+    assert os.listdir(fs.path / "run" / "checkpoints") == []
+    (fs.path / "run" / "checkpoints" / "step100.pt").write_bytes(b"s" * 1000)
+    shutil.rmtree(fs.path / "run" / "step_50")
+    assert sorted(os.listdir(fs.path / "run")) == ["checkpoints"]
+    (fs.path / "top.pt").write_bytes(b"t" * 1000)
+    proxy.resume()
+    _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "25", str(fs.path)], "the drain after the heal")

@@ -31,6 +31,16 @@ def update_inode_op(ino: int, **fields: Any) -> Op:
     return (f"UPDATE inodes SET {assignments} WHERE ino=?", (*fields.values(), ino))
 
 
+#: ``listed_version`` of a directory whose entries this cache knows: it made the directory, or
+#: merged a listing of it.  After a restart while the remote is down, such a directory answers
+#: from its entries, even none (``RemoteListings.unseen``), as it did before the restart.
+KNOWN_DIR = "known"
+
+
+def known_dir_op(ino: int) -> Op:
+    return update_inode_op(ino, listed_version=KNOWN_DIR)
+
+
 # -- records the front's group committer applies (core.py builds none of its own SQL) ----
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from .connection import Database
 from .drain import ABANDONED_MARKER, DrainQueue
 from .keys import KeyOwnership
-from .ops import event_op, released_object_ops, set_meta_op
+from .ops import KNOWN_DIR, event_op, released_object_ops, set_meta_op
 from .rows import INODE_SELECT, ROOT_INO, InodeRow, Op, row_from_values
 from .states import CLOSED_UNDRAINED, DONE, DURABLE, EVICTED, FAILED, NOT_LOCAL, UNDRAINED, FileState, state_marks
 
@@ -213,6 +213,13 @@ class Journal:
             "SELECT state, COUNT(*), COALESCE(SUM(size), 0) FROM inodes WHERE kind='file' AND parent!=0 GROUP BY state"
         )
         return {FileState(state): (int(files), int(nbytes)) for state, files, nbytes in rows}
+
+    def known_dirs(self) -> set[int]:
+        """Directories whose entries this cache knows (``ops.KNOWN_DIR``)."""
+        return {
+            int(ino)
+            for (ino,) in self.query("SELECT ino FROM inodes WHERE kind='dir' AND listed_version=?", (KNOWN_DIR,))
+        }
 
     def abandoned_markers(self) -> tuple[int, int]:
         """(files, bytes) of the markers of abandoned checkpoints (failed, never published)."""
