@@ -365,10 +365,13 @@ class Durability:
 
     @property
     def result(self) -> str:
-        """durable, failed (a file broken or the drain halted: waiting longer will not help) or waiting."""
-        if self.broken or self.halted:
+        """durable, failed (a file broken, or the drain halted with work left: waiting longer
+        will not help) or waiting."""
+        if self.broken:
             return "failed"
-        return "durable" if not self.pending and not self.deletes else "waiting"
+        if not self.pending and not self.deletes:
+            return "durable"
+        return "failed" if self.halted else "waiting"
 
 
 def durability(

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import BIN, FUSE_OK, MountedFS, burstfs, force_unmount, is_mounted, wait_for
 
-from burstfs.cachelock import secure_cache_dir
+from burstfs.cachelock import CacheLock, secure_cache_dir
 from burstfs.committer import DEFER_S
 from burstfs.config import MountConfig, parse_remote_url
 from burstfs.daemon import StartupWatch, preflight
@@ -911,3 +912,30 @@ def test_a_cache_from_before_the_store_was_recorded_keeps_the_store_of_its_last_
         assert (fs.path / "model.pt").read_bytes() == b"m" * 1000
         with contextlib.closing(sqlite3.connect(fs.cache / "journal.db")) as db:
             assert db.execute("SELECT value FROM meta WHERE key='store'").fetchall() == [(first.endpoint,)]
+
+
+def test_a_wait_for_a_dead_mounts_files_fails_at_once_instead_of_waiting_for_good(
+    mounted_factory: type[MountedFS],
+) -> None:
+    """The daemon was killed with a file staged: `burstfs unmount --wait` (no --wait-timeout)
+    and `burstfs-admin wait --cache` polled the journal for good, with nothing left to drain it."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    fs = mounted_factory("dead", None, ("--drain-delay", "600"))  # type: ignore[call-arg]
+    fs.mount()
+    (fs.path / "model.pt").write_bytes(b"m" * 1000)
+    pid = fs.daemon_pid()
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: CacheLock(fs.cache).owner_pid() is None, timeout=30, what="the daemon gone")
+    stopped = burstfs("unmount", str(fs.path), "--wait", check=False, timeout=60)
+    assert stopped.returncode == 1 and "nothing drains it" in stopped.stderr, stopped.stderr
+    waited = subprocess.run(
+        [str(BIN / "burstfs-admin"), "wait", "--cache", str(fs.cache), str(fs.cache)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert waited.returncode == 4 and "burstfs drain --cache" in waited.stdout + waited.stderr, waited
+    burstfs("unmount", str(fs.path))  # the dead mount goes; the file stays staged for the next mount
+    fs.mount()
+    assert (fs.path / "model.pt").read_bytes() == b"m" * 1000

@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 
+from ..cachelock import CacheLock
 from ..config import RemoteURL, S3Options, check_seconds, config_from_meta
 from ..control import SOCKET_NAME, socket_address
 from ..errors import BurstfsError, ConfigError
@@ -276,6 +277,16 @@ def wait_durable(
         answer = ask("status")
         return None if answer is None else answer["drain"]["halted"]
 
+    def nobody_drains() -> str | None:
+        """A stopped mount's files drain only once a daemon (or ``burstfs drain``) runs for the
+        cache: waiting for them with none would wait for good (``unmount --wait`` of a dead mount)."""
+        if CacheLock(target.cache_dir).owner_pid() is not None:
+            return None
+        return (
+            f"no burstfs daemon runs for cache {target.cache_dir}, so nothing drains it: mount it again, "
+            f"or run `burstfs drain --cache {target.cache_dir}`"
+        )
+
     if daemon is not None:
         ask("settle")  # a file created just now is journaled before we look
     with target.journal() as journal:
@@ -287,7 +298,7 @@ def wait_durable(
                 on_poll=on_poll,
                 ignore=ignore,
                 skip_abandoned=skip_abandoned,
-                halted=None if daemon is None else halted,
+                halted=nobody_drains if daemon is None else halted,
             )
         except BurstfsError as exc:
             raise AdminError(str(exc)) from None
