@@ -86,6 +86,8 @@ def parse_remote_url(url: str) -> RemoteURL:
     A prefix inside burstfs' own bookkeeping (a ``.burstfs`` component) is refused: a mount
     there would list and rewrite the manifests and records of the mount on the prefix above.
     """
+    if any(ord(char) < 32 or ord(char) == 127 for char in url):  # urlparse drops tabs and newlines
+        raise ConfigError(f"remote URL {url!r}: control characters (tab, newline) are not allowed")
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme == "s3":
         bucket = parsed.netloc
@@ -95,7 +97,7 @@ def parse_remote_url(url: str) -> RemoteURL:
             raise ConfigError(f"remote URL {url!r}: {bucket!r} is not a valid S3 bucket name")
         if parsed.query or parsed.fragment or parsed.params:
             raise ConfigError(f"remote URL {url!r}: query strings and fragments are not allowed")
-        prefix = parsed.path.strip("/")
+        prefix = parsed.path.removeprefix("/").rstrip("/")  # s3://B//x: an empty component, not "x"
         if any(part in ("", ".", "..") for part in prefix.split("/")) and prefix:
             raise ConfigError(f"remote URL {url!r}: prefix has empty, '.' or '..' components")
         _check_not_internal(url, prefix.split("/"))

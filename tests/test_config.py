@@ -221,6 +221,20 @@ def test_a_remote_inside_the_bookkeeping_of_another_is_refused(url: str) -> None
 
 
 @pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("s3://bkt/run\t42", "control characters"),  # urlparse dropped the tab: the files went to run42/
+        ("file:///srv/remote dir\nx", "control characters"),  # and the newline: to /srv/remote dirx
+        ("s3://bkt//x", "empty, '.' or '..' components"),  # was taken as s3://bkt/x
+        ("s3://bkt/a//b", "empty, '.' or '..' components"),
+    ],
+)
+def test_a_remote_url_that_would_be_rewritten_is_refused(url: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_remote_url(url)
+
+
+@pytest.mark.parametrize(
     "url", ["s3://bkt/.burstfs2", "s3://bkt/run.burstfs", "s3://bkt/burstfs/x", "file:///srv/r/.burstfs-old"]
 )
 def test_names_that_only_look_like_the_bookkeeping_dir_are_remotes(url: str) -> None:
