@@ -15,7 +15,9 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import BIN, FUSE_OK, MountedFS, burstfs, force_unmount, is_mounted, wait_for
@@ -739,13 +741,13 @@ def test_a_slow_start_up_names_the_step_it_waits_in(caplog: pytest.LogCaptureFix
     assert len(stacks) == 1 and "test_a_slow_start_up_names_the_step_it_waits_in" in stacks[0], slow
 
 
-def test_a_cache_is_not_drained_into_another_store_with_the_same_bucket(
-    mounted_factory: type[MountedFS], s3_env: str
-) -> None:
-    """Remounted with another --endpoint-url (same bucket and prefix), a cache drained its staged
-    files into that store, and left its checkpoint rounds open on the first.  Refused, the way
-    another remote URL is; `burstfs drain --endpoint-url` is the operator's word that it is the
-    same store under another name."""
+@contextlib.contextmanager
+def _staged_on_the_store_behind_a_proxy(
+    mounted_factory: type[MountedFS], s3_env: str, variable: str
+) -> Iterator[tuple[MountedFS, tuple[str, ...], Any, Any]]:
+    """A cache with one file staged, mounted (then unmounted) on the store behind a fault proxy
+    (its endpoint given by the environment ``variable``): (mount, its mount command line, the
+    proxy, a boto3 client of the store behind it)."""
     if not FUSE_OK:
         pytest.skip("needs /dev/fuse, fusermount3 and root")
     import boto3
@@ -757,9 +759,21 @@ def test_a_cache_is_not_drained_into_another_store_with_the_same_bucket(
     with FaultProxy(s3_env) as first:
         fs = mounted_factory("moved", f"s3://{bucket}/job", ("--drain-delay", "600"))  # type: ignore[call-arg]
         mount = ("mount", str(fs.path), "--cache", str(fs.cache), "--remote", fs.remote_url, "--drain-delay", "600")
-        burstfs(*mount, env={**os.environ, "AWS_ENDPOINT_URL": first.endpoint})
+        burstfs(*mount, env={**os.environ, variable: first.endpoint})
         (fs.path / "model.pt").write_bytes(b"m" * 1000)
         fs.unmount()
+        yield fs, mount, first, client
+
+
+def test_a_cache_is_not_drained_into_another_store_with_the_same_bucket(
+    mounted_factory: type[MountedFS], s3_env: str
+) -> None:
+    """Remounted with another --endpoint-url (same bucket and prefix), a cache drained its staged
+    files into that store, and left its checkpoint rounds open on the first.  Refused, the way
+    another remote URL is; `burstfs drain --endpoint-url` is the operator's word that it is the
+    same store under another name."""
+    with _staged_on_the_store_behind_a_proxy(mounted_factory, s3_env, "AWS_ENDPOINT_URL") as (fs, mount, first, client):
+        bucket = fs.remote_url.split("/")[2]
         result = burstfs(*mount, "--endpoint-url", s3_env, check=False)
         assert result.returncode != 0 and not is_mounted(fs.path)
         message = one_line(result.stderr)
@@ -850,22 +864,15 @@ def test_a_cache_is_not_drained_into_another_store_named_by_the_aws_environment_
     recorded "aws" for a mount whose requests went there, and a switch through them was not seen,
     so its files drained into the other store.  The store is the endpoint botocore uses, from
     whichever source; another variable naming the same store drains there."""
-    if not FUSE_OK:
-        pytest.skip("needs /dev/fuse, fusermount3 and root")
-    import boto3
-    from faultproxy import FaultProxy
-    from s3server import fresh_bucket
-
-    bucket = fresh_bucket(s3_env)
-    client = boto3.client("s3", endpoint_url=s3_env, region_name="us-east-1")
     aws_config = tmp_path / "aws-config"
     aws_config.write_text(f"[default]\nendpoint_url = {s3_env}\n")
-    with FaultProxy(s3_env) as first:
-        fs = mounted_factory("moved", f"s3://{bucket}/job", ("--drain-delay", "600"))  # type: ignore[call-arg]
-        mount = ("mount", str(fs.path), "--cache", str(fs.cache), "--remote", fs.remote_url, "--drain-delay", "600")
-        burstfs(*mount, env={**os.environ, "AWS_ENDPOINT_URL_S3": first.endpoint})
-        (fs.path / "model.pt").write_bytes(b"m" * 1000)
-        fs.unmount()
+    with _staged_on_the_store_behind_a_proxy(mounted_factory, s3_env, "AWS_ENDPOINT_URL_S3") as (
+        fs,
+        mount,
+        first,
+        client,
+    ):
+        bucket = fs.remote_url.split("/")[2]
         result = burstfs(*mount, check=False, env={**os.environ, "AWS_CONFIG_FILE": str(aws_config)})
         assert result.returncode != 0 and not is_mounted(fs.path)
         assert f"on the store at {first.endpoint}, not {s3_env}" in one_line(result.stderr), result.stderr
