@@ -267,16 +267,19 @@ def _wait_durable(point: Path, timeout: float | None) -> None:
             what = f"{outcome.deletes} remote deletes"
         click.echo(f"burstfs: waiting for {what}; burstfs-admin status {point} says why", err=True)
 
-    outcome = wait_durable(
-        resolve([point], None), timeout, say_what_it_waits_for, ignore=frozenset({INCOMPLETE}), skip_abandoned=True
-    )
+    target = resolve([point], None)
+    outcome = wait_durable(target, timeout, say_what_it_waits_for, ignore=frozenset({INCOMPLETE}), skip_abandoned=True)
     if outcome.result == "failed":
         why = (
             f"the drain is halted ({outcome.halted})"
             if outcome.halted
             else f"{len(outcome.broken)} files failed to drain"
         )
-        _fail(BurstfsError(f"{why}; not unmounting (see: burstfs-admin status {point}; burstfs-admin retry {point})"))
+        if target.daemon is None:  # a dead mount: retry has nobody to ask; a plain unmount clears it
+            hint = f"`burstfs unmount {point}` without --wait clears the dead mount, then mount it again"
+        else:
+            hint = f"see: burstfs-admin status {point}; burstfs-admin retry {point}"
+        _fail(BurstfsError(f"{why}; not unmounting ({hint})"))
     if outcome.result == "waiting":
         _fail(
             BurstfsError(

@@ -61,6 +61,8 @@ class OrphanFetches:
                 if self.is_orphan(inode):
                     await self.data.fetch_whole_if_it_fits(inode, "orphan")
         except (BurstfsError, OSError) as exc:  # its reader meets the error itself, if it reads on
-            log.warning("event=orphan_fetch_failed ino=%d error=%s", inode.ino, exc)
+            log.warning(
+                "event=orphan_fetch_failed ino=%d path=%s error=%s", inode.ino, self.data.namespace.path_of(inode), exc
+            )
         except Exception:  # a bug here must not end the mount: the object stays until the close
             log.exception("event=orphan_fetch_bug ino=%d", inode.ino)

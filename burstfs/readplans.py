@@ -236,7 +236,9 @@ class ReadPlans:
                 if not inode.local and inode.named:
                     await self.data.fetch_whole_if_it_fits(inode, "read_plan")
         except (BurstfsError, OSError) as exc:  # its reader meets the error itself, if it reads
-            log.warning("event=read_plan_fetch_failed ino=%d error=%s", inode.ino, exc)
+            log.warning(
+                "event=read_plan_fetch_failed ino=%d path=%s error=%s", inode.ino, self.namespace.path_of(inode), exc
+            )
         except Exception:  # a bug here must not end the mount: plans only save time
             log.exception("event=read_plan_bug ino=%d", inode.ino)
         finally:

@@ -936,6 +936,7 @@ def test_a_wait_for_a_dead_mounts_files_fails_at_once_instead_of_waiting_for_goo
     wait_for(lambda: CacheLock(fs.cache).owner_pid() is None, timeout=30, what="the daemon gone")
     stopped = burstfs("unmount", str(fs.path), "--wait", check=False, timeout=60)
     assert stopped.returncode == 1 and "nothing drains it" in stopped.stderr, stopped.stderr
+    assert "without --wait clears the dead mount" in stopped.stderr and "retry" not in stopped.stderr
     waited = subprocess.run(
         [str(BIN / "burstfs-admin"), "wait", "--cache", str(fs.cache), str(fs.cache)],
         capture_output=True,
