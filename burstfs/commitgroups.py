@@ -57,6 +57,9 @@ INTENT, DONE_RECORD, ABANDONED = "intent", "done", "abandoned"
 _META_GROUP = "group:"
 _META_ABANDONED = "abandoned:"
 _META_CARRIED = "carried:"  # a marker moved here from another directory: the nodes it still waits for
+#: Markers that name a step directory beside them rather than close a checkpoint of their own
+#: directory: DeepSpeed's ``latest`` (the tag of the newest step) and Megatron's tracker file.
+POINTER_MARKERS = frozenset({"latest", "latest_checkpointed_iteration.txt"})
 # A waiting marker's directory is listed again after this, doubling up to the cap: the
 # last done of another node is seen at most GATE_POLL_MAX_S later.
 GATE_POLL_MIN_S = 0.05

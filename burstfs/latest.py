@@ -12,7 +12,7 @@ import dataclasses
 import os
 from typing import Any
 
-from .commitgroups import COMMITS_PREFIX, commit_written_ms, dir_of, parse_record, record_files
+from .commitgroups import COMMITS_PREFIX, POINTER_MARKERS, commit_written_ms, dir_of, parse_record, record_files
 from .config import RemoteURL
 from .errors import CorruptDataError, RemoteError
 from .objects import Manifest, manifest_key
@@ -69,11 +69,6 @@ async def verify_commit(remote: Remote, doc: dict[str, Any]) -> str | None:
         if problem is not None:
             return problem
     return None
-
-
-#: Markers that name a step directory beside them rather than close a checkpoint of their own
-#: directory: DeepSpeed's ``latest`` (the tag of the newest step) and Megatron's tracker file.
-POINTER_MARKERS = frozenset({"latest", "latest_checkpointed_iteration.txt"})
 
 
 def _points_to_steps(dir_key: str, commit_key: str, committed: dict[str, tuple[float, float, str]]) -> bool:

@@ -467,6 +467,40 @@ def test_a_removed_checkpoint_loses_its_marker_on_the_remote_before_any_other_fi
     run_nodes([node], scenario)
 
 
+def test_a_pruned_step_stays_on_the_remote_while_the_remote_latest_still_names_it(tmp_path: Path) -> None:
+    """keep-last-N prunes step 1 once step 3 is durable, while ``latest`` naming step 3 still
+    waits for a slow shard of step 2: the remote's ``latest`` names step 1 until then, so step
+    1's objects stay until the pointer that names a newer step is on the remote."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    node = Node(tmp_path, "a", remote_dir)
+
+    def remote_latest() -> bytes:
+        return (remote_dir / "ck" / "latest").read_bytes()
+
+    async def scenario() -> None:
+        step1 = [node.write("ck/s1/__0_0.distcp", b"1" * 100), node.write("ck/s1/.metadata", b"m1")]
+        pointer = node.write("ck/latest", b"s1")
+        await until(lambda: node.durable(pointer) and all(node.durable(ino) for ino in step1), "step 1")
+        _, release = node.remote.hold("put", "ck/s2/__0_0.distcp")
+        node.write("ck/s2/__0_0.distcp", b"2" * 100)
+        node.write("ck/s2/.metadata", b"m2")
+        node.write("ck/latest", b"s2")
+        step3 = [node.write("ck/s3/__0_0.distcp", b"3" * 100), node.write("ck/s3/.metadata", b"m3")]
+        node.write("ck/latest", b"s3")
+        await until(lambda: all(node.durable(ino) for ino in step3), "step 3")
+        for ino in reversed(step1):  # prune_checkpoints: the marker first
+            node.front.unlink(ino)
+        node.mover.namespace_changed()
+        await asyncio.sleep(1.0)  # the mover's passes come and go
+        assert remote_latest() == b"s1" and {"ck/s1/.metadata", "ck/s1/__0_0.distcp"} <= keys(remote_dir, "ck/s1/")
+        release.set()
+        await until(lambda: not node.front.journal.keys.pending_deletes(10), "the remote deletes")
+        assert remote_latest() == b"s3" and not keys(remote_dir, "ck/s1/")
+
+    run_nodes([node], scenario)
+
+
 def test_a_node_never_deletes_or_moves_the_object_another_node_wrote_at_its_key(tmp_path: Path) -> None:
     """Two nodes write the same path (last writer wins on the remote); the node written over
     then removes or renames its own copy: the other node's object stays, with its manifest

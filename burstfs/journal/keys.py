@@ -15,7 +15,7 @@ from collections.abc import Callable, Container, Iterable
 from .connection import Database
 from .ops import event_op
 from .rows import ROOT_INO
-from .states import DONE, DURABLE, RESTAGED, STAGED, state_marks
+from .states import DONE, DURABLE, QUEUED, RESTAGED, STAGED, WRITING, state_marks
 
 # Every file at or below a seed ``(ino, path)``, with its path: the walk behind relocations.
 #: Queued deletes of removed, replaced or moved files' objects; not the intents ('upload',
@@ -160,6 +160,23 @@ class KeyOwnership:
                 if any(wanted(os.fsdecode(bytes(name))) for (name,) in names):
                     found.add(dir_key)
         return found
+
+    def pointers_being_replaced(self, names: Iterable[str]) -> dict[str, str]:
+        """``{dir: pointer key}`` for each file named one of ``names`` (``latest``, Megatron's
+        tracker) whose remote object is an older version than the one written here (open for
+        writing again, or closed and not drained yet): the remote still names an older step."""
+        wanted = [os.fsencode(name) for name in names]
+        if not wanted:
+            return {}
+        pending = (WRITING, *QUEUED)
+        with self._db.lock:
+            rows = self._db.connection.execute(
+                f"SELECT ino FROM inodes WHERE kind='file' AND parent!=0 AND remote_key IS NOT NULL "
+                f"AND name IN ({', '.join('?' * len(wanted))}) AND state IN ({', '.join('?' * len(pending))})",
+                (*wanted, *pending),
+            ).fetchall()
+            paths = [self._db.path_locked(int(ino)) for (ino,) in rows]
+        return {path.rpartition("/")[0]: path for path in paths if path is not None}
 
     def removals_queued(self) -> int:
         """Queued deletes of removed, replaced or moved files' objects; not the intents of

@@ -10,7 +10,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from ..commitgroups import dir_of
+from ..commitgroups import POINTER_MARKERS, dir_of
 from ..errors import HALT, OBJECT, CorruptDataError, RemoteError, error_scope
 from ..journal import UNLINK_LISTED
 from . import timing
@@ -107,12 +107,13 @@ class KeyMoves:
         )
         # Again: a marker unlinked since the read above is neither in place nor noted yet.
         await self._read_marker_deletes()
+        pointers = await self._pointers_being_replaced(pending)
         # Markers first; a pass may then delete, after a marker, the files it held back.
         pending.sort(key=lambda row: not self._is_marker_key(row[1]))
         for row_id, key, reason, version, holder in pending:
             if holder is not None or key in self.mover.in_flight.values() or self._delete_retry.get(key, 0.0) > now:
                 continue
-            if self._held_for_marker(key, live_markers):
+            if self._held_for_marker(key, live_markers) or _held_for_pointer(key, pointers):
                 continue
             try:
                 if reason == UNLINK_LISTED:
@@ -167,6 +168,16 @@ class KeyMoves:
             return set()
         dirs = {above for key in keys for above in _dirs_above(key)}
         return await self.mover.db(self.mover.journal.keys.dirs_holding, dirs, self.mover.is_marker_name)
+
+    async def _pointers_being_replaced(
+        self, pending: list[tuple[int, str, str, str | None, int | None]]
+    ) -> dict[str, str]:
+        """The pointer markers (``latest``...) whose remote version is older than this node's,
+        when there are deletes to hold for them: ``_held_for_pointer``."""
+        if not any(holder is None for *_, holder in pending):
+            return {}
+        names = [name for name in POINTER_MARKERS if self.mover.is_marker_name(name)]
+        return await self.mover.db(self.mover.journal.keys.pointers_being_replaced, names)
 
     def _held_for_marker(self, key: str, live_markers: set[str]) -> bool:
         """Whether ``key``, not a marker, waits for the marker of a checkpoint it is in: one
@@ -319,6 +330,15 @@ class KeyMoves:
         await self.mover.db(self.mover.journal.keys.finish_relocation, ino, old_key, parked, intent)
         log.info("event=remote_rename_parked from=%s to=%s", old_key, parked)
         return None
+
+
+def _held_for_pointer(key: str, pointers: dict[str, str]) -> bool:
+    """Whether ``key`` waits for a pointer marker above it to drain: keep-last-N prunes the
+    step the remote's older ``latest`` still names once newer steps are durable here, and a
+    restart that reads it must find that step until the pointer names a newer one."""
+    return any(
+        key != pointer and key.startswith(f"{folder}/" if folder else "") for folder, pointer in pointers.items()
+    )
 
 
 def _dirs_above(key: str) -> set[str]:
