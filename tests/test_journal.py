@@ -558,6 +558,9 @@ def test_a_relocation_takes_the_new_key_and_gives_up_the_old(journal: Journal, t
     assert journal.keys.finish_relocation(ino, "a", "b", intent)
     assert tree.row(ino).remote_key == "b" and journal.keys.relocation_candidates() == []
     assert [(k, r) for _, k, r in journal.keys.pending_deletes(10)] == [("a", "moved")]
+    # A wait for the new name waits for the old object's delete too (it returned with the
+    # renamed checkpoint still at its old name on the remote, for a fresh node to list).
+    assert journal.keys.deletes_queued_under("b") == {"a"} and journal.keys.deletes_queued_under("c") == set()
 
 
 def test_a_copy_cut_short_by_a_crash_before_its_record_is_deleted_unless_owned(

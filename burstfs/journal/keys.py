@@ -104,16 +104,19 @@ class KeyOwnership:
             ]
 
     def deletes_queued_under(self, rel: str) -> set[str]:
-        """Keys at or below ``rel`` ("" = everywhere) whose remote delete is still queued: those
-        of removed, replaced or moved files, not the intents of uploads and moves in flight (their
-        files are not durable yet: a wait waits for them anyway)."""
+        """Keys whose remote delete is still queued, at or below ``rel`` ("" = everywhere) or
+        the old objects of files moved to a key there (the remote shows a renamed checkpoint
+        only once its old name is gone): those of removed, replaced or moved files, not the
+        intents of uploads and moves in flight (their files are not durable yet: a wait waits
+        for them anyway)."""
         if not rel:
             rows = self._db.query(f"SELECT key FROM remote_deletes WHERE {_REMOVALS}")
         else:
             low, high = f"{rel}/", f"{rel}0"  # '0' sorts right after '/'
             rows = self._db.query(
-                f"SELECT key FROM remote_deletes WHERE (key=? OR (key >= ? AND key < ?)) AND {_REMOVALS}",
-                (rel, low, high),
+                f"SELECT key FROM remote_deletes WHERE (key=? OR (key >= ? AND key < ?) "
+                f"OR (reason='moved' AND (version=? OR (version >= ? AND version < ?)))) AND {_REMOVALS}",
+                (rel, low, high, rel, low, high),
             )
         return {str(row[0]) for row in rows}
 
@@ -288,7 +291,11 @@ class KeyOwnership:
                 (new_key, ino, old_key),
             ).rowcount
             gone = old_key if moved else new_key
-            db.execute("INSERT INTO remote_deletes (key, reason) VALUES (?, 'moved')", (gone,))
+            # ``version``: where the object moved to (``deletes_queued_under``).
+            db.execute(
+                "INSERT INTO remote_deletes (key, reason, version) VALUES (?, 'moved', ?)",
+                (gone, new_key if moved else None),
+            )
             if moved:
                 db.execute(*event_op(ino, "moved", f"{old_key} -> {new_key}"))
             return bool(moved)

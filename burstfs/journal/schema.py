@@ -111,6 +111,8 @@ MIGRATIONS: dict[int, _Migration] = {
     # Another node's file as this node listed it (``listed_version``: the object's etag, or its
     # mtime where the remote has none), carried into its delete request when it is unlinked
     # here: a delete spares an object its owner rewrote since (an older burstfs would not).
+    # (A 'moved' request's ``version`` is the key its object moved to: what a wait for that
+    # path waits for too.)
     5: _Migration((("inodes", "listed_version", "TEXT"), ("remote_deletes", "version", "TEXT")), ()),
 }
 
