@@ -187,6 +187,7 @@ class BurstCore:
         drain = self.links.drain
         if drain is None:
             return
+        joining: list[tuple[int, str, bytes]] = []
         pending = [moved]
         while pending:
             inode = pending.pop()
@@ -197,7 +198,9 @@ class BurstCore:
             ):
                 # Not a file known only from a listing: another node's (or an earlier life's),
                 # which its own round vouches for.
-                await drain.closed_in(inode.ino, dir_key, inode.name)  # bounded (--remote-wait); never fails
+                joining.append((inode.ino, dir_key, inode.name))
+        if joining:
+            await drain.renamed_in(joining)  # one bounded wait (--remote-wait); never fails
 
     def _forget_fetch(self, ino: int) -> None:
         if self.links.fetcher is not None:

@@ -168,21 +168,40 @@ class DrainService:
         if self.mover.groups.joined_announced(ino, dir_key, name):
             return
         self.writing_in(ino, dir_key, name)  # a close after the round's done starts the next
-        await self._intent_published(dir_key)
+        await self._intents_published([dir_key])
 
-    async def _intent_published(self, dir_key: str) -> None:
-        """Wait for ``dir_key``'s intent (bounded), after the close's ``writing_in``."""
+    async def renamed_in(self, files: list[tuple[int, str, bytes]]) -> None:
+        """Files ``(ino, dir_key, name)`` renamed into place join this node's rounds there as
+        closes would, with one bounded wait for all their intents (a tree of step directories
+        renamed at once waits no longer than one close).  Not as writers: no release follows a
+        rename, and a file taken for open would hold large uploads back (bursts.py)."""
+        waiting: set[str] = set()
+        for ino, dir_key, name in files:
+            if not self.mover.groups.joined_announced(ino, dir_key, name):
+                self.mover.groups.writing_in(ino, dir_key, name)
+                waiting.add(dir_key)
+        if waiting:
+            await self._intents_published(sorted(waiting))
+
+    async def _intents_published(self, dir_keys: list[str]) -> None:
+        """Wait for the intents of ``dir_keys`` (bounded by ``intent_wait`` for all of them)."""
         if self._intent_wait <= 0 or time.monotonic() < self._intents_late_until:
             return  # a late intent means a sick remote: closes do not each pay the bound again
         published = False
-        with trio.move_on_after(self._intent_wait):  # a busy mover loop counts against the bound too
+        deadline = trio.current_time() + self._intent_wait
+        with trio.move_on_at(deadline):  # a busy mover loop counts against the bound too
             try:
-                published = await self.on_mover_loop(self.mover.groups.wait_intent(dir_key, self._intent_wait))
-            except FsError:  # the mover is down: the intent goes out once it is back
+                for dir_key in dir_keys:
+                    left = max(0.0, deadline - trio.current_time())
+                    if not await self.on_mover_loop(self.mover.groups.wait_intent(dir_key, left)):
+                        break
+                else:
+                    published = True
+            except FsError:  # the mover is down: the intents go out once it is back
                 pass
         if not published:
             self._intents_late_until = time.monotonic() + INTENT_LATE_QUIET_S
-            log.warning("event=intent_late dir=%s waited=%.1f", dir_key, self._intent_wait)
+            log.warning("event=intent_late dir=%s waited=%.1f", dir_keys[0], self._intent_wait)
 
     async def abandon(self, dir_key: str) -> list[dict[str, object]]:
         """``burstfs-admin abandon``: give up the checkpoint in ``dir_key`` (see CommitGroups.abandon)."""

@@ -55,6 +55,10 @@ class DrainHooks(Protocol):
         """``ino`` was closed in ``dir_key``: it joins this node's round there; return once
         this node's part in the checkpoint is announced, or after a short bound."""
 
+    async def renamed_in(self, files: list[tuple[int, str, bytes]]) -> None:
+        """Files ``(ino, dir_key, name)`` were renamed into those directories: each joins this
+        node's round there, as a close would; return once announced, or after a short bound."""
+
 
 class Fetcher(Protocol):
     """What the core needs from the restore path: remote listings and remote bytes."""

@@ -24,10 +24,12 @@ import trio
 
 from burstfs import reaper
 from burstfs.committer import DEFER_S
-from burstfs.config import TierOptions
+from burstfs.config import DrainOptions, S3Options, TierOptions, parse_remote_url
 from burstfs.core import BurstCore
+from burstfs.drainservice import DrainService
 from burstfs.errors import BurstfsError
 from burstfs.journal import INCOMPLETE, ROOT_INO, STAGED, WRITING, Journal, set_meta_op
+from burstfs.mover import Mover
 
 RENAME_NOREPLACE = 1  # linux/fs.h, the values pyfuse3 passes through
 RENAME_EXCHANGE = 2
@@ -1067,3 +1069,29 @@ def test_fallocate_default_mode_grows_after_journaling_writing_and_keep_size_onl
         await core.release(ro)
 
     run(tmp_path, body, TierOptions(cache_size=2 << 20, evict="none", full_timeout=1.0))
+
+
+def test_a_file_renamed_into_place_does_not_count_as_an_open_writer(tmp_path: Path) -> None:
+    """DCP renames ``.metadata.tmp`` onto ``.metadata``: the rename joined the commit round as
+    a close does, and with it took the file for one just opened for writing, with no release to
+    follow; every large upload then waited out ``WRITER_YIELD_S`` (10 s) after each save."""
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    mover = Mover(tmp_path, parse_remote_url(f"file://{remote}"), S3Options(), DrainOptions())
+
+    async def body(core: BurstCore) -> None:
+        service = DrainService(mover, core.journal)
+        core.links.drain = service
+        service.start()
+        try:
+            await trio.to_thread.run_sync(service.wait_ready)
+            step = await core.mkdir(ROOT_INO, b"step_1", 0o755, UID, GID)
+            await write_file(core, step.ino, b"__0_0.distcp", b"s" * 1000)
+            await write_file(core, step.ino, b".metadata.tmp", b"m")
+            assert not mover.bursts.recent_writer()  # every writer released its file
+            await core.rename(step.ino, b".metadata.tmp", step.ino, b".metadata", 0)
+            assert not mover.bursts.recent_writer()
+        finally:
+            await trio.to_thread.run_sync(service.stop)
+
+    run(tmp_path, body)
