@@ -42,9 +42,9 @@ class TinyModel(pl.LightningModule):  # type: ignore[misc]
         return torch.utils.data.DataLoader(data, batch_size=8)
 
 
-def fit(run: Path, retention: DurableCheckpointRetention) -> None:
+def fit(run: Path, retention: DurableCheckpointRetention, *, save_last: bool = False) -> None:
     checkpoints = pl.callbacks.ModelCheckpoint(
-        dirpath=run, every_n_train_steps=1, save_top_k=-1, filename="step-{step:02d}"
+        dirpath=run, every_n_train_steps=1, save_top_k=-1, filename="step-{step:02d}", save_last=save_last
     )
     trainer = pl.Trainer(
         max_steps=STEPS,
@@ -88,3 +88,16 @@ def test_deletes_nothing_while_nothing_is_durable(mounted_factory: type[MountedF
     client.wait_durable(run, timeout=60)
     assert sorted(p.name for p in retention.prune()) == [f"step-step={s:02d}.ckpt" for s in range(1, STEPS - 1)]
     assert names(run) == ["step-step=05.ckpt", "step-step=06.ckpt"]
+
+
+def test_last_ckpt_is_never_pruned(mounted_factory: type[MountedFS]) -> None:
+    """``save_last=True``: ``last.ckpt`` has no step number, sorted as the oldest checkpoint and
+    was pruned, so ``fit(ckpt_path="last")`` silently trained from scratch."""
+    fs = mounted_factory()
+    fs.mount()
+    run = fs.path / "run"
+    fit(run, DurableCheckpointRetention(run, keep_last=2, wait_at_end=120), save_last=True)
+    assert names(run) == ["last.ckpt", "step-step=05.ckpt", "step-step=06.ckpt"]
+    assert client.is_durable(run / "last.ckpt")
+    state = torch.load(run / "last.ckpt", weights_only=False)
+    assert state["global_step"] == STEPS
