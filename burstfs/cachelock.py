@@ -18,15 +18,37 @@ from .errors import ConfigError
 _PRIVATE_FILES = ("journal.db", "journal.db-wal", "journal.db-shm", "burstfs.log", "lock")
 #: Everything the daemon and `burstfs drain` create is private to their user.
 PRIVATE_UMASK = 0o077
+#: Every name burstfs puts at the top of a cache dir (the journal and SQLite's side files, the
+#: log, the lock, data/, trash/, headroom's reserve, recovery's ``alive``, the control socket):
+#: a directory holding only these is a cache, or what a first start that died part-way left.
+CACHE_NAMES = frozenset(
+    {
+        "journal.db",
+        "journal.db-wal",
+        "journal.db-shm",
+        "journal.db-journal",
+        "burstfs.log",
+        "lock",
+        "data",
+        "trash",
+        "reserve",
+        "reserve.partial",
+        "alive",
+        "control.sock",
+    }
+)
+#: What a fresh file system's root holds (ext4): a cache dir at the root of a new NVMe.
+_FRESH_FS_NAMES = frozenset({"lost+found"})
 
 
 def secure_cache_dir(cache_dir: Path, *, create: bool = True) -> None:
     """Make ``cache_dir`` private before anything is written in it.
 
-    Creates it 0700 (if ``create``), refuses (ConfigError) one owned by another
-    user (who could read the checkpoints or plant links the root daemon would
-    follow), and tightens an existing 0755 directory and the journal/log files an
-    older burstfs left 0644.
+    Creates it 0700 (if ``create``), refuses (ConfigError, :func:`check_cache_dir`)
+    one owned by another user (who could read the checkpoints or plant links the
+    root daemon would follow) or holding files that are not burstfs's, and
+    tightens an existing 0755 directory and the journal/log files an older
+    burstfs left 0644.
     """
     cache_dir = Path(cache_dir)
     if create:
@@ -36,6 +58,25 @@ def secure_cache_dir(cache_dir: Path, *, create: bool = True) -> None:
             pass
         except OSError as exc:  # e.g. /proc/x, a read-only file system
             raise ConfigError(f"cannot create cache dir {cache_dir}: {exc.strerror}") from None
+    st = check_cache_dir(cache_dir)
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(cache_dir, 0o700)
+    for name in _PRIVATE_FILES:
+        try:
+            fd = os.open(cache_dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:  # missing (or a link: never chmod through it)
+            continue
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode) and stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
+                os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
+
+
+def check_cache_dir(cache_dir: Path) -> os.stat_result:
+    """Refuse (ConfigError), changing nothing, an existing ``cache_dir`` that cannot be a cache:
+    not a directory, another user's, or one holding files that are not burstfs's.  Returns its
+    stat (of the link's target for a link)."""
     try:
         st = os.stat(cache_dir, follow_symlinks=False)
     except FileNotFoundError:
@@ -49,18 +90,34 @@ def secure_cache_dir(cache_dir: Path, *, create: bool = True) -> None:
             f"cache dir {cache_dir} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}); "
             "use a cache dir of your own"
         )
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(cache_dir, 0o700)
-    for name in _PRIVATE_FILES:
-        try:
-            fd = os.open(cache_dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:  # missing (or a link: never chmod through it)
-            continue
-        try:
-            if stat.S_ISREG(os.fstat(fd).st_mode) and stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
-                os.fchmod(fd, 0o600)
-        finally:
-            os.close(fd)
+    _refuse_foreign_files(cache_dir)
+    return st
+
+
+def _refuse_foreign_files(cache_dir: Path) -> None:
+    """A directory with files burstfs did not make and no journal is no cache (``--cache /tmp``
+    by a typo, a shared scratch dir): made 0700 and filled, it would lock its other users out
+    of their files for good.  Empty, ``lost+found`` alone, or burstfs's own names are fine."""
+    try:
+        with os.scandir(cache_dir) as entries:
+            names = sorted(entry.name for entry in entries)
+    except OSError as exc:
+        raise ConfigError(f"cannot read cache dir {cache_dir}: {exc.strerror}") from None
+    if "journal.db" in names:
+        return  # an existing cache (what else the operator keeps beside it is theirs)
+    foreign = [name for name in names if not _ours(name)]
+    if foreign:
+        sample = ", ".join(repr(name) for name in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise ConfigError(
+            f"cache dir {cache_dir} is not empty and is not a burstfs cache dir (no journal.db; not made by "
+            f"burstfs: {sample}); use an empty or new directory for --cache"
+        )
+
+
+def _ours(name: str) -> bool:
+    """Whether ``name`` at the top of a cache dir is burstfs's own (rotated logs included) or a
+    fresh file system's."""
+    return name in CACHE_NAMES or name in _FRESH_FS_NAMES or name.startswith("burstfs.log.")
 
 
 def _link_target_stat(link: Path) -> os.stat_result:

@@ -4,7 +4,8 @@ Capacity counts allocated bytes (``st_blocks``), not logical sizes: a sparse
 file takes what it wrote.  A write claims its room before it lands; when the
 tier is full, durable files are evicted by the policy, and when only undrained
 data is left, the writer waits for the drain (backpressure) until
-``full_timeout``, then fails with ENOSPC.  Undrained data is never evicted.
+``full_timeout``, then fails with ENOSPC (at once when the mount is stopping:
+:meth:`TierCapacity.stop_waiting`).  Undrained data is never evicted.
 ``statfs`` reports the same numbers, with durable local copies counted as free.
 """
 
@@ -75,6 +76,15 @@ class TierCapacity:
         self._full_waited: dict[int, float] = {}  # ino -> seconds its writes waited on a full tier
         self._fetched_into: set[int] = set()  # files not (yet) local that a fetch claimed room for
         self._fetching: dict[int, int] = {}  # ino -> fetches of it under way (ensure_local calls)
+        self._stopping = False  # the mount is stopping: no write waits for the drain any more
+
+    def stop_waiting(self) -> None:
+        """The mount is stopping (SIGTERM, SIGINT): writers waiting for the drain to make room
+        fail with ENOSPC now, and later ones at once.  The FUSE loop ends only once every
+        request is answered: a writer waiting out ``--full-timeout`` on a remote that is down
+        kept the daemon from stopping for up to that long."""
+        self._stopping = True
+        self._space_freed.set()
 
     def room(self) -> int:
         """The most bytes files may take on the tier (``--cache-size``, or the tier's file system
@@ -167,6 +177,14 @@ class TierCapacity:
             waited = False
             try:
                 while not self.fits(nbytes) and not await self._evict_for(nbytes):
+                    if self._stopping:
+                        log.warning(
+                            "event=tier_full bytes=%d used=%d ino=%s action=ENOSPC reason=stopping",
+                            nbytes,
+                            self.local_bytes,
+                            inode.ino if inode else None,
+                        )
+                        raise NoSpaceError("local tier full of data not yet durable, and the mount is stopping")
                     if time.monotonic() >= deadline:
                         if spent < self.policy.full_timeout:
                             log.error(

@@ -401,7 +401,7 @@ def drain(cache_dir: Path, endpoint_url: str | None, now: bool, timeout: float |
     """
     import asyncio
 
-    from .cachelock import PRIVATE_UMASK, CacheLock, secure_cache_dir
+    from .cachelock import PRIVATE_UMASK, CacheLock, check_cache_dir, secure_cache_dir
     from .config import check_cache_store, recorded_store
     from .journal import Journal
     from .log import setup_logging
@@ -411,6 +411,10 @@ def drain(cache_dir: Path, endpoint_url: str | None, now: bool, timeout: float |
     try:
         if timeout is not None:
             check_seconds(timeout, "timeout")
+        # Refused before anything is changed: a typo (--cache /tmp) must not chmod it or leave a log in it.
+        check_cache_dir(cache_dir)
+        if not (cache_dir / "journal.db").exists():
+            raise ConfigError(f"{cache_dir} is not a burstfs cache dir (no journal.db)")
         secure_cache_dir(cache_dir, create=False)
         if not os.access(cache_dir, os.W_OK | os.X_OK):  # a file system gone read-only after I/O errors
             raise ConfigError(f"cache dir {cache_dir} is not writable: copy it elsewhere to drain it")
@@ -421,8 +425,6 @@ def drain(cache_dir: Path, endpoint_url: str | None, now: bool, timeout: float |
         _fail(BurstfsError(f"cannot write to cache dir {cache_dir}: {exc.strerror}"))
     lock = CacheLock(cache_dir)
     try:
-        if not (cache_dir / "journal.db").exists():
-            raise ConfigError(f"{cache_dir} is not a burstfs cache dir (no journal.db)")
         lock.acquire()
         journal = Journal(cache_dir)
         try:

@@ -30,7 +30,7 @@ from . import passthrough  # before pyfuse3: the shim interposes fuse_session_mo
 import pyfuse3
 import trio
 
-from .cachelock import PRIVATE_UMASK, CacheLock, secure_cache_dir
+from .cachelock import PRIVATE_UMASK, CacheLock, check_cache_dir, secure_cache_dir
 from .commitgroups import unfinished_rounds
 from .config import STORE_META, MountConfig, check_cache_store, default_node_id, parse_metrics_addr, recorded_store
 from .control import serve_control
@@ -95,11 +95,7 @@ def preflight(config: MountConfig) -> None:
     elif not os.access(cache, os.W_OK | os.X_OK):
         raise ConfigError(f"cache dir {cache} is not writable")
     else:
-        if cache.stat().st_uid != os.geteuid():  # secure_cache_dir() refuses it too; say so before forking
-            raise ConfigError(
-                f"cache dir {cache} is owned by uid {cache.stat().st_uid}, not by this user "
-                f"(uid {os.geteuid()}); use a cache dir of your own"
-            )
+        check_cache_dir(cache)  # another user's, or no cache (--cache /tmp): secure_cache_dir() refuses it too
         _check_cache_owner(config)
 
 
@@ -384,7 +380,7 @@ class StartupWatch:
             log.warning("event=start_slow step=%r seconds=%.0f", self.step, time.monotonic() - self.started)
             warnings += 1
             if warnings == self.STACKS_AFTER_WARNINGS:
-                log.warning("event=start_slow_stacks step=%r\n%s", self.step, thread_stacks())
+                log.warning("event=start_slow_stacks step=%r", self.step, extra={"detail": thread_stacks()})
 
 
 def thread_stacks() -> str:
@@ -444,7 +440,7 @@ async def serve(config: MountConfig, ops: BurstOperations, on_ready: Callable[[]
             await nursery.start(core.orphans.run)
         watch.enter("opening the control socket")
         await nursery.start(serve_control, config, core, drain)
-        nursery.start_soon(_stop_on_signals, nursery.cancel_scope)
+        nursery.start_soon(_stop_on_signals, core.capacity.stop_waiting)
         nursery.start_soon(stamp_alive, config.cache_dir)
         nursery.start_soon(set_read_ahead, config.mountpoint, config.read_ahead, ops.initialized)
         if core.links.fetcher is not None:  # a fresh cache sees the remote's root from the start
@@ -466,8 +462,12 @@ async def serve(config: MountConfig, ops: BurstOperations, on_ready: Callable[[]
         nursery.cancel_scope.cancel()
 
 
-async def _stop_on_signals(scope: trio.CancelScope) -> None:
-    """SIGTERM and SIGINT unmount; SIGHUP (logrotate's, a closed terminal) reopens the log."""
+async def _stop_on_signals(stop_waiting: Callable[[], None]) -> None:
+    """SIGTERM and SIGINT unmount; SIGHUP (logrotate's, a closed terminal) reopens the log.
+
+    ``stop_waiting()`` fails the writes waiting for room on a full tier (ENOSPC): the FUSE
+    loop returns only once every request is answered, and they would hold the stop for up to
+    ``--full-timeout``."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             if signum == signal.SIGHUP:
@@ -475,6 +475,7 @@ async def _stop_on_signals(scope: trio.CancelScope) -> None:
                 log.info("event=signal signal=SIGHUP action=reopen_log")
                 continue
             log.info("event=signal signal=%s action=unmount", signal.Signals(signum).name)
+            stop_waiting()
             pyfuse3.terminate()
             return
 

@@ -646,3 +646,48 @@ def test_verify_of_a_file_left_incomplete_by_a_crash_is_skipped_not_a_mismatch(
     (entry,) = admin_json("verify", fs.path / "a.pt", expect=1)["files"]
     assert (entry["result"], entry["local"]["result"]) == ("SKIPPED", "skipped"), entry
     assert "incomplete" in entry["local"]["detail"]
+
+
+# -- what file names can hold --------------------------------------------------------------------------
+
+
+def test_a_file_name_with_a_newline_makes_no_line_of_its_own(mounted_factory: type[MountedFS]) -> None:
+    """A writer of the mount could forge a whole line in burstfs.log with a file name holding a
+    newline (burstfs.log promises one line per event), and the text of `ls` and `journal`
+    printed the name raw.  Escaped (\\n) in all three; the JSON keeps the name as it is."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    fs = mounted_factory("names")  # type: ignore[call-arg]
+    fs.mount()
+    forged = "1999-01-01 00:00:00,000 ERROR burstfs.mover event=drain_halted remote=FORGED"
+    name = f"ok\n{forged}"
+    checkpoint(fs, {name: b"x"})
+    assert [f["path"] for f in admin_json("ls", fs.path)["files"]] == [name]
+    listing = admin("ls", fs.path).stdout.splitlines()
+    assert len(listing) == 2 and "ok\\n1999-01-01" in listing[1], listing
+    events = admin("journal", fs.path).stdout.splitlines()
+    assert events and all(not line.startswith("1999") for line in events), events
+    assert any("ok\\n1999-01-01" in line for line in events), events
+    fs.unmount()
+    log_lines = fs.log_text().splitlines()
+    assert not [line for line in log_lines if line.startswith("1999")], "a forged log line"
+    assert all(line[:4].isdigit() or line.startswith("    ") for line in log_lines), log_lines
+    assert any("key=ok\\n1999-01-01" in line for line in log_lines)
+
+
+def test_latest_and_abandon_take_cache_as_every_command_does(mounted_factory: type[MountedFS]) -> None:
+    """docs/ADMIN.md: "Every command takes --cache"; latest and abandon refused it (exit 2, no
+    such option).  latest of a stopped mount named by its cache reads the remote it recorded;
+    abandon says it needs the running mount."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    fs = mounted_factory("ck")  # type: ignore[call-arg]
+    fs.mount()
+    checkpoint(fs, {"run/step_1/shard.bin": b"w" * 1000, "run/step_1/.metadata": b"meta"})
+    fs.unmount()
+    found = admin_json("latest", fs.path / "run", "--cache", fs.cache)
+    assert found["dir"] == "run/step_1", found
+    result = admin("abandon", fs.path / "run" / "step_1", "--cache", fs.cache, "--yes", expect=1)
+    assert "abandon needs a running mount" in result.stderr, result.stderr
+    result = admin("latest", "--remote", fs.remote_url, "--cache", fs.cache, expect=2)
+    assert "give --remote or --cache, not both" in result.stderr, result.stderr

@@ -736,8 +736,8 @@ def test_a_slow_start_up_names_the_step_it_waits_in(caplog: pytest.LogCaptureFix
     assert took >= 0.3
     time.sleep(0.2)
     assert len([r for r in caplog.records if "event=start_slow" in r.getMessage()]) == len(slow)  # stopped
-    stacks = [m for m in slow if "event=start_slow_stacks" in m]
-    # Once, after the second warning, with this (blocked) thread's stack in it.
+    stacks = [getattr(r, "detail", "") for r in caplog.records if "event=start_slow_stacks" in r.getMessage()]
+    # Once, after the second warning, with this (blocked) thread's stack in it (lines of their own, see log.py).
     assert len(stacks) == 1 and "test_a_slow_start_up_names_the_step_it_waits_in" in stacks[0], slow
 
 
@@ -947,3 +947,152 @@ def test_a_wait_for_a_dead_mounts_files_fails_at_once_instead_of_waiting_for_goo
     burstfs("unmount", str(fs.path))  # the dead mount goes; the file stays staged for the next mount
     fs.mount()
     assert (fs.path / "model.pt").read_bytes() == b"m" * 1000
+
+
+def _shared_scratch_dir(path: Path) -> Path:
+    """A root-owned 1777 directory holding another user's file (a shared scratch dir, /tmp)."""
+    path.mkdir()
+    os.chmod(path, 0o1777)
+    (path / "nobody-file").write_text("hers")
+    os.chown(path / "nobody-file", 65534, 65534)
+    return path
+
+
+def _listing(path: Path) -> tuple[int, list[str]]:
+    return os.stat(path).st_mode & 0o7777, sorted(os.listdir(path))
+
+
+@pytest.mark.parametrize("foreground", [False, True])
+def test_a_non_empty_directory_that_is_no_cache_is_refused_unchanged(
+    dirs: tuple[Path, Path, str], tmp_path: Path, foreground: bool
+) -> None:
+    """`--cache /tmp` by a typo, or a shared scratch dir: the mount made it 0700 for good (its
+    other users locked out) and filled it with a journal, data/, a 64 MiB reserve and a lock.
+    Now refused, exit 2, in one line, nothing changed; the daemon's own check refuses it too."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    mnt, _, remote = dirs
+    shared = _shared_scratch_dir(tmp_path / "shared")
+    before = _listing(shared)
+    flags = ("--foreground",) if foreground else ()
+    try:
+        err = one_line(refused("mount", str(mnt), "--cache", str(shared), "--remote", remote, *flags))
+    finally:  # taken over (the bug): leave nothing mounted
+        force_unmount(mnt)
+    assert f"cache dir {shared} is not empty and is not a burstfs cache dir" in err and "'nobody-file'" in err, err
+    assert _listing(shared) == before and not is_mounted(mnt)
+    with pytest.raises(ConfigError, match="is not a burstfs cache dir"):  # a mount that raced past preflight
+        secure_cache_dir(shared)
+    assert _listing(shared) == before
+
+
+def test_a_directory_that_is_no_cache_is_refused_by_drain_unchanged(tmp_path: Path) -> None:
+    """`burstfs drain --cache DIR` on a directory that is no cache refused it, but only after
+    making it 0700 and leaving an empty burstfs.log in it.  Now nothing changes."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    os.chmod(empty, 0o1777)
+    shared = _shared_scratch_dir(tmp_path / "shared")
+    for directory in (empty, shared):
+        before = _listing(directory)
+        err = one_line(refused("drain", "--cache", str(directory), "--now", "--timeout", "5"))
+        assert "is not a burstfs cache dir" in err, err
+        assert _listing(directory) == before, directory
+
+
+def test_an_empty_dir_a_fresh_file_systems_root_and_a_part_made_cache_are_taken(tmp_path: Path) -> None:
+    """What may be given as a cache dir: an empty directory, the root of a fresh ext4 (only
+    lost+found), what a first start that died part-way left (burstfs's own names only), and
+    an existing cache (journal.db), whatever the operator keeps beside it."""
+    fresh_fs = tmp_path / "nvme"
+    (fresh_fs / "lost+found").mkdir(parents=True)
+    part_made = tmp_path / "part-made"
+    (part_made / "data").mkdir(parents=True)
+    (part_made / "trash").mkdir()
+    for name in ("burstfs.log", "burstfs.log.1", "lock", "journal.db", "reserve.partial", "alive"):
+        (part_made / name).write_bytes(b"")
+    (part_made / "journal.db").unlink()  # died before its journal was made
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "journal.db").write_bytes(b"")
+    (cache / "NOTES.txt").write_text("the operator's")
+    for directory in (tmp_path / "empty", fresh_fs, part_made, cache):
+        directory.mkdir(exist_ok=True)
+        os.chmod(directory, 0o755)
+        secure_cache_dir(directory)
+        assert os.stat(directory).st_mode & 0o777 == 0o700, directory
+
+
+@pytest.mark.fuse
+def test_a_mount_leaves_only_names_it_takes_back_as_a_cache(dirs: tuple[Path, Path, str], tmp_path: Path) -> None:
+    """Every name a mount puts in its cache dir is in CACHE_NAMES (else a cache left by a first
+    start that died part-way would be refused as someone else's directory); on a fresh file
+    system's root (lost+found) it mounts, and mounts again."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    from burstfs.cachelock import CACHE_NAMES
+
+    mnt, cache, remote = dirs
+    (cache / "lost+found").mkdir(parents=True)
+    burstfs("mount", str(mnt), "--cache", str(cache), "--remote", remote)
+    try:
+        (mnt / "model.pt").write_bytes(b"m" * 100_000)
+        live = set(os.listdir(cache))
+    finally:
+        burstfs("unmount", str(mnt))
+    assert "control.sock" in live and live - {"lost+found"} <= CACHE_NAMES, live
+    assert set(os.listdir(cache)) - {"lost+found"} <= CACHE_NAMES
+    burstfs("mount", str(mnt), "--cache", str(cache), "--remote", remote)
+    try:
+        assert (mnt / "model.pt").read_bytes() == b"m" * 100_000
+    finally:
+        burstfs("unmount", str(mnt))
+
+
+def test_the_log_has_one_line_per_event_whatever_a_field_holds(tmp_path: Path) -> None:
+    """A file name with a newline wrote a line of its own into burstfs.log, forged to look like
+    an event.  Control characters in a message are escaped; a traceback or a multi-line detail
+    follows on indented lines, so no line but an event's starts at the left margin."""
+    from burstfs.log import setup_logging
+
+    log_file = tmp_path / "burstfs.log"
+    root = logging.getLogger("burstfs")
+    saved = root.level, root.propagate, list(root.handlers)
+    setup_logging("INFO", log_file=log_file, stderr=False)
+    try:
+        log = logging.getLogger("burstfs.mover")
+        forged = "ok\n1999-01-01 00:00:00,000 ERROR burstfs.mover event=drain_halted remote=FORGED"
+        log.info("event=durable key=%s", forged)
+        log.info("event=closed path=%s", "a\rb\x1bc\x00d\x85e\u2028f\tg")
+        log.warning("event=start_slow_stacks step=%r", "x", extra={"detail": "thread a:\n  stack\nFORGED-LINE"})
+        try:
+            raise ValueError("bad\nFORGED-TRACE")
+        except ValueError:
+            log.exception("event=request_bug op=%s", "write")
+    finally:  # the loggers as they were: other tests read them with caplog
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+            handler.close()
+        root.setLevel(saved[0])
+        root.propagate = saved[1]
+        for handler in saved[2]:
+            root.addHandler(handler)
+    lines = log_file.read_text().split("\n")[:-1]
+    events = [line for line in lines if not line.startswith("    ")]
+    assert len(events) == 4 and all(line[:4].isdigit() for line in events), lines
+    assert events[0].endswith(
+        "event=durable key=ok\\n1999-01-01 00:00:00,000 ERROR burstfs.mover event=drain_halted remote=FORGED"
+    )
+    assert events[1].endswith("event=closed path=a\\rb\\x1bc\\x00d\\x85e\\u2028f\\tg")
+    assert "    thread a:" in lines and "      stack" in lines and "    FORGED-LINE" in lines
+    assert "    Traceback (most recent call last):" in lines and "    FORGED-TRACE" in lines
+
+
+def test_every_admin_command_takes_cache() -> None:
+    """docs/ADMIN.md says every command takes --cache (latest and abandon did not)."""
+    from burstfs.admin import main as admin_main
+
+    without = [
+        name for name, command in admin_main.commands.items() if not any("--cache" in p.opts for p in command.params)
+    ]
+    assert not without, without

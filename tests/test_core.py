@@ -388,6 +388,35 @@ def test_a_file_that_lost_a_write_is_incomplete_not_staged(tmp_path: Path) -> No
     run(tmp_path, body, TierOptions(cache_size=4000, evict="none", full_timeout=0.2))
 
 
+def test_a_stopping_mount_fails_writes_waiting_for_room_at_once(tmp_path: Path) -> None:
+    """SIGTERM while a write waited on a tier full of undrained data (remote down): the daemon
+    stopped only once the write's --full-timeout ran out (58 s), since the FUSE loop waits for
+    every request.  stop_waiting() fails the waiting write with ENOSPC now, and later ones too."""
+
+    async def body(core: BurstCore) -> None:
+        await write_file(core, ROOT_INO, b"first", b"a" * 3000)  # not durable: nothing to evict
+        fh, _ = await core.create(ROOT_INO, b"second", 0o644, os.O_WRONLY, UID, GID)
+        failed_after: list[float] = []
+
+        async def blocked_write() -> None:
+            started = trio.current_time()
+            with raises_errno(errno.ENOSPC):
+                await core.write(fh, 0, b"b" * 2000)
+            failed_after.append(trio.current_time() - started)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(blocked_write)
+            await trio.sleep(0.3)
+            assert not failed_after  # waiting for the drain
+            core.capacity.stop_waiting()
+        assert failed_after and failed_after[0] < 5, failed_after
+        with raises_errno(errno.ENOSPC):  # no new wait either
+            await core.write(fh, 0, b"c" * 2000)
+        await core.release(fh)
+
+    run(tmp_path, body, TierOptions(cache_size=4000, evict="none", full_timeout=60.0))
+
+
 def test_read_only_handle_cannot_write(tmp_path: Path) -> None:
     async def body(core: BurstCore) -> None:
         ino = await write_file(core, ROOT_INO, b"f", b"abc")

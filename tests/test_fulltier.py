@@ -13,6 +13,7 @@ import contextlib
 import errno
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -440,3 +441,49 @@ def test_what_a_fetch_left_when_the_daemon_died_is_removed_at_the_next_start(
     fs.mount()
     assert not any((fs.cache / "data").iterdir())
     assert (fs.path / "f0").read_bytes() == data["f0"]
+
+
+def test_sigterm_fails_a_write_waiting_for_room_and_the_daemon_stops_at_once(
+    mounted_factory: type[MountedFS],
+) -> None:
+    """A writer waiting on a tier full of undrained data (the drain held back, as by a remote
+    that is down): SIGTERM left the daemon running until the write's --full-timeout ran out
+    (58 s of 60), since the FUSE loop ends only once every request is answered.  Now the
+    write fails with ENOSPC at once, the daemon stops in seconds, and closed files stay."""
+    fs = mounted_factory("stop", None, ("--cache-size", "8M", "--drain-delay", "600", "--full-timeout", "60"))  # type: ignore[call-arg]
+    fs.mount()
+    closed = os.urandom(6 * MiB)
+    (fs.path / "closed.bin").write_bytes(closed)
+    pid = fs.daemon_pid()
+    outcome: dict[str, object] = {}
+
+    def blocked_writer() -> None:
+        try:
+            with open(fs.path / "big.bin", "wb") as f:
+                f.write(os.urandom(4 * MiB))
+            outcome["result"] = "written"
+        except OSError as exc:
+            outcome["result"] = errno.errorcode.get(exc.errno or 0, str(exc))
+
+    writer = threading.Thread(target=blocked_writer)
+    writer.start()
+    wait_for(lambda: "action=wait_for_drain" in fs.log_text(), timeout=30, what="the write to wait for room")
+    stopped_at = time.monotonic()
+    os.kill(pid, signal.SIGTERM)
+
+    def daemon_gone() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_for(daemon_gone, timeout=90, interval=0.1, what="the daemon to exit")
+    took = time.monotonic() - stopped_at
+    writer.join(30)
+    assert took < 15, f"the daemon took {took:.1f}s to stop after SIGTERM"
+    assert outcome.get("result") == "ENOSPC", outcome
+    assert "action=ENOSPC reason=stopping" in fs.log_text()
+    subprocess.run(["fusermount3", "-u", str(fs.path)], capture_output=True, check=False)
+    fs.mount()
+    assert (fs.path / "closed.bin").read_bytes() == closed

@@ -24,6 +24,7 @@ from .common import (
     AccessDenied,
     AdminError,
     Daemon,
+    cache_option,
     emit_json,
     json_option,
     main,
@@ -45,9 +46,15 @@ LATEST_TIMEOUT_S = 60.0
 )
 @click.option("--endpoint-url", default=None, help="S3 endpoint (with --remote); default $AWS_ENDPOINT_URL or AWS.")
 @click.option("--region", default=None, help="S3 region (with --remote).")
+@cache_option
 @json_option
 def latest(
-    path: str | None, remote_url: str | None, endpoint_url: str | None, region: str | None, as_json: bool
+    path: str | None,
+    remote_url: str | None,
+    endpoint_url: str | None,
+    region: str | None,
+    cache: Path | None,
+    as_json: bool,
 ) -> None:
     """The newest complete checkpoint directory under PATH (exit 1 if there is none).
 
@@ -55,7 +62,7 @@ def latest(
     file its nodes' done records list is on the remote with the recorded size and
     digest.  Works from any node, and with --remote without a mount (a restart script).
     """
-    found = latest_checkpoint(path, remote_url, endpoint_url, region)
+    found = latest_checkpoint(path, remote_url, endpoint_url, region, cache=cache)
     if as_json:
         emit_json({"schema": SCHEMA, **dataclasses.asdict(found)})
     else:
@@ -88,15 +95,20 @@ def latest_checkpoint(
     remote_url: str | None = None,
     endpoint_url: str | None = None,
     region: str | None = None,
+    *,
+    cache: Path | None = None,
 ) -> Latest:
-    """The newest complete checkpoint under ``path`` (in a mount), or under the subdirectory
-    ``path`` of ``remote_url`` (no mount); see latest.find_latest."""
+    """The newest complete checkpoint under ``path`` (in a mount, or under the mount point a
+    stopped ``cache`` was last mounted at), or under the subdirectory ``path`` of
+    ``remote_url`` (no mount); see latest.find_latest."""
     import asyncio
 
     from ..latest import find_latest, missing_root
     from ..remote import open_remote
 
     try:
+        if remote_url is not None and cache is not None:
+            raise AdminError("give --remote or --cache, not both: --cache names a mount's remote", EXIT_USAGE)
         if remote_url is not None:
             url, s3 = parse_remote_url(remote_url), S3Options(endpoint_url=endpoint_url, region=region)
             subdir, root, daemon = str(path or "").strip("/"), None, None
@@ -108,7 +120,7 @@ def latest_checkpoint(
             if path is None:
                 raise AdminError("give a PATH inside a mount, or --remote URL", EXIT_USAGE)
             try:
-                target = resolve([Path(path)], None)
+                target = resolve([Path(path)], cache)
             except AccessDenied:  # a job's user under a mount root made: the daemon reads the remote
                 return latest_through_mount(Path(path))
             with target.journal() as journal:
@@ -196,8 +208,9 @@ def latest_through_mount(path: Path) -> Latest:
 @main.command()
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--yes", is_flag=True, help="Confirm: the checkpoint in PATH is given up for good.")
+@cache_option
 @json_option
-def abandon(path: Path, yes: bool, as_json: bool) -> None:
+def abandon(path: Path, yes: bool, cache: Path | None, as_json: bool) -> None:
     """Give up the checkpoint in directory PATH whose marker waits for a lost node.
 
     Its marker (held on this node) is never published; the lost nodes' intents no
@@ -206,7 +219,7 @@ def abandon(path: Path, yes: bool, as_json: bool) -> None:
     """
     if not yes:
         raise AdminError(f"abandon gives up the checkpoint in {path} for good: add --yes", EXIT_USAGE)
-    target = resolve([path], None)
+    target = resolve([path], cache)
     doc = target.need_daemon("abandon").call("abandon", paths=target.rels)
     if as_json:
         emit_json(doc)

@@ -25,6 +25,7 @@ from ..config import RemoteURL, S3Options, check_seconds, config_from_meta
 from ..control import SOCKET_NAME, socket_address
 from ..errors import BurstfsError, ConfigError
 from ..journal import FileState, Journal
+from ..log import escape_controls
 from ..mountinfo import FSNAME_PREFIX, UnexaminedPath, find_burstfs_mount, mounts
 from ..status import Durability, lookup
 from ..status import wait_durable as wait_in_journal
@@ -311,8 +312,16 @@ def fmt_time(epoch: float) -> str:
     return datetime.datetime.fromtimestamp(epoch).isoformat(sep=" ", timespec="milliseconds")
 
 
+def shown(text: str) -> str:
+    """A file name (or a message that may hold one) for a line of text output: control characters
+    escaped as in the log, so that a name with a newline cannot make a line of its own."""
+    return escape_controls(text)
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> str:
-    """Left-aligned columns (``right``: indexes of right-aligned ones), two spaces apart."""
+    """Left-aligned columns (``right``: indexes of right-aligned ones), two spaces apart; cells
+    :func:`shown`, one row per line."""
+    rows = [[shown(cell) for cell in row] for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
 
     def line(cells: Sequence[str]) -> str:
@@ -349,17 +358,21 @@ def main() -> None:
     logging.getLogger("burstfs").propagate = False
 
 
+def cache_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--cache DIR``: every command takes it (docs/ADMIN.md), to name a stopped mount by its cache."""
+    return click.option(
+        "--cache",
+        type=click.Path(path_type=Path, file_okay=False),
+        help="Cache dir of the mount (to read a stopped mount's journal).",
+    )(fn)
+
+
 def path_command(name: str | None = None, *, many: bool = False) -> Callable[[Callable[..., Any]], click.Command]:
     """Register a command on PATH (``many``: PATHS...) with ``--cache`` and ``--json``: the
     shape of every command that reads or steers one mount.  Its own options go below it."""
 
     def register(fn: Callable[..., Any]) -> click.Command:
-        fn = json_option(fn)
-        fn = click.option(
-            "--cache",
-            type=click.Path(path_type=Path, file_okay=False),
-            help="Cache dir of the mount (to read a stopped mount's journal).",
-        )(fn)
+        fn = cache_option(json_option(fn))
         if many:
             fn = click.argument("paths", nargs=-1, required=True, type=UnexaminedPath())(fn)
         else:

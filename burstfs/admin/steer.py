@@ -19,6 +19,7 @@ from .common import (
     path_command,
     remote_of,
     resolve,
+    shown,
 )
 
 
@@ -62,9 +63,9 @@ def evict(paths: tuple[Path, ...], cache: Path | None, as_json: bool) -> None:
     else:
         for f in doc["files"]:
             click.echo(
-                f"evicted {f['path']} ({fmt_bytes(f['bytes_freed'])})"
+                f"evicted {shown(f['path'])} ({fmt_bytes(f['bytes_freed'])})"
                 if f["ok"]
-                else f"not evicted {f['path']}: {f['error']}"
+                else shown(f"not evicted {f['path']}: {f['error']}")
             )
         click.echo(f"freed {fmt_bytes(doc['bytes_freed'])}")
     _per_file_failures(doc, "evicted")
@@ -79,7 +80,7 @@ def prefetch(paths: tuple[Path, ...], cache: Path | None, as_json: bool) -> None
 
     def progress(message: dict[str, Any]) -> None:
         file = message["file"]
-        what = f"fetched {file['path']}" if file["ok"] else f"failed {file['path']}: {file['error']}"
+        what = shown(f"fetched {file['path']}" if file["ok"] else f"failed {file['path']}: {file['error']}")
         if bar is not None:
             bar.update(
                 message["done_files"], message["total_files"], message["done_bytes"], message["total_bytes"], what
@@ -120,7 +121,7 @@ def verify_command(paths: tuple[Path, ...], cache: Path | None, as_json: bool, c
     else:
         for f in doc["files"]:
             checks = "; ".join(f"{name}: {f[name]['detail']}" for name in ("local", "remote") if name in f)
-            click.echo(f"{f['result']:<8}  {f['path']}  ({checks})")
+            click.echo(f"{f['result']:<8}  {shown(f['path'])}  ({shown(checks)})")
     if doc["mismatches"]:
         raise AdminError(f"{doc['mismatches']} of {len(doc['files'])} files do not match their checksums", EXIT_FAILED)
     skipped = sum(f["result"] == "SKIPPED" for f in doc["files"])  # an older daemon's document has no "skipped"

@@ -39,6 +39,7 @@ from .common import (
     path_command,
     resolve,
     seconds_option,
+    shown,
     table,
     wait_durable,
 )
@@ -153,7 +154,7 @@ def status(path: Path, cache: Path | None, as_json: bool, watch: bool) -> None:
 
 def _held_line(held: dict[str, Any]) -> str:
     """One checkpoint whose marker waits, and for whom (docs/SEMANTICS.md "Many nodes")."""
-    where = held["dir"] or "/"
+    where = shown(held["dir"] or "/")
     if held["abandoned"]:
         return f"checkpoint {where} abandoned (its marker is never published)"
     others = [
@@ -162,7 +163,7 @@ def _held_line(held: dict[str, Any]) -> str:
             if w["round"]
             else f"node {w['node']} (had a part where this marker was renamed from; not renamed here yet)"
         )
-        + ("" if w["dir"] == held["dir"] else f" in {w['dir']}")
+        + ("" if w["dir"] == held["dir"] else f" in {shown(w['dir'])}")
         for w in held["waiting"]
     ]
     if held["own_pending"]:
@@ -186,7 +187,7 @@ def ls_command(path: Path, cache: Path | None, as_json: bool) -> None:
     click.echo(table(["STATE", "SIZE", "GEN", "DIGEST", "PATH", "REMOTE KEY"], rows, right=(1, 2)))
     for f in doc["files"]:
         if f["error"]:
-            click.echo(f"{f['path']}: {f['error']}")
+            click.echo(shown(f"{f['path']}: {f['error']}"))
 
 
 @path_command(many=True)
@@ -285,4 +286,5 @@ def journal_command(path: Path, cache: Path | None, as_json: bool, since: float,
         return
     for event in doc["events"]:
         name = event["path"] if event["path"] is not None else f"(ino {event['ino']})" if event["ino"] else ""
-        click.echo(f"{fmt_time(event['time'])}  {event['event']:<10}  {name}  {event['detail']}".rstrip())
+        what = shown(f"{name}  {event['detail']}")
+        click.echo(f"{fmt_time(event['time'])}  {event['event']:<10}  {what}".rstrip())
