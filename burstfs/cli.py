@@ -185,9 +185,13 @@ def config_check(file: Path) -> None:
     try:
         loaded = configfile.load(file, mount)
         values = configfile.merge(configfile.defaults(mount), loaded, set())
-        configfile.build_with_file(values, loaded, mount)
+        config = configfile.build_with_file(values, loaded, mount)
     except BurstfsError as exc:
         _fail(exc)
+    from .latest import missing_root
+
+    if (problem := missing_root(config.remote)) is not None:  # it may be mounted later: a note, not an error
+        click.echo(f"burstfs: note: {problem} (yet): `burstfs mount` fails until it does", err=True)
     click.echo(f"# {file}: valid; the settings of `burstfs mount --config {file}`")
     for line in configfile.format_settings(values, mount):
         click.echo(line)

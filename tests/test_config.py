@@ -339,6 +339,16 @@ def test_config_check_prints_the_effective_settings_without_secrets(tmp_path: Pa
     assert keys == {configfile.file_key(p) for p in file_options()}
 
 
+def test_config_check_notes_a_file_remote_that_is_not_there(tmp_path: Path) -> None:
+    """It called the file valid, and the mount with it then failed: the directory may be a
+    parallel file system mounted later, so a note on stderr, and still exit 0."""
+    text = f'mountpoint = "/m"\ncache = "/c"\nremote = "file://{tmp_path}/remote"\n'
+    result = burstfs("config", "check", str(write(tmp_path, text)))
+    assert f"remote directory {tmp_path}/remote does not exist" in result.stderr and "valid" in result.stdout
+    (tmp_path / "remote").mkdir()
+    assert "note" not in burstfs("config", "check", str(write(tmp_path, text))).stderr
+
+
 def test_the_config_round_trips_through_the_journal(tmp_path: Path) -> None:
     config = MountConfig(
         mountpoint=Path("/mnt/x"),
