@@ -501,6 +501,32 @@ def test_a_pruned_step_stays_on_the_remote_while_the_remote_latest_still_names_i
     run_nodes([node], scenario)
 
 
+def test_latest_replaced_by_rename_stays_on_the_remote_until_the_new_one_lands(tmp_path: Path) -> None:
+    """``write latest.tmp; rename onto latest`` (an atomic pointer update): the old object's
+    delete went at once, while the new ``latest`` waited for the step it names to drain, so
+    the remote had no ``latest`` at all meanwhile (a restart then found no checkpoint)."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    node = Node(tmp_path, "a", remote_dir)
+
+    async def scenario() -> None:
+        pointer = node.write("ck/latest", b"s1")
+        await until(lambda: node.durable(pointer), "the first latest")
+        _, release = node.remote.hold("put", "ck/s2/__0_0.distcp")
+        node.write("ck/s2/__0_0.distcp", b"2" * 100)
+        replacement = node.write("ck/latest.tmp", b"s2")
+        node.front.rename(replacement, "latest", node.dirs["ck"])
+        node.mover.namespace_changed()
+        await asyncio.sleep(1.0)  # the mover's passes come and go
+        assert (remote_dir / "ck" / "latest").read_bytes() == b"s1"
+        release.set()
+        await until(lambda: node.durable(replacement), "the new latest")
+        await until(lambda: not node.front.journal.keys.pending_deletes(10), "the delete queue")
+        assert (remote_dir / "ck" / "latest").read_bytes() == b"s2"
+
+    run_nodes([node], scenario)
+
+
 def test_a_node_never_deletes_or_moves_the_object_another_node_wrote_at_its_key(tmp_path: Path) -> None:
     """Two nodes write the same path (last writer wins on the remote); the node written over
     then removes or renames its own copy: the other node's object stays, with its manifest

@@ -15,7 +15,7 @@ from collections.abc import Callable, Container, Iterable
 from .connection import Database
 from .ops import event_op
 from .rows import ROOT_INO
-from .states import DONE, DURABLE, QUEUED, RESTAGED, STAGED, WRITING, state_marks
+from .states import DONE, DURABLE, QUEUED, RESTAGED, STAGED, state_marks
 
 # Every file at or below a seed ``(ino, path)``, with its path: the walk behind relocations.
 #: Queued deletes of removed, replaced or moved files' objects; not the intents ('upload',
@@ -145,15 +145,7 @@ class KeyOwnership:
         with self._db.lock:
             db = self._db.connection
             for dir_key in set(dir_keys):
-                ino: int | None = ROOT_INO
-                for part in filter(None, dir_key.split("/")):
-                    row = db.execute(
-                        "SELECT ino FROM inodes WHERE parent=? AND name=? AND parent!=0 AND kind='dir'",
-                        (ino, os.fsencode(part)),
-                    ).fetchone()
-                    ino = int(row[0]) if row else None
-                    if ino is None:
-                        break
+                ino = self._dir_at_locked(dir_key)
                 if ino is None:
                     continue
                 names = db.execute(
@@ -166,12 +158,13 @@ class KeyOwnership:
 
     def pointers_being_replaced(self, names: Iterable[str]) -> dict[str, str]:
         """``{dir: pointer key}`` for each file named one of ``names`` (``latest``, Megatron's
-        tracker) whose remote object is an older version than the one written here (open for
-        writing again, or closed and not drained yet): the remote still names an older step."""
+        tracker) whose remote object is an older version than the one closed here, not drained
+        yet: the remote still names an older step.  (Not one open for writing: a writer that
+        keeps it open would hold every delete below it for as long.)"""
         wanted = [os.fsencode(name) for name in names]
         if not wanted:
             return {}
-        pending = (WRITING, *QUEUED)
+        pending = tuple(QUEUED)
         with self._db.lock:
             rows = self._db.connection.execute(
                 f"SELECT ino FROM inodes WHERE kind='file' AND parent!=0 AND remote_key IS NOT NULL "
@@ -202,6 +195,40 @@ class KeyOwnership:
         """``(ino, path)`` to walk from: ``roots`` (None: the root's children)."""
         if roots is None:
             return self._db.top_level_locked()
+    def to_be_overwritten(self, keys: Iterable[str]) -> set[str]:
+        """Of ``keys``, those at whose path a file closed here waits to drain: its upload puts
+        its own object there, so the old one's delete waits (an atomic replace of ``latest`` by
+        rename left the remote with no ``latest`` until the new one drained)."""
+        pending = tuple(QUEUED)
+        found: set[str] = set()
+        with self._db.lock:
+            for key in set(keys):
+                dir_key, _, name = key.rpartition("/")
+                parent = self._dir_at_locked(dir_key)
+                if (
+                    parent is not None
+                    and self._db.connection.execute(
+                        f"SELECT 1 FROM inodes WHERE parent=? AND name=? AND kind='file' "
+                        f"AND state IN ({', '.join('?' * len(pending))})",
+                        (parent, os.fsencode(name), *pending),
+                    ).fetchone()
+                ):
+                    found.add(key)
+        return found
+
+    def _dir_at_locked(self, dir_key: str) -> int | None:
+        """The directory at ``dir_key`` ("" = the root), if there is one."""
+        ino = ROOT_INO
+        for part in filter(None, dir_key.split("/")):
+            row = self._db.connection.execute(
+                "SELECT ino FROM inodes WHERE parent=? AND name=? AND parent!=0 AND kind='dir'",
+                (ino, os.fsencode(part)),
+            ).fetchone()
+            if row is None:
+                return None
+            ino = int(row[0])
+        return ino
+
         return [(ino, path) for ino in set(roots) if ino != ROOT_INO and (path := self._db.path_locked(ino))]
 
     def relocation_candidates(self, roots: Iterable[int] | None = None) -> list[tuple[int, str, str]]:

@@ -108,12 +108,14 @@ class KeyMoves:
         # Again: a marker unlinked since the read above is neither in place nor noted yet.
         await self._read_marker_deletes()
         pointers = await self._pointers_being_replaced(pending)
+        free = [key for _, key, _, _, holder in pending if holder is None]
+        overwritten = await self.mover.db(self.mover.journal.keys.to_be_overwritten, free) if free else set()
         # Markers first; a pass may then delete, after a marker, the files it held back.
         pending.sort(key=lambda row: not self._is_marker_key(row[1]))
         for row_id, key, reason, version, holder in pending:
             if holder is not None or key in self.mover.in_flight.values() or self._delete_retry.get(key, 0.0) > now:
                 continue
-            if self._held_for_marker(key, live_markers) or _held_for_pointer(key, pointers):
+            if self._held_for_marker(key, live_markers) or _held_for_pointer(key, pointers) or key in overwritten:
                 continue
             try:
                 if reason == UNLINK_LISTED:
