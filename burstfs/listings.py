@@ -133,6 +133,10 @@ class RemoteListings:
         #: that name would find the old inode until the entry times out.
         self.entry_dropped: Callable[[int, bytes], None] = lambda directory, name: None
         self._memo_sweep_at = MEMO_SWEEP_MIN
+        # Directories a merge emptied (their files deleted elsewhere): one still missing from its
+        # parent's next listing goes too.  And those listed now as gone from their parent's.
+        self._emptied: dict[int, int] = {}  # ino -> its mtime_ns then
+        self._following: set[int] = set()
 
     async def refresh_bounded(self, directory: Inode) -> bool:
         """:meth:`refresh` for a request: wait at most ``wait`` for it.
@@ -255,14 +259,17 @@ class RemoteListings:
         # a rename whose objects have not moved yet: not another node's directory.
         owned_dirs = {key[len(prefix) :].split("/", 1)[0] for key in known_keys if "/" in key[len(prefix) :]}
         wanted_dirs: list[bytes] = []
+        listed_dirs: set[bytes] = set()
         for name in subdirs:
             try:
                 raw = self._listed_name(dir_key, name, at_root)
             except (TypeError, ValueError) as exc:
                 self._skip_listed(dir_key, name, exc)
                 continue
-            if raw is not None and name not in owned_dirs:
-                wanted_dirs.append(raw)
+            if raw is not None:
+                listed_dirs.add(raw)
+                if name not in owned_dirs:
+                    wanted_dirs.append(raw)
         vanished = {prefix + os.fsdecode(raw): raw for raw in own_durable if raw not in remote_versions}
         if vanished:
             try:
@@ -275,7 +282,9 @@ class RemoteListings:
                     self._note_lost(key, now)
         for key in [key for key in self._lost_since if key.startswith(prefix) and key not in vanished]:
             del self._lost_since[key]  # deleted with its manifest since, or back
-        return await self._merge(directory, prefix, now, wanted_files, wanted_dirs, remote_versions, own_durable)
+        return await self._merge(
+            directory, prefix, now, wanted_files, wanted_dirs, listed_dirs, remote_versions, own_durable
+        )
 
     async def refresh_path(self, rel: str) -> tuple[Inode, int]:
         """List ``rel`` (a path below the root) afresh, whatever the TTL: each directory on the
@@ -324,6 +333,7 @@ class RemoteListings:
         started: float,
         wanted_files: list[tuple[bytes, int, int, str]],
         wanted_dirs: list[bytes],
+        listed_dirs: set[bytes],
         remote_versions: dict[bytes, tuple[int, int, str | None]],
         own_durable: dict[bytes, int],
     ) -> bool:
@@ -341,7 +351,12 @@ class RemoteListings:
         A file of this node's whose object was at its path before the listing began
         (``own_durable``), unchanged here since, and missing from it with its manifest was
         deleted by another node (keep-last-N on rank 0): it goes here too, as another
-        node's would, rather than stay and be called durable with no object behind it."""
+        node's would, rather than stay and be called durable with no object behind it.
+
+        A subdirectory holding files, missing from the listing, is listed in turn once its
+        files are all on the remote (``_follow_vanished``): a step another node pruned takes
+        this node's shards there along, though nothing here lists it again.  A directory
+        emptied that way and still missing from the remote goes too."""
         if directory.children is None or (directory.parent == 0 and directory.ino != ROOT_INO):
             return False  # removed while it was listed
         undo = Undo()
@@ -356,10 +371,21 @@ class RemoteListings:
                 continue
             ops += self._add_listed(directory, raw, "dir", 0, time.time_ns(), None, undo)
         forgotten: list[tuple[bytes, Inode]] = []
+        vanished_dirs: list[Inode] = []
         for raw, ino in list(directory.children.items()):
             gone = self.namespace.inodes[ino]
             if gone.writers or gone.pending:
                 continue  # a reader keeps the inode it opened (detached), a writer keeps its file
+            if gone.kind == "dir":
+                if raw in listed_dirs or prefix + os.fsdecode(raw) in recent:
+                    continue
+                if gone.children:
+                    vanished_dirs.append(gone)
+                elif self._emptied.get(gone.ino) == gone.mtime_ns:  # and nothing made there since
+                    log.info("event=deleted_elsewhere key=%s ino=%d note=emptied dir", prefix + os.fsdecode(raw), ino)
+                    ops += self._forget_listed_ops(directory, gone, undo)
+                    forgotten.append((raw, gone))
+                continue
             if not (gone.listed or gone.as_listed):
                 if self._deleted_elsewhere(gone, raw, own_durable, remote_versions, prefix, recent):
                     ops += self._forget_listed_ops(directory, gone, undo)
@@ -400,11 +426,37 @@ class RemoteListings:
                     gone.pending -= 1
             for raw, gone in forgotten:
                 self._etags.pop(gone.ino, None)
+                self._emptied.pop(gone.ino, None)
                 self.entry_dropped(directory.ino, raw)
                 self.namespace.maybe_destroy(gone)
+            if forgotten and not directory.children and directory.ino != ROOT_INO:
+                self._emptied[directory.ino] = directory.mtime_ns
         self._seen.add(directory.ino)
         self._sweep_memos()
+        self._follow_vanished(vanished_dirs)
         return True
+
+    def _follow_vanished(self, directories: list[Inode]) -> None:
+        """List, in the background, ``directories`` (missing from their parent's listing) whose
+        files are all on the remote: deleted there, they go here too (``_merge``)."""
+        now = time.monotonic()
+        due = [d for d in directories if d.ino not in self._following and self._due(d, now)]
+        if not due or now < self._slow_until:
+            return
+        self._following.update(d.ino for d in due)
+        trio.lowlevel.spawn_system_task(self._list_vanished, due)
+
+    async def _list_vanished(self, directories: list[Inode]) -> None:
+        try:
+            whole = await trio.to_thread.run_sync(self.journal.keys.all_on_remote, [d.ino for d in directories])
+            for directory in directories:
+                if directory.ino in whole and directory.parent and time.monotonic() >= self._slow_until:
+                    with trio.move_on_after(self.timeout):
+                        await self.refresh(directory)
+        except Exception as exc:  # a failed merge commit: tried again at the parent's next listing
+            log.warning("event=listing_merge_failed dirs=%d error=%s", len(directories), exc)
+        finally:
+            self._following.difference_update(d.ino for d in directories)
 
     def _sweep_memos(self) -> None:
         """Drop the memos of inodes gone from the namespace (a listed file removed here, a
@@ -414,6 +466,7 @@ class RemoteListings:
         alive = self.namespace.inodes
         self._etags = {ino: etag for ino, etag in self._etags.items() if ino in alive}
         self._seen = {ino for ino in self._seen if ino in alive}
+        self._emptied = {ino: mtime for ino, mtime in self._emptied.items() if ino in alive}
         self._memo_sweep_at = max(MEMO_SWEEP_MIN, 2 * (len(self._etags) + len(self._seen)))
 
     def made_here(self, directory: Inode) -> None:

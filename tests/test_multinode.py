@@ -8,6 +8,7 @@ are on what the remote holds while a node's shards are known to be staged.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -254,9 +255,13 @@ def test_keep_last_n_on_a_second_node_never_deletes_the_newest_complete_checkpoi
     assert sorted(os.listdir(n1.path / "run")) == ["step_1", "step_2", "step_3", "step_4"]
     assert prune_checkpoints(checkpoints_in(n0.path / "run", "step_*"), keep_last=2) == [n0.path / "run/step_1"]
     wait_for(lambda: not any(k.startswith("run/step_1/") for k in bucket.keys()), what="step 1 gone from the remote")
-    os.listdir(n1.path / "run/step_1")  # the merge drops n0's shard and n1's own: an empty directory here
+    # The merge drops n0's shard and n1's own: an empty directory here, which the next listing
+    # of run/ drops too (it may have by the time n1 prunes).
+    with contextlib.suppress(FileNotFoundError):
+        os.listdir(n1.path / "run/step_1")
     deleted = prune_checkpoints(checkpoints_in(n1.path / "run", "step_*"), keep_last=1)
-    assert sorted(deleted) == [n1.path / "run/step_1", n1.path / "run/step_2"]
+    assert set(deleted) - {n1.path / "run/step_1"} == {n1.path / "run/step_2"}
+    assert not (n1.path / "run/step_1").exists()
     assert bucket.latest("run")["dir"] == "run/step_3"
     assert {"run/step_3/.metadata", "run/step_3/__0_0.distcp", "run/step_3/__1_0.distcp"} <= bucket.keys()
 
@@ -688,6 +693,27 @@ def test_removing_a_stale_listed_file_spares_the_version_its_owner_wrote_since(
     body = bucket.client.get_object(Bucket=bucket.name, Key="job/ck/a.bin")["Body"].read()
     assert body == b"second" * 1000
     assert (n1.path / "ck/a.bin").read_bytes() == b"second" * 1000
+
+
+def test_a_step_pruned_elsewhere_leaves_a_node_that_only_lists_its_parent(
+    mounted_factory: type[MountedFS], bucket: Bucket
+) -> None:
+    """Rank 0's keep-last-N removed a step; the other node never lists that step's directory
+    again (it only makes new steps beside it), so its shard there stayed "durable" with no
+    object behind it, and every pruned step stayed in its tree for the whole run."""
+    n0 = node(mounted_factory, bucket, "n0", "--list-ttl", "0.5")
+    n1 = node(mounted_factory, bucket, "n1", "--list-ttl", "0.5")
+    write(n1, "ck/step_1/__1_0.distcp", shard(1, 1))
+    write(n1, "ck/step_1/sub/extra.bin", b"deeper")
+    write(n1, "ck/step_2/__1_0.distcp", shard(2, 1))
+    admin("wait", n1.path / "ck")
+    shutil.rmtree(n0.path / "ck/step_1")
+    admin("wait", n0.path / "ck")
+    assert not [key for key in bucket.keys() if key.startswith("ck/step_1/")]
+    wait_for(lambda: os.listdir(n1.path / "ck") == ["step_2"], timeout=60, what="the pruned step gone on n1")
+    assert state(n1, "ck/step_1/__1_0.distcp") is None
+    assert state(n1, "ck/step_2/__1_0.distcp") == "durable"
+    assert "event=deleted_elsewhere key=ck/step_1/__1_0.distcp" in n1.log_text()
 
 
 def test_a_nodes_own_durable_file_another_node_deleted_goes_here_too(

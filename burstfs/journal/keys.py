@@ -17,6 +17,9 @@ from .ops import event_op
 from .rows import ROOT_INO
 from .states import DONE, DURABLE, QUEUED, RESTAGED, STAGED, state_marks
 
+# Every directory at or below a seed directory (a named one: ``parent != 0``).
+_SUBTREE = """WITH RECURSIVE tree(ino) AS (
+       SELECT ? UNION ALL SELECT i.ino FROM inodes i JOIN tree ON i.parent=tree.ino WHERE i.kind='dir')"""
 # Every file at or below a seed ``(ino, path)``, with its path: the walk behind relocations.
 #: Queued deletes of removed, replaced or moved files' objects; not the intents ('upload',
 #: 'move') that uploads and moves in flight leave for their own crash cleanup.
@@ -67,6 +70,24 @@ class KeyOwnership:
             (dir_ino, *done),
         )
         return {bytes(name): int(gen) for name, gen, key in rows if key == prefix + os.fsdecode(bytes(name))}
+
+    def all_on_remote(self, dir_inos: Iterable[int]) -> set[int]:
+        """Of the directories ``dir_inos``, those whose files (at any depth; maybe none, below
+        directories emptied so) are all on the remote (DONE: none waiting to drain, being
+        written or failed): a directory gone from the remote's listing with such files only
+        was deleted there (by another node)."""
+        marks, done = state_marks(DONE)
+        found: set[int] = set()
+        with self._db.lock:
+            for ino in set(dir_inos):
+                total, on_remote = self._db.connection.execute(
+                    f"{_SUBTREE} SELECT count(*), coalesce(sum(i.state IN ({marks})), 0) "
+                    f"FROM inodes i JOIN tree ON i.parent=tree.ino WHERE i.kind='file'",
+                    (ino, *done),
+                ).fetchone()
+                if total == on_remote:
+                    found.add(ino)
+        return found
 
     # -- the delete queue --------------------------------------------------------------------
 
@@ -174,27 +195,6 @@ class KeyOwnership:
             paths = [self._db.path_locked(int(ino)) for (ino,) in rows]
         return {path.rpartition("/")[0]: path for path in paths if path is not None}
 
-    def removals_queued(self) -> int:
-        """Queued deletes of removed, replaced or moved files' objects; not the intents of
-        uploads and moves in flight (``upload``, ``move``: their own crash cleanup)."""
-        rows = self._db.query(f"SELECT count(*) FROM remote_deletes WHERE {_REMOVALS}")
-        return int(rows[0][0])
-
-    def drop_delete(self, request_id: int) -> None:
-        self._db.execute("DELETE FROM remote_deletes WHERE id=?", (request_id,))
-
-    def drop_deletes(self, request_ids: Iterable[int]) -> None:
-        """Forget these delete requests (their keys are live files' again), in one transaction."""
-        with self._db.transaction() as db:
-            for request_id in request_ids:
-                db.execute("DELETE FROM remote_deletes WHERE id=?", (request_id,))
-
-    # -- objects that must follow a rename ------------------------------------------------------
-
-    def _seeds_locked(self, roots: Iterable[int] | None) -> list[tuple[int, str]]:
-        """``(ino, path)`` to walk from: ``roots`` (None: the root's children)."""
-        if roots is None:
-            return self._db.top_level_locked()
     def to_be_overwritten(self, keys: Iterable[str]) -> set[str]:
         """Of ``keys``, those at whose path a file closed here waits to drain: its upload puts
         its own object there, so the old one's delete waits (an atomic replace of ``latest`` by
@@ -229,6 +229,27 @@ class KeyOwnership:
             ino = int(row[0])
         return ino
 
+    def removals_queued(self) -> int:
+        """Queued deletes of removed, replaced or moved files' objects; not the intents of
+        uploads and moves in flight (``upload``, ``move``: their own crash cleanup)."""
+        rows = self._db.query(f"SELECT count(*) FROM remote_deletes WHERE {_REMOVALS}")
+        return int(rows[0][0])
+
+    def drop_delete(self, request_id: int) -> None:
+        self._db.execute("DELETE FROM remote_deletes WHERE id=?", (request_id,))
+
+    def drop_deletes(self, request_ids: Iterable[int]) -> None:
+        """Forget these delete requests (their keys are live files' again), in one transaction."""
+        with self._db.transaction() as db:
+            for request_id in request_ids:
+                db.execute("DELETE FROM remote_deletes WHERE id=?", (request_id,))
+
+    # -- objects that must follow a rename ------------------------------------------------------
+
+    def _seeds_locked(self, roots: Iterable[int] | None) -> list[tuple[int, str]]:
+        """``(ino, path)`` to walk from: ``roots`` (None: the root's children)."""
+        if roots is None:
+            return self._db.top_level_locked()
         return [(ino, path) for ino in set(roots) if ino != ROOT_INO and (path := self._db.path_locked(ino))]
 
     def relocation_candidates(self, roots: Iterable[int] | None = None) -> list[tuple[int, str, str]]:
