@@ -467,10 +467,14 @@ def test_a_removed_checkpoint_loses_its_marker_on_the_remote_before_any_other_fi
     run_nodes([node], scenario)
 
 
-def test_a_pruned_step_stays_on_the_remote_while_the_remote_latest_still_names_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pointer_update", ["in place", "by rename"])
+def test_a_pruned_step_stays_on_the_remote_while_the_remote_latest_still_names_it(
+    tmp_path: Path, pointer_update: str
+) -> None:
     """keep-last-N prunes step 1 once step 3 is durable, while ``latest`` naming step 3 still
     waits for a slow shard of step 2: the remote's ``latest`` names step 1 until then, so step
-    1's objects stay until the pointer that names a newer step is on the remote."""
+    1's objects stay until the pointer that names a newer step is on the remote.  (By rename:
+    the pointer waiting to drain had never been uploaded, and held nothing.)"""
     remote_dir = tmp_path / "remote"
     remote_dir.mkdir()
     node = Node(tmp_path, "a", remote_dir)
@@ -478,16 +482,23 @@ def test_a_pruned_step_stays_on_the_remote_while_the_remote_latest_still_names_i
     def remote_latest() -> bytes:
         return (remote_dir / "ck" / "latest").read_bytes()
 
+    def point_at(step: bytes) -> int:
+        if pointer_update == "in place":
+            return node.write("ck/latest", step)
+        written = node.write("ck/latest.tmp", step)
+        node.front.rename(written, "latest", node.dirs["ck"])
+        return written
+
     async def scenario() -> None:
         step1 = [node.write("ck/s1/__0_0.distcp", b"1" * 100), node.write("ck/s1/.metadata", b"m1")]
-        pointer = node.write("ck/latest", b"s1")
+        pointer = point_at(b"s1")
         await until(lambda: node.durable(pointer) and all(node.durable(ino) for ino in step1), "step 1")
         _, release = node.remote.hold("put", "ck/s2/__0_0.distcp")
         node.write("ck/s2/__0_0.distcp", b"2" * 100)
         node.write("ck/s2/.metadata", b"m2")
-        node.write("ck/latest", b"s2")
+        point_at(b"s2")
         step3 = [node.write("ck/s3/__0_0.distcp", b"3" * 100), node.write("ck/s3/.metadata", b"m3")]
-        node.write("ck/latest", b"s3")
+        point_at(b"s3")
         await until(lambda: all(node.durable(ino) for ino in step3), "step 3")
         for ino in reversed(step1):  # prune_checkpoints: the marker first
             node.front.unlink(ino)

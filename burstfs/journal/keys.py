@@ -179,8 +179,9 @@ class KeyOwnership:
 
     def pointers_being_replaced(self, names: Iterable[str]) -> dict[str, str]:
         """``{dir: pointer key}`` for each file named one of ``names`` (``latest``, Megatron's
-        tracker) whose remote object is an older version than the one closed here, not drained
-        yet: the remote still names an older step.  (Not one open for writing: a writer that
+        tracker) closed here and not drained yet: the remote's object at that name, if any, is an
+        older version (rewritten in place, or replaced by a rename: the old object stays until
+        the new one lands) and names an older step.  (Not one open for writing: a writer that
         keeps it open would hold every delete below it for as long.)"""
         wanted = [os.fsencode(name) for name in names]
         if not wanted:
@@ -188,7 +189,7 @@ class KeyOwnership:
         pending = tuple(QUEUED)
         with self._db.lock:
             rows = self._db.connection.execute(
-                f"SELECT ino FROM inodes WHERE kind='file' AND parent!=0 AND remote_key IS NOT NULL "
+                f"SELECT ino FROM inodes WHERE kind='file' AND parent!=0 "
                 f"AND name IN ({', '.join('?' * len(wanted))}) AND state IN ({', '.join('?' * len(pending))})",
                 (*wanted, *pending),
             ).fetchall()
