@@ -135,7 +135,7 @@ class RemoteListings:
         self._memo_sweep_at = MEMO_SWEEP_MIN
         # Directories a merge emptied (their files deleted elsewhere): one still missing from its
         # parent's next listing goes too.  And those listed now as gone from their parent's.
-        self._emptied: dict[int, int] = {}  # ino -> its mtime_ns then
+        self._emptied: dict[int, int] = journal.emptied_dirs()  # ino -> its mtime_ns then
         self._following: set[int] = set()
 
     async def refresh_bounded(self, directory: Inode) -> bool:
@@ -414,8 +414,9 @@ class RemoteListings:
                 ops += self._forget_listed_ops(directory, gone, undo)
                 forgotten.append((raw, gone))
                 ops += self._add_listed(directory, raw, "file", size, mtime_ns, key, undo, etag)
-        if directory.ino not in self._seen:  # its first listing in this cache: known from now on
-            ops.append(known_dir_op(directory.ino))
+        emptied = bool(forgotten) and not directory.children and directory.ino != ROOT_INO
+        if directory.ino not in self._seen or emptied:  # its first listing in this cache: known from now on
+            ops.append(known_dir_op(directory.ino, emptied=emptied))
         if ops:
             for _, gone in forgotten:
                 gone.pending += 1
@@ -429,7 +430,7 @@ class RemoteListings:
                 self._emptied.pop(gone.ino, None)
                 self.entry_dropped(directory.ino, raw)
                 self.namespace.maybe_destroy(gone)
-            if forgotten and not directory.children and directory.ino != ROOT_INO:
+            if emptied:
                 self._emptied[directory.ino] = directory.mtime_ns
         self._seen.add(directory.ino)
         self._sweep_memos()

@@ -716,6 +716,29 @@ def test_a_step_pruned_elsewhere_leaves_a_node_that_only_lists_its_parent(
     assert "event=deleted_elsewhere key=ck/step_1/__1_0.distcp" in n1.log_text()
 
 
+def test_a_step_emptied_by_deletes_elsewhere_goes_at_the_next_listing_after_a_restart(
+    mounted_factory: type[MountedFS], bucket: Bucket
+) -> None:
+    """The directory a listing emptied was dropped at its parent's next listing only within the
+    same life of the daemon: remounted (or killed) in between, it stayed for good."""
+    from burstfs import client
+
+    n0 = node(mounted_factory, bucket, "n0")
+    n1 = node(mounted_factory, bucket, "n1", "--list-ttl", "3600")
+    write(n1, "ck/step_1/__1_0.distcp", shard(1, 1))
+    write(n1, "ck/step_2/__1_0.distcp", shard(2, 1))
+    admin("wait", n1.path / "ck")
+    client.refresh_listings(n0.path)
+    shutil.rmtree(n0.path / "ck/step_1")
+    admin("wait", n0.path / "ck")
+    client.refresh_listings(n1.path / "ck/step_1")  # its shard goes: an empty directory here
+    assert os.listdir(n1.path / "ck/step_1") == []
+    n1.unmount()
+    n1.mount()
+    client.refresh_listings(n1.path / "ck")
+    assert os.listdir(n1.path / "ck") == ["step_2"]
+
+
 def test_a_nodes_own_durable_file_another_node_deleted_goes_here_too(
     mounted_factory: type[MountedFS], bucket: Bucket
 ) -> None:

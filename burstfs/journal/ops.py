@@ -37,8 +37,13 @@ def update_inode_op(ino: int, **fields: Any) -> Op:
 KNOWN_DIR = "known"
 
 
-def known_dir_op(ino: int) -> Op:
-    return update_inode_op(ino, listed_version=KNOWN_DIR)
+#: ... and whose files a listing dropped, deleted by another node (keep-last-N elsewhere):
+#: still empty and missing from the remote, the next listing of its parent drops it too.
+EMPTIED_DIR = "emptied"
+
+
+def known_dir_op(ino: int, *, emptied: bool = False) -> Op:
+    return update_inode_op(ino, listed_version=EMPTIED_DIR if emptied else KNOWN_DIR)
 
 
 # -- records the front's group committer applies (core.py builds none of its own SQL) ----

@@ -24,7 +24,7 @@ from typing import Any
 from .connection import Database
 from .drain import ABANDONED_MARKER, DrainQueue
 from .keys import KeyOwnership
-from .ops import KNOWN_DIR, event_op, released_object_ops, set_meta_op
+from .ops import EMPTIED_DIR, KNOWN_DIR, event_op, released_object_ops, set_meta_op
 from .rows import INODE_SELECT, ROOT_INO, InodeRow, Op, row_from_values
 from .states import CLOSED_UNDRAINED, DONE, DURABLE, EVICTED, FAILED, NOT_LOCAL, UNDRAINED, FileState, state_marks
 
@@ -215,11 +215,20 @@ class Journal:
         return {FileState(state): (int(files), int(nbytes)) for state, files, nbytes in rows}
 
     def known_dirs(self) -> set[int]:
-        """Directories whose entries this cache knows (``ops.KNOWN_DIR``)."""
+        """Directories whose entries this cache knows (``ops.KNOWN_DIR``, ``ops.EMPTIED_DIR``)."""
         return {
             int(ino)
-            for (ino,) in self.query("SELECT ino FROM inodes WHERE kind='dir' AND listed_version=?", (KNOWN_DIR,))
+            for (ino,) in self.query(
+                "SELECT ino FROM inodes WHERE kind='dir' AND listed_version IN (?, ?)", (KNOWN_DIR, EMPTIED_DIR)
+            )
         }
+
+    def emptied_dirs(self) -> dict[int, int]:
+        """ino -> mtime_ns of the directories a listing emptied (``ops.EMPTIED_DIR``)."""
+        rows = self.query(
+            "SELECT ino, mtime_ns FROM inodes WHERE kind='dir' AND parent!=0 AND listed_version=?", (EMPTIED_DIR,)
+        )
+        return {int(ino): int(mtime) for ino, mtime in rows}
 
     def abandoned_markers(self) -> tuple[int, int]:
         """(files, bytes) of the markers of abandoned checkpoints (failed, never published)."""
