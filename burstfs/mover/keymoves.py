@@ -115,7 +115,9 @@ class KeyMoves:
         for row_id, key, reason, version, holder in pending:
             if holder is not None or key in self.mover.in_flight.values() or self._delete_retry.get(key, 0.0) > now:
                 continue
-            if self._held_for_marker(key, live_markers) or _held_for_pointer(key, pointers) or key in overwritten:
+            if reason in PRUNED and _held_for_pointer(key, pointers):
+                continue
+            if self._held_for_marker(key, live_markers) or key in overwritten:
                 continue
             try:
                 if reason == UNLINK_LISTED:
@@ -332,6 +334,11 @@ class KeyMoves:
         await self.mover.db(self.mover.journal.keys.finish_relocation, ino, old_key, parked, intent)
         log.info("event=remote_rename_parked from=%s to=%s", old_key, parked)
         return None
+
+
+#: The delete reasons of removed files (a prune's): only these wait for a pointer above them;
+#: the clean-up of a cut-short upload or a stale key names no step a pointer could name.
+PRUNED = frozenset({"unlink", UNLINK_LISTED})
 
 
 def _held_for_pointer(key: str, pointers: dict[str, str]) -> bool:
