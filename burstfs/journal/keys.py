@@ -20,10 +20,10 @@ from .states import DONE, DURABLE, QUEUED, RESTAGED, STAGED, state_marks
 # Every directory at or below a seed directory (a named one: ``parent != 0``).
 _SUBTREE = """WITH RECURSIVE tree(ino) AS (
        SELECT ? UNION ALL SELECT i.ino FROM inodes i JOIN tree ON i.parent=tree.ino WHERE i.kind='dir')"""
-# Every file at or below a seed ``(ino, path)``, with its path: the walk behind relocations.
 #: Queued deletes of removed, replaced or moved files' objects; not the intents ('upload',
 #: 'move') that uploads and moves in flight leave for their own crash cleanup.
 _REMOVALS = "reason NOT IN ('upload', 'move')"
+# Every file at or below a seed ``(ino, path)``, with its path: the walk behind relocations.
 _PATHS_BELOW = """WITH RECURSIVE paths(ino, path) AS (
        SELECT ?, ?
        UNION ALL SELECT i.ino, paths.path || '/' || CAST(i.name AS TEXT)
@@ -186,12 +186,12 @@ class KeyOwnership:
         wanted = [os.fsencode(name) for name in names]
         if not wanted:
             return {}
-        pending = tuple(QUEUED)
+        marks, queued = state_marks(QUEUED)
         with self._db.lock:
             rows = self._db.connection.execute(
                 f"SELECT ino FROM inodes WHERE kind='file' AND parent!=0 "
-                f"AND name IN ({', '.join('?' * len(wanted))}) AND state IN ({', '.join('?' * len(pending))})",
-                (*wanted, *pending),
+                f"AND name IN ({', '.join('?' * len(wanted))}) AND state IN ({marks})",
+                (*wanted, *queued),
             ).fetchall()
             paths = [self._db.path_locked(int(ino)) for (ino,) in rows]
         return {path.rpartition("/")[0]: path for path in paths if path is not None}
@@ -200,7 +200,7 @@ class KeyOwnership:
         """Of ``keys``, those at whose path a file closed here waits to drain: its upload puts
         its own object there, so the old one's delete waits (an atomic replace of ``latest`` by
         rename left the remote with no ``latest`` until the new one drained)."""
-        pending = tuple(QUEUED)
+        marks, queued = state_marks(QUEUED)
         found: set[str] = set()
         with self._db.lock:
             for key in set(keys):
@@ -209,9 +209,8 @@ class KeyOwnership:
                 if (
                     parent is not None
                     and self._db.connection.execute(
-                        f"SELECT 1 FROM inodes WHERE parent=? AND name=? AND kind='file' "
-                        f"AND state IN ({', '.join('?' * len(pending))})",
-                        (parent, os.fsencode(name), *pending),
+                        f"SELECT 1 FROM inodes WHERE parent=? AND name=? AND kind='file' AND state IN ({marks})",
+                        (parent, os.fsencode(name), *queued),
                     ).fetchone()
                 ):
                     found.add(key)

@@ -107,17 +107,18 @@ class KeyMoves:
         )
         # Again: a marker unlinked since the read above is neither in place nor noted yet.
         await self._read_marker_deletes()
-        pointers = await self._pointers_being_replaced(pending)
-        free = [key for _, key, _, _, holder in pending if holder is None]
-        overwritten = await self.mover.db(self.mover.journal.keys.to_be_overwritten, free) if free else set()
+        # A removed file's object (keep-last-N, a replace by rename) waits for the new object at
+        # its key, and for a newer pointer above it (``_held_for_pointer``).
+        removed = [key for _, key, reason, _, holder in pending if holder is None and reason in UNLINKED]
+        pointers, overwritten = await self._removals_held(removed)
         # Markers first; a pass may then delete, after a marker, the files it held back.
         pending.sort(key=lambda row: not self._is_marker_key(row[1]))
         for row_id, key, reason, version, holder in pending:
             if holder is not None or key in self.mover.in_flight.values() or self._delete_retry.get(key, 0.0) > now:
                 continue
-            if reason in PRUNED and _held_for_pointer(key, pointers):
+            if key in overwritten or (reason in UNLINKED and _held_for_pointer(key, pointers)):
                 continue
-            if self._held_for_marker(key, live_markers) or key in overwritten:
+            if self._held_for_marker(key, live_markers):
                 continue
             try:
                 if reason == UNLINK_LISTED:
@@ -173,15 +174,15 @@ class KeyMoves:
         dirs = {above for key in keys for above in _dirs_above(key)}
         return await self.mover.db(self.mover.journal.keys.dirs_holding, dirs, self.mover.is_marker_name)
 
-    async def _pointers_being_replaced(
-        self, pending: list[tuple[int, str, str, str | None, int | None]]
-    ) -> dict[str, str]:
-        """The pointer markers (``latest``...) whose remote version is older than this node's,
-        when there are deletes to hold for them: ``_held_for_pointer``."""
-        if not any(holder is None for *_, holder in pending):
-            return {}
+    async def _removals_held(self, removed: list[str]) -> tuple[dict[str, str], set[str]]:
+        """For the deletes of removed files' objects ``removed``: the pointer markers (``latest``...)
+        whose remote version is older than this node's (``_held_for_pointer``), and the keys a
+        file closed here at that path will overwrite."""
+        if not removed:
+            return {}, set()
         names = [name for name in POINTER_MARKERS if self.mover.is_marker_name(name)]
-        return await self.mover.db(self.mover.journal.keys.pointers_being_replaced, names)
+        pointers = await self.mover.db(self.mover.journal.keys.pointers_being_replaced, names)
+        return pointers, await self.mover.db(self.mover.journal.keys.to_be_overwritten, removed)
 
     def _held_for_marker(self, key: str, live_markers: set[str]) -> bool:
         """Whether ``key``, not a marker, waits for the marker of a checkpoint it is in: one
@@ -336,9 +337,10 @@ class KeyMoves:
         return None
 
 
-#: The delete reasons of removed files (a prune's): only these wait for a pointer above them;
-#: the clean-up of a cut-short upload or a stale key names no step a pointer could name.
-PRUNED = frozenset({"unlink", UNLINK_LISTED})
+#: The delete reasons of unlinked files' objects (a prune, a replace by rename): only these wait
+#: for a pointer above them or a new object at their key; the clean-up of a cut-short upload or
+#: a stale key holds no step a pointer could name.
+UNLINKED = frozenset({"unlink", UNLINK_LISTED})
 
 
 def _held_for_pointer(key: str, pointers: dict[str, str]) -> bool:
