@@ -82,6 +82,9 @@ class ModelFile:
     unclosed: bool = False  # created through a held handle, never closed
     incomplete: bool = False  # open for writing when the daemon died: never drains
     corrupt: bool = False  # its remote object was damaged on purpose
+    # The damaged objects themselves: one a newer version never replaces (it was left
+    # incomplete by a crash, so it never drains) stays on the remote as it was damaged.
+    damaged: set[bytes] = dataclasses.field(default_factory=set)
     history: set[bytes] = dataclasses.field(default_factory=set)  # every closed version
     close_seq: int = 0  # order of its last close among all closes (0: never closed)
 
@@ -514,6 +517,7 @@ class BurstfsModel(RuleBasedStateMachine):
         data[where % len(data)] ^= 0x5A
         self.side.put(rows[0][0], bytes(data))
         self.data[ino].corrupt = True
+        self.data[ino].damaged.add(bytes(data))
 
     # -- a second node on the same prefix -------------------------------------------
 
@@ -728,7 +732,8 @@ class BurstfsModel(RuleBasedStateMachine):
             model = self.data[ino]
             if path in unpublished:
                 if path in objects:
-                    assert objects.pop(path) in model.history or model.corrupt, f"{path}: unknown bytes"
+                    held = objects.pop(path)
+                    assert held in model.history or model.corrupt or held in model.damaged, f"{path}: unknown bytes"
                 continue
             assert path in objects, f"{path} is not on the remote"
             data = objects.pop(path)
