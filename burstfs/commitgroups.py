@@ -60,6 +60,9 @@ _META_CARRIED = "carried:"  # a marker moved here from another directory: the no
 #: Markers that name a step directory beside them rather than close a checkpoint of their own
 #: directory: DeepSpeed's ``latest`` (the tag of the newest step) and Megatron's tracker file.
 POINTER_MARKERS = frozenset({"latest", "latest_checkpointed_iteration.txt"})
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+# A pointer's content is a step's name or number: more than this is no pointer.
+POINTER_MAX_BYTES = 4096
 # A waiting marker's directory is listed again after this, doubling up to the cap: the
 # last done of another node is seen at most GATE_POLL_MAX_S later.
 GATE_POLL_MIN_S = 0.05
@@ -132,6 +135,30 @@ def dir_of(key: str) -> str:
 
 def _under(dir_key: str, top: str) -> bool:
     return not top or dir_key == top or dir_key.startswith(top + "/")
+
+
+def pointed_step(marker_name: str, content: bytes) -> str | None:
+    """The name of the step directory a pointer marker's ``content`` names, beside the
+    pointer: DeepSpeed's ``latest`` holds the tag (``global_step100``), Megatron's tracker
+    the iteration (``iter_0000100``) or ``release``.  None for anything else."""
+    try:
+        text = content.decode().strip()
+    except UnicodeDecodeError:
+        return None
+    if marker_name == MEGATRON_TRACKER and text != "release":
+        if not text.isdigit():
+            return None
+        text = f"iter_{int(text):07d}"
+    if not text or text in (".", "..") or "/" in text or "\0" in text or len(text.encode()) > 255:
+        return None
+    return text
+
+
+def _read_pointer(path: os.PathLike[str] | str) -> bytes | None:
+    """A pointer marker's content from its local copy, None if it is too long to be one."""
+    with open(path, "rb") as f:
+        data = f.read(POINTER_MAX_BYTES + 1)
+    return data if len(data) <= POINTER_MAX_BYTES else None
 
 
 def parse_record(data: bytes) -> dict[str, Any]:
@@ -304,6 +331,8 @@ class CommitGroups:
         self.verdicts: dict[str, Verdict] = {}
         self._done_files: dict[str, list[dict[str, Any]]] = {}  # done key -> its files (keys are write-once)
         self.abandoned: dict[str, float] = {}  # dir -> when an operator gave up its checkpoint
+        # (pointer ino, generation) -> the directory its gate looks at (``gate_dir``)
+        self._pointed: dict[tuple[int, int], str] = {}
         # dir -> {node: since}: a marker renamed into dir from a checkpoint these other nodes had
         # parts of; it waits for each of them to have a round there too (their renames).
         self.carried: dict[str, dict[str, float]] = {}
@@ -602,23 +631,48 @@ class CommitGroups:
         if self.carried.pop(dir_key, None) is not None:
             await self._db(self.journal.set_meta, f"{_META_CARRIED}{dir_key}", "{}")
 
-    def is_abandoned(self, marker: InodeRow, marker_key: str) -> bool:
+    async def gate_dir(self, marker: InodeRow, marker_key: str, local: os.PathLike[str] | str) -> str:
+        """The directory whose records ``marker`` waits for: its own (with its subtree), or,
+        for a pointer (``latest``, Megatron's tracker) whose content names a step directory
+        beside it, that step only.  Gated on its whole directory a pointer also waited for
+        every node's next steps: at a cadence faster than the drain the remote pointer lagged
+        tens of steps.  ``local`` is the marker's copy in the tier."""
+        dir_key, name = dir_of(marker_key), marker_key.rpartition("/")[2]
+        if name not in POINTER_MARKERS or dir_key in self.carried:
+            return dir_key
+        ident = (marker.ino, marker.generation)
+        if ident not in self._pointed:
+            try:
+                content = await asyncio.to_thread(_read_pointer, local)
+            except OSError:
+                content = None
+            step = None if content is None else pointed_step(name, content)
+            gate = dir_key
+            if step is not None:
+                named = f"{dir_key}/{step}" if dir_key else step
+                if await self._db(self._is_dir, named):
+                    gate = named
+            if len(self._pointed) >= 1024:  # generations never published (rewritten, removed)
+                self._pointed.clear()
+            self._pointed[ident] = gate
+        return self._pointed[ident]
+
+    def is_abandoned(self, marker: InodeRow, marker_key: str, gate: str) -> bool:
         """True if an operator gave up ``marker``'s checkpoint after it was written (here, or
-        on another node: :meth:`Verdict.given_up_for`)."""
-        dir_key = dir_of(marker_key)
+        on another node: :meth:`Verdict.given_up_for`); ``gate`` as :meth:`gate_dir` said."""
+        dir_key = gate
         verdict = self.verdicts.get(dir_key)
-        if self.abandoned.get(dir_key, -1.0) >= marker.updated or (
-            verdict is not None and verdict.given_up_for(self.node_id, marker.updated)
-        ):
+        given_up = max(self.abandoned.get(dir_key, -1.0), self.abandoned.get(dir_of(marker_key), -1.0))
+        if given_up >= marker.updated or (verdict is not None and verdict.given_up_for(self.node_id, marker.updated)):
             self._given_up[dir_key] = time.monotonic()
             return True
         return False
 
-    def holds(self, marker: InodeRow, marker_key: str) -> bool:
+    def holds(self, marker: InodeRow, gate: str) -> bool:
         """True while ``marker`` must wait for other nodes (an abandoned one is the caller's:
         :meth:`is_abandoned`).  Only reads what the poller found; asks it to look at the
-        marker's directory."""
-        dir_key = dir_of(marker_key)
+        marker's ``gate`` (:meth:`gate_dir`)."""
+        dir_key = gate
         self._wanted[dir_key] = time.monotonic()
         if self._poke is not None and dir_key not in self.verdicts:
             self._poke.set()
@@ -732,6 +786,7 @@ class CommitGroups:
 
     def marker_durable(self, marker: InodeRow, key: str, size: int, digest: str) -> None:
         """The marker is published: its commit record (what ``latest`` checks) is due."""
+        self._pointed.pop((marker.ino, marker.generation), None)
         verdict = self._approved.pop((marker.ino, marker.generation), None)
         if verdict is None:
             return
@@ -790,6 +845,9 @@ class CommitGroups:
         intents it waited for no longer hold later rounds there.  Returns those intents.
         Only a marker of this node that waits there can be given up: abandoning a directory
         whose nodes are still writing would let its marker out without their shards."""
+        if dir_key not in self._wanted:  # a pointer's directory: its gate is the step it names
+            pointed = set(self._pointed.values())
+            dir_key = next((gate for gate in self._wanted if gate in pointed and dir_of(gate) == dir_key), dir_key)
         if dir_key not in self._wanted:
             raise FsError(
                 errno.ENOENT,

@@ -665,3 +665,77 @@ def test_latest_does_not_go_by_a_markers_mtime(tmp_path: Path) -> None:
         assert latest is not None and latest.dir == "run/step_2"
 
     run_nodes([node], scenario)
+
+
+@pytest.mark.parametrize(
+    ("pointer", "names"),
+    [("latest", {"s1": b"s1", "s2": b"s2"}), ("latest_checkpointed_iteration.txt", {"s1": b"1\n", "s2": b"2\n"})],
+)
+def test_a_pointer_waits_for_the_step_it_names_not_the_next_ones(
+    tmp_path: Path, pointer: str, names: dict[str, bytes]
+) -> None:
+    """A pointer beside step directories (DeepSpeed's ``latest``, Megatron's tracker) waits for
+    every node's round in the step it names, not for the next steps other nodes are already
+    writing: gated on its whole directory it lagged tens of steps at a cadence faster than the
+    drain.  Content naming no directory here gates on the whole directory, as before."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    a, b = Node(tmp_path, "a", remote_dir), Node(tmp_path, "b", remote_dir)
+    step = {"s1": "ck/s1", "s2": "ck/s2"} if pointer == "latest" else {"s1": "ck/iter_0000001", "s2": "ck/iter_0000002"}
+    tracker = f"ck/{pointer}"
+
+    def remote_pointer() -> bytes | None:
+        path = remote_dir / tracker
+        return path.read_bytes() if path.exists() else None
+
+    async def scenario() -> None:
+        entered, release = b.remote.hold("put", f"{step['s2']}/shard_b")
+        shards = [a.write(f"{step['s1']}/shard_a", b"A" * 100), b.write(f"{step['s1']}/shard_b", b"B" * 100)]
+        await until(
+            lambda: all(node.durable(ino) for node, ino in zip((a, b), shards, strict=True)), "step 1 on both nodes"
+        )
+        b.write(f"{step['s2']}/shard_b", b"b" * 100)  # b's next step: its upload held
+        await until(lambda: entered.is_set() and b.mover.groups.intent_out(step["s2"]), "b's next step under way")
+        first = a.write(tracker, names["s1"])
+        await until(lambda: a.durable(first), "the pointer to step 1, with b's step 2 under way")
+        assert remote_pointer() == names["s1"]
+        a.write(f"{step['s2']}/shard_a", b"a" * 100)
+        second = a.write(tracker, names["s2"])
+        await asyncio.sleep(1.0)  # step 2 is b's too: the pointer that names it waits
+        assert not a.durable(second) and remote_pointer() == names["s1"]
+        assert [w["dir"] for w in a.mover.groups.waiting_markers()] == [step["s2"]]  # status names the step
+        stray = a.write(tracker, b"nothing-here\n")  # names no step: the whole directory's rounds
+        await asyncio.sleep(1.0)
+        assert not a.durable(stray) and remote_pointer() == names["s1"]
+        release.set()
+        await until(lambda: a.durable(stray), "the pointer once b's step 2 is done")
+        assert remote_pointer() == b"nothing-here\n"
+
+    run_nodes([a, b], scenario)
+
+
+def test_a_pointer_waiting_for_a_lost_node_is_abandoned_by_its_directory(tmp_path: Path) -> None:
+    """``latest`` names a step a lost node never finished: the operator gives it up by the
+    pointer's directory (where the file is) or by the step's (what status shows); either way
+    the pointer fails and a later one goes out."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    a, b = Node(tmp_path, "a", remote_dir), Node(tmp_path, "b", remote_dir)
+    remote = FileRemote(parse_remote_url(f"file://{remote_dir}"))
+
+    async def scenario() -> None:
+        lost, _ = b.remote.hold("put", "ck/s1/shard_b")  # never released: b is gone
+        b.write("ck/s1/shard_b", b"b")
+        await until(lambda: lost.is_set() and b.mover.groups.intent_out("ck/s1"), "b's intent, its shard stuck")
+        a.write("ck/s1/shard_a", b"a")
+        pointer = a.write("ck/latest", b"s1")
+        await until(lambda: a.mover.groups.waiting_markers(), "the pointer waiting for b")
+        given_up = await a.mover.groups.abandon(remote, "ck")
+        assert [(w.node, w.dir_key) for w in given_up] == [("b", "ck/s1")]
+        await until(lambda: a.front.row(pointer).state == FAILED, "the pointer given up")
+        a.write("ck/s2/shard_a", b"a2")
+        later = a.write("ck/latest", b"s2")
+        await until(lambda: a.durable(later), "the pointer to the next step")
+        assert (remote_dir / "ck/latest").read_bytes() == b"s2"
+
+    run_nodes([a, b], scenario)

@@ -482,16 +482,17 @@ class Mover:
                 continue
             if self.held_open.get(row.data_ino) == row.generation:  # every name of a file held open
                 continue
-            if is_marker(row):
-                if candidate.marker_key is not None and self.groups.is_abandoned(row, candidate.marker_key):
+            if is_marker(row) and candidate.marker_key is not None:
+                gate = await self.groups.gate_dir(row, candidate.marker_key, self.tier_paths.path(row.data_ino))
+                if self.groups.is_abandoned(row, candidate.marker_key, gate):
                     # Never published: failed, so that wait and unmount --wait stop waiting for it.
                     await self.db(self.journal.drain.abandon, row.ino, row.generation)
                     continue
-                # A marker waits for every node with an intent under its directory (docs/SEMANTICS.md "Many nodes").
-                if candidate.marker_key is not None and self.groups.holds(row, candidate.marker_key):
+                # A marker waits for every node with an intent under its gate (docs/SEMANTICS.md "Many nodes").
+                if self.groups.holds(row, gate):
                     continue
-                if candidate.marker_blocked:
-                    continue
+            if is_marker(row) and candidate.marker_blocked:
+                continue
             small = row.size <= timing.SMALL_FILE_BYTES
             if free[small] <= 0:
                 refused = True
