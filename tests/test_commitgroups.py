@@ -739,3 +739,33 @@ def test_a_pointer_waiting_for_a_lost_node_is_abandoned_by_its_directory(tmp_pat
         assert (remote_dir / "ck/latest").read_bytes() == b"s2"
 
     run_nodes([a, b], scenario)
+
+
+def test_latest_of_steps_without_markers_names_only_the_pointed_step(tmp_path: Path) -> None:
+    """DeepSpeed's layout: step directories with no marker of their own, ``latest`` beside them.
+    Its commit record names the files of the step it points at only: it named every step's
+    whose records were under the directory, pruned ones too, so once keep-last-N removed a
+    step ``burstfs-admin latest`` found files missing and said there was no checkpoint."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    node = Node(tmp_path, "a", remote_dir)
+    remote = FileRemote(parse_remote_url(f"file://{remote_dir}"))
+
+    async def scenario() -> None:
+        shards = {}
+        for step in ("global_step1", "global_step2", "global_step3"):
+            shards[step] = [node.write(f"ck/{step}/mp_rank_0{rank}_model_states.pt", step.encode()) for rank in (0, 1)]
+            pointer = node.write("ck/latest", step.encode())
+            await until(lambda: node.durable(pointer), f"latest -> {step}")  # noqa: B023 (awaited here)
+        for ino in shards["global_step1"]:  # keep-last-2
+            node.front.unlink(ino)
+        node.mover.namespace_changed()
+        await until(lambda: not keys(remote_dir, "ck/global_step1/"), "the pruned step's deletes")
+        found, skipped = await find_latest(remote, "ck")
+        assert found is not None and found.dir == "ck" and found.files == 3, skipped
+        record = json.loads((remote_dir / found.commit_key).read_bytes())
+        assert sorted(f["path"] for f in record["files"]) == [
+            f"ck/global_step3/mp_rank_0{rank}_model_states.pt" for rank in (0, 1)
+        ]
+
+    run_nodes([node], scenario)
