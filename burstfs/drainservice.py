@@ -265,6 +265,7 @@ class DrainService:
         document = {
             "remote": str(remote.url),
             "dir": found.dir if found else None,
+            "step": found.step if found else None,
             "marker": found.marker if found else None,
             "committed_at": found.committed_at if found else None,
             "files": found.files if found else 0,

@@ -30,6 +30,7 @@ class Checkpoint:
     committed_at: float  # the commit record's time on the remote
     files: int
     commit_key: str
+    step: str  # the directory holding its files: for a pointer beside steps (``latest``), the step it names
 
 
 async def _check_file(remote: Remote, entry: dict[str, Any]) -> str | None:
@@ -81,6 +82,22 @@ def _points_to_steps(dir_key: str, commit_key: str, committed: dict[str, tuple[f
     return marker in POINTER_MARKERS and any(d != dir_key and d.startswith(below) for d in committed)
 
 
+def pointed_dir(dir_key: str, doc: dict[str, Any]) -> str:
+    """The step directory of a pointer's commit record (``latest``, Megatron's tracker): the
+    subdirectory of ``dir_key`` holding every file it names (it names the step it points at
+    only: ``CommitGroups.gate_dir``); ``dir_key`` for any other marker's record."""
+    marker = doc.get("marker", {}).get("path", "")
+    below = f"{dir_key}/" if dir_key else ""
+    paths = [entry["path"] for entry in record_files(doc)]
+    if marker.rpartition("/")[2] not in POINTER_MARKERS or not all(p.startswith(below) for p in paths):
+        return dir_key
+    rels = [p[len(below) :] for p in paths]
+    steps = {rel.partition("/")[0] for rel in rels}
+    if len(steps) == 1 and all("/" in rel for rel in rels):
+        return f"{below}{steps.pop()}"
+    return dir_key
+
+
 def missing_root(url: RemoteURL) -> str | None:
     """Why a file remote's directory cannot be read (None: it is there, or not a file remote):
     else it lists as empty, and "no checkpoint" would be the wrong answer."""
@@ -115,6 +132,7 @@ async def find_latest(remote: Remote, subdir: str = "") -> tuple[Checkpoint | No
             problem = str(exc)
         if problem is None:
             marker = doc["marker"]["path"]
-            return Checkpoint(dir_key, marker, mtime, len(doc.get("files", [])) + 1, key), skipped
+            files = len(doc.get("files", [])) + 1
+            return Checkpoint(dir_key, marker, mtime, files, key, pointed_dir(dir_key, doc)), skipped
         skipped.append((dir_key, problem))
     return None, skipped

@@ -90,7 +90,7 @@ class ExtendedAttributes:
         if self.links.drain is None or dir_key is None:
             raise FsError(errno.ENODATA)
         document = await self.links.drain.latest_under(dir_key)
-        found = json.loads(document)["dir"]
+        found = json.loads(document)["step"]
         if found is not None:
             # The step may be another node's, published since this mount listed its parent:
             # the loader's open right after this answer must find it.

@@ -297,6 +297,34 @@ def test_the_step_latest_names_opens_at_once_through_the_same_mount(
     assert sorted(os.listdir(n1.path / "run")) == ["step_1", "step_2", "step_3"]
 
 
+def test_latest_of_a_megatron_run_names_the_iteration_its_tracker_names(
+    mounted_factory: type[MountedFS], bucket: Bucket
+) -> None:
+    """Megatron's layout (``iter_NNNNNNN/`` without markers, the tracker beside them): ``latest``
+    is the run directory and ``step`` the iteration the tracker names, which opens at once
+    through a mount that listed the run before it was written."""
+    n0 = node(mounted_factory, bucket, "n0")
+    written: dict[int, bytes] = {}
+
+    def publish(iteration: int) -> None:
+        written[iteration] = shard(iteration, 0)
+        write(n0, f"run/iter_{iteration:07d}/mp_rank_00/model_optim_rng.pt", written[iteration])
+        write(n0, "run/latest_checkpointed_iteration.txt", str(iteration).encode())
+        admin("wait", n0.path / "run")
+
+    publish(100)
+    n1 = node(mounted_factory, bucket, "n1", "--list-ttl", "3600")
+    assert sorted(os.listdir(n1.path / "run")) == ["iter_0000100", "latest_checkpointed_iteration.txt"]
+    publish(200)
+    found = json.loads(admin("latest", n1.path / "run", "--json").stdout)
+    assert (found["dir"], found["step"]) == ("run", "run/iter_0000200"), found
+    assert (n1.path / found["step"] / "mp_rank_00/model_optim_rng.pt").read_bytes() == written[200]
+    publish(300)
+    doc = json.loads(os.getxattr(n1.path / "run", "user.burstfs.latest"))
+    assert doc["step"] == "run/iter_0000300"
+    assert (n1.path / doc["step"] / "mp_rank_00/model_optim_rng.pt").read_bytes() == written[300]
+
+
 def test_a_killed_node_holds_its_checkpoint_back_and_latest_returns_the_previous(
     mounted_factory: type[MountedFS], bucket: Bucket
 ) -> None:

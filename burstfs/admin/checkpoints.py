@@ -83,6 +83,7 @@ class Latest:
     remote: str
     subdir: str
     dir: str | None  # relative to the remote prefix
+    step: str | None  # the directory holding its files: ``dir``, or the step a pointer there names
     path: str | None  # in the mount (the remote-relative dir with --remote)
     marker: str | None
     committed_at: float | None
@@ -152,12 +153,13 @@ def latest_checkpoint(
     except BurstfsError as exc:
         raise AdminError(f"{url}: {exc}", EXIT_UNKNOWN) from None
     if found is not None and daemon is not None:
-        _show(daemon, found.dir)
+        _show(daemon, found.step)
     shown = None if found is None else str(root / found.dir) if root is not None else found.dir
     return Latest(
         remote=str(url),
         subdir=subdir,
         dir=found.dir if found else None,
+        step=found.step if found else None,
         path=shown,
         marker=found.marker if found else None,
         committed_at=found.committed_at if found else None,
@@ -197,6 +199,7 @@ def latest_through_mount(path: Path) -> Latest:
         remote=doc["remote"],
         subdir="" if subdir == "." else subdir,
         dir=doc["dir"],
+        step=doc.get("step", doc["dir"]),
         path=None if doc["dir"] is None else str(mountpoint / doc["dir"]),
         marker=doc["marker"],
         committed_at=doc["committed_at"],
