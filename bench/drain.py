@@ -11,11 +11,11 @@ One run, contenders side by side (alternating order), ``--repeat`` times, median
         moto takes only ~60-80 MiB/s here, so this case uses ``--s3-size-mib`` (256);
       - file remote (a directory on /dev/shm): a chunked copy with the same chunk size
         and threads in flight that also xxh3-hashes each chunk, published by rename.
-    Target <= 1.25x (DESIGN.md).
+    Target <= 1.25x (the project's design targets).
 (b) blocking time of checkpoint B written into the mount right after checkpoint A,
     while A drains (file remote: the drain is pure local CPU and memory bandwidth,
     the worst case for contention on this box), vs the same A-then-B into a plain
-    tmpfs directory.  Target <= 1.15x (DESIGN.md, "also while the previous
+    tmpfs directory.  Target <= 1.15x (issue 13, "also while the previous
     checkpoint is draining").
 (c) daemon memory when ``--ranks`` shards (``--shard-mib``) are written at once and
     drain together (the mover drains max-files=4 at a time, each holding up to

@@ -311,6 +311,8 @@ def unmount(
         check_seconds(timeout, "timeout")
         if wait_timeout is not None:
             check_seconds(wait_timeout, "wait-timeout")
+            if not wait_drain:  # it unmounted at once, not durable files left staged
+                raise ConfigError("--wait-timeout is a bound of --wait: give both", "wait-timeout")
     except ConfigError as exc:
         _fail(exc)
     if mountpoint is None:

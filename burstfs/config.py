@@ -177,12 +177,15 @@ def check_seconds(value: float, option: str, maximum: float | None = None) -> fl
 
 
 def redact_url(url: str) -> str:
-    """``url`` fit to print: its password, if any, is replaced by ***."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
+    """``url`` fit to print: its password, if any, is replaced by ***.  The user part runs to
+    the last ``@``, not to the first ``/``, ``?`` or ``#`` as a URL parser takes it: a password
+    holding one of those made the rest of it the URL's path, printed in clear."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    if not (sep and at and colon):
         return url
-    host = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+    return f"{scheme}://{user}:***@{host}"
 
 
 def check_endpoint_url(url: str, source: str = "--endpoint-url") -> str:
@@ -356,6 +359,13 @@ class DrainOptions:
             )
         if "" in self.commit_markers:
             raise ConfigError("a --commit-marker pattern must not be empty (it would match no file)", "commit-marker")
+        for pattern in self.commit_markers:
+            if "/" in pattern:
+                raise ConfigError(
+                    f"--commit-marker {pattern!r}: a pattern matches a file's name, not its path "
+                    f"(it would match no file): give {pattern.rpartition('/')[2]!r}",
+                    "commit-marker",
+                )
         if self.compress not in (None, "lz4"):
             raise ConfigError(f"unknown compression {self.compress!r}; supported: lz4", "compress")
         check_seconds(self.delay, "drain-delay")

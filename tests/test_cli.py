@@ -214,6 +214,8 @@ def test_durations_must_be_finite_and_in_range(dirs: tuple[Path, Path, str], opt
         ("--concurrency", "100000", "--concurrency must be from 1 to 64"),
         ("--max-files", "0", "--max-files must be from 1 to 64"),
         ("--commit-marker", "", "--commit-marker pattern must not be empty"),
+        # matched against names only: the checkpoint had no marker at all (no commit, no latest)
+        ("--commit-marker", "step_1/.metadata", "a pattern matches a file's name, not its path"),
     ],
 )
 def test_drain_bounds_are_refused_in_one_line(dirs: tuple[Path, Path, str], option: str, value: str, says: str) -> None:
@@ -267,6 +269,12 @@ def test_admin_latest_refuses_a_bad_region_in_one_line(tmp_path: Path) -> None:
 def test_unmount_timeouts_must_be_finite(tmp_path: Path, option: str) -> None:
     err = one_line(refused("unmount", str(tmp_path), "--wait", option, "nan"))
     assert f"{option} must be a number of seconds" in err
+
+
+def test_unmount_wait_timeout_without_wait_is_refused(tmp_path: Path) -> None:
+    """Alone it was ignored: the unmount went at once, with files not yet durable."""
+    err = one_line(refused("unmount", str(tmp_path), "--wait-timeout", "60"))
+    assert "--wait-timeout is a bound of --wait" in err
 
 
 def test_admin_wait_timeout_must_be_finite(tmp_path: Path) -> None:

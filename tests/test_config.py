@@ -176,6 +176,15 @@ def test_a_minimal_file_and_the_command_line_build_the_same_tree(tmp_path: Path)
             "endpoint-url",
             "'http://admin:***@127.0.0.1:9000': credentials in the URL are not used for S3",
         ),
+        *(  # a password holding / ? or # was taken for the URL's path and printed in clear
+            (
+                REQUIRED + f'endpoint-url = "http://admin:top{sep}S3cr3t@127.0.0.1:9000"\n',
+                4,
+                "endpoint-url",
+                "'http://admin:***@127.0.0.1:9000': not an S3 endpoint",
+            )
+            for sep in "/?#"
+        ),
         (  # it listed and rewrote the manifests of the mount on s3://bkt/run
             'mountpoint = "/m"\ncache = "/c"\nremote = "s3://bkt/run/.burstfs"\n',
             3,
@@ -194,7 +203,7 @@ def test_bad_files_name_the_line_and_the_key_and_exit_2(
     path = write(tmp_path, text)
     result = burstfs("config", "check", str(path), check=False)
     assert result.returncode == 2, result.stderr
-    assert "hunter2" not in result.stdout + result.stderr
+    assert "hunter2" not in result.stdout + result.stderr and "S3cr3t" not in result.stdout + result.stderr
     assert f"{path}:{line}: key '{key}'" in result.stderr and message in result.stderr, result.stderr
     mounted = burstfs("mount", "--config", str(path), check=False)
     assert mounted.returncode == 2 and f"{path}:{line}: key '{key}'" in mounted.stderr, mounted.stderr
