@@ -250,7 +250,7 @@ def prefetch(
         return FetchedFile(file["path"], file["ok"], file["bytes"], file.get("error"))
 
     def progress(message: dict[str, Any]) -> None:
-        if on_progress is not None:
+        if on_progress is not None and message["file"] is not None:  # not the ticks between files
             on_progress(
                 PrefetchProgress(
                     message["done_files"],

@@ -328,6 +328,7 @@ class CommitGroups:
         self._wanted: dict[str, float] = {}  # marker dir -> last asked
         self._given_up: dict[str, float] = {}  # marker dir abandoned -> last asked (for status)
         self._wait_logged: dict[str, float] = {}  # marker dir -> when its wait was last logged (monotonic)
+        self._waiting_since: dict[str, float] = {}  # marker dir -> when the poller first found it held
         self.verdicts: dict[str, Verdict] = {}
         self._done_files: dict[str, list[dict[str, Any]]] = {}  # done key -> its files (keys are write-once)
         self.abandoned: dict[str, float] = {}  # dir -> when an operator gave up its checkpoint
@@ -654,6 +655,13 @@ class CommitGroups:
                     gate = named
             if len(self._pointed) >= 1024:  # generations never published (rewritten, removed)
                 self._pointed.clear()
+            for replaced in [key for key in self._pointed if key[0] == marker.ino]:
+                # A rewritten pointer's older version never drains: the step it waited for is not
+                # asked about any more (status showed it waiting until GATE_FORGET_S went by).
+                old_gate = self._pointed.pop(replaced)
+                if old_gate != gate:
+                    self._wanted.pop(old_gate, None)
+                    self.verdicts.pop(old_gate, None)
             self._pointed[ident] = gate
         return self._pointed[ident]
 
@@ -722,19 +730,25 @@ class CommitGroups:
         """One line per GATE_WAIT_LOG_S for a marker directory held by other nodes' intents."""
         if not verdict.waiting:
             self._wait_logged.pop(dir_key, None)
+            self._waiting_since.pop(dir_key, None)
             return
         now = time.monotonic()
         if now - self._wait_logged.get(dir_key, -math.inf) < GATE_WAIT_LOG_S:
             return
         self._wait_logged[dir_key] = now
+        waited = now - self._waiting_since.setdefault(dir_key, now)
         nodes = ",".join(sorted({w.node for w in verdict.waiting}))
         oldest = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(min(w.since for w in verdict.waiting)))
         log.warning(
-            "event=marker_waiting dir=%s nodes=%s intent_since=%s hint=%s",
+            "event=marker_waiting dir=%s nodes=%s intent_since=%s waited=%.0fs hint=%s",
             dir_key or "/",
             nodes,
             oldest,
-            "a lost node holds it for good: bring it back with its cache, or burstfs-admin abandon on this node",
+            waited,
+            "their files are not durable yet"
+            if waited < GATE_WAIT_LOG_S
+            else "if a node is lost, it holds this for good: bring it back with its cache, "
+            "or burstfs-admin abandon on this node",
         )
 
     async def look(self, remote: Remote, dir_key: str) -> Verdict:
@@ -840,9 +854,10 @@ class CommitGroups:
 
     # -- operators -------------------------------------------------------------------------
 
-    async def abandon(self, remote: Remote, dir_key: str) -> list[Waiting]:
+    async def abandon(self, remote: Remote, dir_key: str) -> tuple[str, list[Waiting]]:
         """Give up the checkpoint in ``dir_key``: its held marker is never published, and the
-        intents it waited for no longer hold later rounds there.  Returns those intents.
+        intents it waited for no longer hold later rounds there.  Returns the directory given
+        up (for a pointer's directory, the step its pointer names) and those intents.
         Only a marker of this node that waits there can be given up: abandoning a directory
         whose nodes are still writing would let its marker out without their shards."""
         if dir_key not in self._wanted:  # a pointer's directory: its gate is the step it names
@@ -866,7 +881,7 @@ class CommitGroups:
         await self._db(self.journal.set_meta, f"{_META_ABANDONED}{dir_key}", repr(now))
         self.verdicts.pop(dir_key, None)
         log.warning("event=checkpoint_abandoned dir=%s intents=%d", dir_key, len(verdict.waiting))
-        return verdict.waiting
+        return dir_key, verdict.waiting
 
     def waiting_markers(self) -> list[dict[str, Any]]:
         """For status: each marker directory still held, and by whom."""

@@ -51,6 +51,7 @@ log = logging.getLogger("burstfs.control")
 SOCKET_NAME = "control.sock"
 MAX_LINE = 1 << 20  # longest request accepted: a path list of a few thousand files
 PREFETCH_FILES_AT_ONCE = 4  # each core.prefetch is parallel inside; a few files hide per-file latency
+PREFETCH_TICK_S = 1.0  # how often a prefetch reports the bytes landed so far
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the NUL
 
 
@@ -320,9 +321,9 @@ class ControlServer:
         if self.drain is None:
             raise FsError(errno.ENOTSUP, "this mount has no mover")
         rel = self._rels(request)[0]
-        waiting = await self.drain.abandon(rel)
-        log.warning("event=control_abandon dir=%s intents=%d", rel, len(waiting))
-        return {"schema": SCHEMA, "dir": rel, "gave_up": waiting}
+        given_up, waiting = await self.drain.abandon(rel)
+        log.warning("event=control_abandon dir=%s intents=%d", given_up, len(waiting))
+        return {"schema": SCHEMA, "dir": given_up, "gave_up": waiting}
 
     async def _settle(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:
         """Nothing but what every answer does first: the deferred records are committed, so a
@@ -376,6 +377,25 @@ class ControlServer:
         results: list[dict[str, Any]] = []
         limiter = trio.CapacityLimiter(PREFETCH_FILES_AT_ONCE)
         client_gone = False
+        drain = self.drain
+        fetched_before = drain.fetched_bytes if drain is not None else 0
+
+        def landed() -> int:
+            """The files done, or the bytes fetched since the start if more (files in flight)."""
+            done = sum(r["bytes"] for r in results)
+            return done if drain is None else min(total, max(done, drain.fetched_bytes - fetched_before))
+
+        async def tick() -> None:
+            """Bytes as they land, between files (``"file": null``): counted only once each file
+            was done, a few large files after many small ones showed a rate (and an ETA) far off."""
+            nonlocal client_gone
+            while drain is not None and not client_gone:
+                await trio.sleep(PREFETCH_TICK_S)
+                message = {"file": None, "done_files": len(results), "total_files": len(files)}
+                try:
+                    await progress({**message, "done_bytes": landed(), "total_bytes": total})
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    client_gone = True
 
         async def fetch(path: str, inode: Inode) -> None:
             nonlocal client_gone
@@ -388,23 +408,25 @@ class ControlServer:
                 except (BurstfsError, OSError) as exc:
                     result = {"path": path, "ok": False, "bytes": 0, **_error_fields(exc)}
             results.append(result)
-            done = sum(r["bytes"] for r in results)
             try:
                 await progress(
                     {
                         "file": result,
                         "done_files": len(results),
                         "total_files": len(files),
-                        "done_bytes": done,
+                        "done_bytes": landed(),
                         "total_bytes": total,
                     }
                 )
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 client_gone = True
 
-        async with trio.open_nursery() as nursery:
-            for path, inode in files:
-                nursery.start_soon(fetch, path, inode)
+        async with trio.open_nursery() as fetches:
+            async with trio.open_nursery() as nursery:
+                for path, inode in files:
+                    nursery.start_soon(fetch, path, inode)
+                fetches.start_soon(tick)
+            fetches.cancel_scope.cancel()  # every file is done: no tick after the last answer
         if client_gone:
             raise trio.BrokenResourceError("the client went away during prefetch")
         fetched = sum(r["bytes"] for r in results)

@@ -463,21 +463,23 @@ class DataPath:
         inode = handle.inode
         self._check_created(inode)
         self.adopt_direct_writes(inode)  # passthrough writes since the last close make it dirty
-        if not self.publisher.unpublished(inode):
-            return
         if not inode.named:  # unlinked while open: nothing to publish
             inode.dirty = inode.new = False
             return
-        undo = Undo()
-        ops = self.publisher.publish_ops(inode, undo, writer_left=self._has_writer(inode))
-        self._tier_times_follow(inode)
-        # Held until RELEASE (which wakes the drain): a dup'd descriptor of this open file
-        # (``cmd > file``), a forked child or another open may still be writing.  Journaled
-        # too: a crash before the release leaves the file incomplete (its later writes may
-        # have died in the kernel's cache), never a torn version drained over the last one.
-        ops.append(held_close_op(inode.ino, inode.generation))
-        self.links.hold_drain(inode.ino, inode.generation)
-        await self.committer.commit(ops, undo=undo)
+        if self.publisher.unpublished(inode):
+            undo = Undo()
+            ops = self.publisher.publish_ops(inode, undo, writer_left=self._has_writer(inode))
+            self._tier_times_follow(inode)
+            # Held until RELEASE (which wakes the drain): a dup'd descriptor of this open file
+            # (``cmd > file``), a forked child or another open may still be writing.  Journaled
+            # too: a crash before the release leaves the file incomplete (its later writes may
+            # have died in the kernel's cache), never a torn version drained over the last one.
+            ops.append(held_close_op(inode.ino, inode.generation))
+            self.links.hold_drain(inode.ino, inode.generation)
+            await self.committer.commit(ops, undo=undo)
+        # Even with nothing left to publish (an fsync did it: DCP's writer syncs each shard),
+        # the close joins this node's round: the one begun at open may be done without the
+        # file, decided while it was being written.
         if self.links.drain is not None and (dir_key := self.namespace.dir_key_of(inode)) is not None:
             await self.links.drain.closed_in(inode.ino, dir_key, inode.name)  # bounded (--remote-wait); never fails
 

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from .errors import BurstfsError, CorruptDataError, FsError, RemoteNotFound
+from .errors import BurstfsError, CorruptDataError, FsError, RemoteError, RemoteNotFound
 from .hooks import Listing
 from .journal import BROKEN, DONE, Journal
 from .latest import find_latest, missing_root
@@ -203,14 +203,15 @@ class DrainService:
             self._intents_late_until = time.monotonic() + INTENT_LATE_QUIET_S
             log.warning("event=intent_late dir=%s waited=%.1f", dir_keys[0], self._intent_wait)
 
-    async def abandon(self, dir_key: str) -> list[dict[str, object]]:
-        """``burstfs-admin abandon``: give up the checkpoint in ``dir_key`` (see CommitGroups.abandon)."""
+    async def abandon(self, dir_key: str) -> tuple[str, list[dict[str, object]]]:
+        """``burstfs-admin abandon``: give up the checkpoint in ``dir_key`` (see CommitGroups.abandon):
+        the directory given up, and the intents it waited for."""
         remote = self.mover.remote
         if remote is None:
             raise FsError(errno.EIO, "the mover is not running")
-        waiting = await self.on_mover_loop(self.mover.groups.abandon(remote, dir_key))
+        given_up, waiting = await self.on_mover_loop(self.mover.groups.abandon(remote, dir_key))
         self.call_soon(self.mover.wake)
-        return [{"node": w.node, "dir": w.dir_key, "round": w.round, "intent_time": w.since} for w in waiting]
+        return given_up, [{"node": w.node, "dir": w.dir_key, "round": w.round, "intent_time": w.since} for w in waiting]
 
     async def wait_durable(self, ino: int, generation: int) -> None:
         """fsync in ``--fsync remote`` mode: wait for this generation, EIO if it cannot be."""
@@ -245,6 +246,9 @@ class DrainService:
             log.error("event=remote_object_gone ino=%d error=%s", ino, exc)
             self.mover.stats.read_error(str(exc))
             raise FsError(errno.EIO, f"its remote object is gone: {exc}") from exc
+        except RemoteError as exc:  # a restore-only node drains nothing: status says it from here
+            self.mover.stats.read_failed(f"read of inode {ino}", str(exc))
+            raise
 
     async def latest_under(self, dir_key: str) -> str:
         remote = self.mover.remote
@@ -280,6 +284,9 @@ class DrainService:
     async def objects_deleted(self, keys: list[str]) -> set[str]:
         assert self.mover.restore is not None
         return await self.on_mover_loop(self.mover.restore.objects_deleted(keys))
+
+    def listing_failed(self, dir_key: str, reason: str) -> None:
+        self.mover.stats.read_failed(f"list {dir_key or '/'}", reason)
 
     def forget(self, ino: int) -> None:
         restore = self.mover.restore

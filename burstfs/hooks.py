@@ -73,6 +73,9 @@ class Fetcher(Protocol):
     async def objects_deleted(self, keys: list[str]) -> set[str]:
         """Of ``keys``, missing from a listing, those deleted with their manifest (by burstfs)."""
 
+    def listing_failed(self, dir_key: str, reason: str) -> None:
+        """A listing of ``dir_key`` failed (or got no answer in time): status lists it."""
+
     def forget(self, ino: int) -> None:
         """The file went away: drop any fetch state."""
 

@@ -188,7 +188,9 @@ class RemoteListings:
                     directory.ino,
                     self.timeout,
                 )
-            if scope.cancelled_caught:
+                if self.links.fetcher is not None:
+                    dir_key = self.namespace.path_of(directory)
+                    self.links.fetcher.listing_failed(dir_key or "", f"no answer within {self.timeout:.0f}s")
                 self._slow_until = time.monotonic() + self.backoff
             elif merged[0] and trio.current_time() - started <= self.wait:
                 self._slow_until = 0.0  # the remote answers in time again
@@ -323,6 +325,8 @@ class RemoteListings:
         """A listing that could not be taken: logged, retried after the TTL; requests meanwhile
         wait for none (``backoff``)."""
         log.warning("event=list_failed dir=%s error=%s", dir_key or "/", exc)
+        if self.links.fetcher is not None:
+            self.links.fetcher.listing_failed(dir_key, str(exc))
         self._slow_until = time.monotonic() + self.backoff
         return False
 

@@ -46,9 +46,17 @@ class Progress:
     """Bytes done of a total.  ``update`` with the latest counts; ``close`` at the end."""
 
     def __init__(
-        self, what: str, stream: TextIO | None = None, terminal: bool | None = None, baseline: int | None = None
+        self,
+        what: str,
+        stream: TextIO | None = None,
+        terminal: bool | None = None,
+        baseline: int | None = None,
+        bytes_in_flight: bool = False,
     ) -> None:
+        """``bytes_in_flight``: the byte count includes files still under way (prefetch's), so the
+        ETA goes by bytes alone (see :meth:`speed_and_eta`)."""
         self.what = what
+        self.bytes_in_flight = bytes_in_flight
         self.stream = stream if stream is not None else sys.stderr
         self.terminal = self.stream.isatty() if terminal is None else terminal
         self.started = time.monotonic()
@@ -127,14 +135,15 @@ class Progress:
         bytes hardly move while files go by (an ETA of 87 hours for a wait of 4.7 s), and the
         other way round with a few large files.  The ETA is the sooner of the two estimates,
         files left at the files' rate and bytes left at the bytes' rate, each from the window;
-        "-" until one of them moved."""
+        "-" until one of them moved.  Where the bytes count files under way (``bytes_in_flight``)
+        they alone say how far it is."""
         file_rate, byte_rate = self.rates(done_files, done_bytes)
         speed = f"{fmt_bytes(byte_rate)}/s" if byte_rate else "- B/s"
         files_left, bytes_left = total_files - done_files, total_bytes - done_bytes
         if files_left <= 0 and bytes_left <= 0:
             return speed, "0s"
         estimates = []
-        if files_left > 0 and file_rate:
+        if files_left > 0 and file_rate and not self.bytes_in_flight:
             estimates.append(files_left / file_rate)
         if bytes_left > 0 and byte_rate:
             estimates.append(bytes_left / byte_rate)

@@ -124,6 +124,11 @@ LOCAL_TIER_KIND = "local_tier"
 #: The error kind of a read that failed on a remote object not matching its digests: listed by
 #: status, but not a drain in trouble (no outage headline).
 CORRUPT_READ_KIND = "corrupt_read"
+#: The error kind of a listing or a read that the remote did not serve (unreachable, failing):
+#: listed by status (a restore-only node drains nothing, so no outage headline says it).
+READ_FAILED_KIND = "read_failed"
+#: Kinds of what reads hit, not the drain: they start no outage.
+READ_KINDS = frozenset({CORRUPT_READ_KIND, READ_FAILED_KIND})
 #: The outage kind of requests still being retried (none has spent its retries yet).
 RETRYING_KIND = "retrying"
 #: An outage is reported while its latest error is at most this old.
@@ -154,7 +159,7 @@ def outage_of(stats: Any, now: float | None = None) -> dict[str, Any] | None:
     """
     now = time.time() if now is None else now
     last_progress = max((t for t, _ in list(stats.bytes_drained_recent)), default=0.0)
-    errors = [(t, k, m) for t, k, m in list(stats.recent_errors) if t > last_progress and k != CORRUPT_READ_KIND]
+    errors = [(t, k, m) for t, k, m in list(stats.recent_errors) if t > last_progress and k not in READ_KINDS]
     if not errors or now - errors[-1][0] > OUTAGE_FRESH_S:
         return _retrying(stats, last_progress, now)
     _, kind, reason = errors[-1]

@@ -621,8 +621,8 @@ def test_an_abandon_frees_only_later_checkpoints_not_an_earlier_runs_marker(tmp_
         b0.write(marker, b"meta-new")
         await until(lambda: b0.mover.groups.waiting_markers(), "run 2's marker waiting for a1")
         await asyncio.sleep(0.05)  # the remote's clock moves on past run 2's intents
-        given_up = await b0.mover.groups.abandon(remote, "ck/s2")
-        assert [w.node for w in given_up] == ["a1"]
+        given_up_dir, given_up = await b0.mover.groups.abandon(remote, "ck/s2")
+        assert given_up_dir == "ck/s2" and [w.node for w in given_up] == ["a1"]
         # Run 1's marker is of the checkpoint given up: it fails (a drain of its cache ends).
         await until(lambda: a0.front.row(old_meta).state == FAILED, "run 1's marker given up")
         assert "abandoned" in (a0.front.row(old_meta).error or "")
@@ -707,6 +707,8 @@ def test_a_pointer_waits_for_the_step_it_names_not_the_next_ones(
         stray = a.write(tracker, b"nothing-here\n")  # names no step: the whole directory's rounds
         await asyncio.sleep(1.0)
         assert not a.durable(stray) and remote_pointer() == names["s1"]
+        # Status shows what the pointer waits for now, not the step its older version named.
+        assert [w["dir"] for w in a.mover.groups.waiting_markers()] == ["ck"]
         release.set()
         await until(lambda: a.durable(stray), "the pointer once b's step 2 is done")
         assert remote_pointer() == b"nothing-here\n"
@@ -730,8 +732,8 @@ def test_a_pointer_waiting_for_a_lost_node_is_abandoned_by_its_directory(tmp_pat
         a.write("ck/s1/shard_a", b"a")
         pointer = a.write("ck/latest", b"s1")
         await until(lambda: a.mover.groups.waiting_markers(), "the pointer waiting for b")
-        given_up = await a.mover.groups.abandon(remote, "ck")
-        assert [(w.node, w.dir_key) for w in given_up] == [("b", "ck/s1")]
+        given_up_dir, given_up = await a.mover.groups.abandon(remote, "ck")
+        assert given_up_dir == "ck/s1" and [(w.node, w.dir_key) for w in given_up] == [("b", "ck/s1")]
         await until(lambda: a.front.row(pointer).state == FAILED, "the pointer given up")
         a.write("ck/s2/shard_a", b"a2")
         later = a.write("ck/latest", b"s2")

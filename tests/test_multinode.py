@@ -141,6 +141,36 @@ def test_marker_appears_only_after_every_node_shards_are_durable(
     assert client.latest("other", remote=bucket.url, endpoint_url=bucket.endpoint) is None
 
 
+def _n0_marker_waits_for_n1(bucket: Bucket, n0: MountedFS, step: str, number: int) -> None:
+    """n0 writes its shard and the step's marker: the marker waits for n1 (status says so)."""
+    write(n0, f"{step}/__0_0.distcp", shard(number, 0))
+    admin("wait", n0.path / step / "__0_0.distcp")
+    write(n0, f"{step}/.metadata", f"metadata of step {number}".encode())
+    status = wait_for(
+        lambda: json.loads(admin("status", n0.path, "--json").stdout).get("checkpoints_waiting"),
+        what="n0's marker to wait for n1",
+    )
+    assert [w["node"] for w in status[0]["waiting"]] == ["n1"]
+    assert f"{step}/.metadata" not in bucket.keys()
+    assert bucket.latest("ckpt", expect=1)["dir"] is None
+
+
+def _release_n1_and_find_its_shard_under_the_marker(bucket: Bucket, n1: MountedFS, step: str, mine: bytes) -> None:
+    """Drain n1's held shard: the marker reaches the remote only with it there, then latest names the step."""
+    admin("drain", n1.path, "--now")
+
+    def check_and_find_marker() -> bool:
+        keys = bucket.keys()
+        if f"{step}/.metadata" in keys:
+            assert f"{step}/__1_0.distcp" in keys, sorted(keys)
+            return True
+        return False
+
+    wait_for(check_and_find_marker, interval=0.01, what="the marker on the remote")
+    assert wait_for(lambda: bucket.latest("ckpt", expect=None).get("dir"), what="latest") == step
+    assert bucket.client.get_object(Bucket=bucket.name, Key=f"job/{step}/__1_0.distcp")["Body"].read() == mine
+
+
 @pytest.mark.parametrize("moved", ["file", "directory"])
 def test_shards_renamed_into_the_checkpoint_hold_its_marker_back(
     mounted_factory: type[MountedFS], bucket: Bucket, moved: str
@@ -159,29 +189,37 @@ def test_shards_renamed_into_the_checkpoint_hold_its_marker_back(
     else:
         write(n1, "ckpt/tmp_step_200/__1_0.distcp", mine)
         os.rename(n1.path / "ckpt/tmp_step_200", n1.path / step)
-    write(n0, f"{step}/__0_0.distcp", shard(200, 0))
-    admin("wait", n0.path / step / "__0_0.distcp")
-    write(n0, f"{step}/.metadata", b"metadata of step 200")
-    status = wait_for(
-        lambda: json.loads(admin("status", n0.path, "--json").stdout).get("checkpoints_waiting"),
-        what="n0's marker to wait for n1",
-    )
-    assert [w["node"] for w in status[0]["waiting"]] == ["n1"]
-    assert f"{step}/.metadata" not in bucket.keys()
-    assert bucket.latest("ckpt", expect=1)["dir"] is None
+    _n0_marker_waits_for_n1(bucket, n0, step, 200)
 
-    admin("drain", n1.path, "--now")
+    _release_n1_and_find_its_shard_under_the_marker(bucket, n1, step, mine)
 
-    def check_and_find_marker() -> bool:
-        keys = bucket.keys()
-        if f"{step}/.metadata" in keys:
-            assert f"{step}/__1_0.distcp" in keys, sorted(keys)
-            return True
-        return False
 
-    wait_for(check_and_find_marker, interval=0.01, what="the marker on the remote")
-    assert wait_for(lambda: bucket.latest("ckpt", expect=None).get("dir"), what="latest") == step
-    assert bucket.client.get_object(Bucket=bucket.name, Key=f"job/{step}/__1_0.distcp")["Body"].read() == mine
+def test_a_shard_synced_before_its_close_holds_the_marker_its_round_was_done_without(
+    mounted_factory: type[MountedFS], bucket: Bucket
+) -> None:
+    """DCP's writer fsyncs each shard before closing it.  n1's round in the step, opened with
+    the shard, is done (with no file) while the shard is still being written; the fsync
+    journals the shard, so its close had nothing left to publish and, before, joined no round:
+    n0's marker went out over a shard n1 had not drained (a fresh node's load failed)."""
+    n0 = node(mounted_factory, bucket, "n0")
+    n1 = node(mounted_factory, bucket, "n1", *HELD)
+    step = "ckpt/step_300"
+    mine = shard(300, 1)
+    (n1.path / step).mkdir(parents=True)
+    fd = os.open(n1.path / step / "__1_0.distcp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, mine[: len(mine) // 2])
+        wait_for(
+            lambda: any(k.startswith(f".burstfs/groups/{step}/n1@") and k.endswith(".done") for k in bucket.keys()),
+            what="n1's round done while its shard is open",
+        )
+        os.write(fd, mine[len(mine) // 2 :])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _n0_marker_waits_for_n1(bucket, n0, step, 300)
+
+    _release_n1_and_find_its_shard_under_the_marker(bucket, n1, step, mine)
 
 
 def test_pruning_a_checkpoint_deletes_the_shards_other_nodes_drained_since_it_was_listed(

@@ -168,3 +168,25 @@ def test_wait_eta_with_many_small_files_follows_the_files_made_durable(monkeypat
     assert "204.8 KiB/s" in line and seconds_of(eta_of(line)) <= 15, line
     bar.update(total_files, total_files, total_bytes, total_bytes)
     assert out.getvalue().splitlines()[-1].endswith("ETA 0s")
+
+
+def test_prefetch_eta_with_bytes_in_flight_follows_the_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefetch of 40 small files and one 1 GiB file: the small ones are done within a
+    second, so the files' rate said 'ETA 0s'-ish while the large file had 8 s to go.  Its
+    bytes count as they land (``bytes_in_flight``): the ETA follows them."""
+    import io
+
+    from burstfs import progress
+
+    clock = FakeClock()
+    monkeypatch.setattr(progress, "time", clock)
+    out = io.StringIO()
+    bar = progress.Progress("fetched", stream=out, terminal=False, baseline=0, bytes_in_flight=True)
+    total_files, total_bytes = 41, 40 * 4096 + 2**30
+    bar.update(0, total_files, 0, total_bytes)
+    for tick in range(1, 21):  # 100 MiB/s: the small files all done in the first half second
+        clock.now += 0.1
+        bar.update(min(40, tick * 8), total_files, min(total_bytes, tick * 10 * 2**20), total_bytes)
+    line = out.getvalue().splitlines()[-1]
+    assert line.startswith("fetched: 40/41 files, ") and "100.0 MiB/s" in line, line
+    assert 7 <= seconds_of(eta_of(line)) <= 10, line  # ~824 MiB left at 100 MiB/s

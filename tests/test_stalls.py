@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import os
 import shutil
 import subprocess
@@ -267,6 +268,17 @@ def test_a_fresh_node_that_cannot_list_the_remote_says_eio_not_enoent(
     with pytest.raises(OSError) as refused:
         (b.path / "ckpt" / "step_100.pt").write_bytes(b"a fresh start, over the checkpoint")
     assert refused.value.errno == errno.EIO
+    # The EIO says "see burstfs-admin status": a node that drains nothing shows the failed
+    # listings there too (it showed no error at all).
+    status = [str(BIN / "burstfs-admin"), "status", str(b.path)]
+
+    def listing_failure_shown() -> bool:
+        doc = json.loads(_bounded([*status, "--json"], "status").stdout)
+        return bool(doc["drain"]["errors_by_kind"].get("read_failed")) and not doc["drain"]["outage"]
+
+    wait_for(listing_failure_shown, timeout=60, what="the failed listing in status")
+    shown = _bounded(status, "status").stdout
+    assert "read_failed=" in shown and "list ckpt" in shown, shown
     proxy.resume()
 
     def visible() -> bool:

@@ -76,11 +76,13 @@ def prefetch(paths: tuple[Path, ...], cache: Path | None, as_json: bool) -> None
     """Fetch files that are only on the remote to the local tier, with progress."""
     target = resolve(paths, cache)
     daemon = target.need_daemon("prefetch")
-    bar = None if as_json else Progress("fetched", baseline=0)
+    bar = None if as_json else Progress("fetched", baseline=0, bytes_in_flight=True)
 
     def progress(message: dict[str, Any]) -> None:
-        file = message["file"]
-        what = shown(f"fetched {file['path']}" if file["ok"] else f"failed {file['path']}: {file['error']}")
+        file = message["file"]  # None: bytes landed so far, between files
+        what = None
+        if file is not None:
+            what = shown(f"fetched {file['path']}" if file["ok"] else f"failed {file['path']}: {file['error']}")
         if bar is not None:
             bar.update(
                 message["done_files"], message["total_files"], message["done_bytes"], message["total_bytes"], what

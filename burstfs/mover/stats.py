@@ -6,7 +6,7 @@ import collections
 import dataclasses
 import time
 
-from ..status import CORRUPT_READ_KIND
+from ..status import CORRUPT_READ_KIND, READ_FAILED_KIND
 
 
 @dataclasses.dataclass
@@ -45,11 +45,16 @@ class MoverStats:
             return 0.0
         return sum(n for _, n in recent) / max(window if len(recent) > 1 else 1.0, now - recent[0][0], 1.0)
 
-    def read_error(self, message: str) -> None:
-        """Record a read that failed on a corrupt object (status lists it; the drain is not in
-        trouble for it, so it starts no outage).  Any thread."""
-        self.errors_by_kind[CORRUPT_READ_KIND] += 1
-        self.recent_errors.append((time.time(), CORRUPT_READ_KIND, message))
+    def read_error(self, message: str, kind: str = CORRUPT_READ_KIND) -> None:
+        """Record a read that failed on a corrupt object, or (``READ_FAILED_KIND``) a read or
+        listing the remote did not serve: status lists it; the drain is not in trouble for
+        it, so it starts no outage.  Any thread."""
+        self.errors_by_kind[kind] += 1
+        self.recent_errors.append((time.time(), kind, message))
+
+    def read_failed(self, what: str, reason: str) -> None:
+        """A listing or read that failed on the remote (after its retries, or its bound)."""
+        self.read_error(f"{what}: {reason}", READ_FAILED_KIND)
 
     def error(self, kind: str, message: str) -> None:
         """Record a failure of ``kind`` (the retries before it, if any, told ``retried``)."""
