@@ -209,7 +209,7 @@ def build_config(values: dict[str, Any]) -> MountConfig:
         s3.endpoint()  # a bad $AWS_ENDPOINT_URL is refused here, not by botocore at the first request
     return MountConfig(
         mountpoint=Path(os.path.realpath(values["mountpoint"])),  # as /proc/self/mountinfo will show it
-        cache_dir=Path(values["cache_dir"]).absolute(),
+        cache_dir=Path(os.path.abspath(values["cache_dir"])),  # normalized: status and the log show it
         remote=remote,
         s3=s3,
         drain=DrainOptions(

@@ -122,6 +122,18 @@ def test_a_minimal_file_and_the_command_line_build_the_same_tree(tmp_path: Path)
     assert configfile.build_with_file(overridden, loaded, mount_command).drain.compress is None
 
 
+def test_relative_paths_of_a_file_are_normalized_against_its_directory(tmp_path: Path) -> None:
+    """``cache = "../cache"`` in ``conf/burstfs.toml``: status and the log showed
+    ``.../conf/../cache``; the path is the directory's, normalized."""
+    (tmp_path / "conf").mkdir()
+    path = write(tmp_path / "conf", 'mountpoint = "../mnt"\ncache = "../cache/./b"\nremote = "file:///srv/ckpt"\n')
+    loaded = configfile.load(path, mount_command)
+    values = configfile.merge(configfile.defaults(mount_command), loaded, set())
+    config = configfile.build_with_file(values, loaded, mount_command)
+    assert config.cache_dir == tmp_path / "cache" / "b" and str(config.cache_dir) == str(tmp_path / "cache/b")
+    assert config.mountpoint == tmp_path / "mnt"
+
+
 @pytest.mark.parametrize(
     "text, line, key, message",
     [
