@@ -14,7 +14,7 @@ Remote layout (all keys are created once, with ``If-None-Match: *`` / ``O_EXCL``
     .burstfs/groups/<dir>/<node>@<round>.intent     {"node", "round", "dir", "time"}
     .burstfs/groups/<dir>/<node>@<round>.done       ... + "files": [{path, size, digest, generation}]
     .burstfs/groups/<dir>/<node>@<round>.abandoned  an operator gave that intent up
-    .burstfs/commits/<dir>/<marker>@<node>@<id>.commit  {"dir", "marker": {file}, "files": [...], "rounds": [...]}
+    .burstfs/commits/<dir>/<marker>@<node>@<id>.commit  {"dir", "marker": {file}, "gate", "files", "rounds"}
 
 Round ids start with the time in milliseconds and end with random hex, so a
 node's records never collide with another's, even with a duplicate node id; a
@@ -337,7 +337,8 @@ class CommitGroups:
         # dir -> {node: since}: a marker renamed into dir from a checkpoint these other nodes had
         # parts of; it waits for each of them to have a round there too (their renames).
         self.carried: dict[str, dict[str, float]] = {}
-        self._approved: dict[tuple[int, int], Verdict] = {}  # (marker ino, generation) -> what opened its gate
+        # (marker ino, generation) -> the directory its gate looked at, and what it found there
+        self._approved: dict[tuple[int, int], tuple[str, Verdict]] = {}
         self._commits: list[tuple[InodeRow, str, dict[str, Any]]] = []  # markers durable, commit record due
         self._poke: asyncio.Event | None = None
         self.remote: Remote | None = None
@@ -687,7 +688,7 @@ class CommitGroups:
         verdict = self.verdicts.get(dir_key)
         if verdict is None or not verdict.open_for(marker.updated):
             return True
-        self._approved[(marker.ino, marker.generation)] = verdict
+        self._approved[(marker.ino, marker.generation)] = (dir_key, verdict)
         return False
 
     async def poll(self, remote: Remote) -> None:
@@ -801,9 +802,10 @@ class CommitGroups:
     def marker_durable(self, marker: InodeRow, key: str, size: int, digest: str) -> None:
         """The marker is published: its commit record (what ``latest`` checks) is due."""
         self._pointed.pop((marker.ino, marker.generation), None)
-        verdict = self._approved.pop((marker.ino, marker.generation), None)
-        if verdict is None:
+        approved = self._approved.pop((marker.ino, marker.generation), None)
+        if approved is None:
             return
+        gate, verdict = approved
         files: dict[str, dict[str, Any]] = {}
         for entry in verdict.files:  # a path two nodes wrote: the later done's entry (the last drain won)
             files[entry["path"]] = entry
@@ -812,6 +814,7 @@ class CommitGroups:
             "node": self.node_id,
             "time": time.time(),
             "marker": {"path": key, "size": size, "digest": digest, "generation": marker.generation},
+            "gate": gate,  # whose rounds it waited for: ``latest`` looks there for parts announced late
             "rounds": [list(r) for r in verdict.rounds],
             "files": list(files.values()),
         }

@@ -1,8 +1,10 @@
 """``burstfs-admin latest``: the newest checkpoint that is complete on the remote.
 
-Complete: its commit record (``commitgroups.py``) was published, and the marker
+Complete: its commit record (``commitgroups.py``) was published, the marker
 and every file the record names are on the remote with the recorded size and
-digest.  Reads only the remote, so it works from any node and without a mount.
+digest, and so are the files of any part announced too late for its gate
+(:func:`late_parts`).  Reads only the remote, so it works from any node and
+without a mount.
 """
 
 from __future__ import annotations
@@ -12,7 +14,21 @@ import dataclasses
 import os
 from typing import Any
 
-from .commitgroups import COMMITS_PREFIX, POINTER_MARKERS, commit_written_ms, dir_of, parse_record, record_files
+from .commitgroups import (
+    ABANDONED,
+    COMMITS_PREFIX,
+    DONE_RECORD,
+    INTENT,
+    POINTER_MARKERS,
+    commit_written_ms,
+    dir_of,
+    group_prefix,
+    parse_record,
+    parse_record_key,
+    record_files,
+    record_key,
+    round_started_ms,
+)
 from .config import RemoteURL
 from .errors import CorruptDataError, RemoteError
 from .objects import Manifest, manifest_key
@@ -20,6 +36,9 @@ from .remote import Remote, RetryPolicy
 
 # This many files of a checkpoint are checked at once, each request retried like the drain's.
 VERIFY_CONCURRENCY = 16
+#: A round another node began this long before a marker was written (their two clocks) is of
+#: that checkpoint even if its gate did not see it (:func:`late_parts`).
+LATE_ROUND_SLACK_MS = 500
 LATEST_RETRY = RetryPolicy()
 
 
@@ -59,7 +78,45 @@ async def verify_commit(remote: Remote, doc: dict[str, Any]) -> str | None:
     marker = doc.get("marker")
     if not isinstance(marker, dict) or not isinstance(marker.get("path"), str):
         return "the commit record names no marker"
-    entries = [marker, *record_files(doc)]
+    return await _check_files(remote, [marker, *record_files(doc)])
+
+
+async def late_parts(remote: Remote, doc: dict[str, Any], written_ms: int | None) -> tuple[str | None, int]:
+    """Parts of a checkpoint its gate could not see: why it is not complete (None if it is), and
+    how many files those parts add.
+
+    A node whose intent reached the remote only after the marker's gate looked (the remote was
+    down or slow for it longer than ``--remote-wait``) was not waited for, and the marker went
+    out without its shards.  Its round began before the marker was written, so, once its
+    intent is there, the checkpoint counts as complete only when that round's done is out and
+    its files match.  Rounds an operator abandoned are no part of any checkpoint.  Only for
+    commit records that say which directory their gate looked at."""
+    gate = doc.get("gate")
+    if not isinstance(gate, str) or written_ms is None:
+        return None, 0
+    seen = {tuple(r) for r in doc.get("rounds", []) if isinstance(r, list)}
+    kinds: dict[tuple[str, str, str], set[str]] = {}
+    async for info in remote.list_all(group_prefix(gate)):
+        parsed = parse_record_key(info.key)
+        if parsed is None:
+            continue
+        group_dir, node, round_id, kind = parsed
+        started = round_started_ms(round_id)
+        ident = (group_dir, node, round_id)
+        if ident not in seen and started is not None and started < written_ms - LATE_ROUND_SLACK_MS:
+            kinds.setdefault(ident, set()).add(kind)
+    files: list[dict[str, Any]] = []
+    for (group_dir, node, round_id), found in sorted(kinds.items()):
+        if ABANDONED in found or INTENT not in found:  # (a done alone: an older round its node is removing)
+            continue
+        if DONE_RECORD not in found:
+            return f"node {node}'s part in {group_dir} (announced after the marker) is not durable yet", 0
+        key = record_key(group_dir, node, round_id, DONE_RECORD)
+        files += record_files(parse_record(await LATEST_RETRY.call(remote, remote.get_object, key, what=f"get {key}")))
+    return await _check_files(remote, files), len(files)
+
+
+async def _check_files(remote: Remote, entries: list[dict[str, Any]]) -> str | None:
     semaphore = asyncio.Semaphore(VERIFY_CONCURRENCY)
 
     async def check(entry: dict[str, Any]) -> str | None:
@@ -125,14 +182,17 @@ async def find_latest(remote: Remote, subdir: str = "") -> tuple[Checkpoint | No
         del newest[pointer]
     skipped: list[tuple[str, str]] = []
     for dir_key, (_, mtime, key) in sorted(newest.items(), key=lambda item: item[1], reverse=True):
+        late = 0
         try:
             doc = parse_record(await LATEST_RETRY.call(remote, remote.get_object, key, what=f"get {key}"))
             problem = await verify_commit(remote, doc)
+            if problem is None:
+                problem, late = await late_parts(remote, doc, commit_written_ms(key.removesuffix(".commit")))
         except (RemoteError, CorruptDataError) as exc:
             problem = str(exc)
         if problem is None:
             marker = doc["marker"]["path"]
-            files = len(doc.get("files", [])) + 1
+            files = len(doc.get("files", [])) + 1 + late
             return Checkpoint(dir_key, marker, mtime, files, key, pointed_dir(dir_key, doc)), skipped
         skipped.append((dir_key, problem))
     return None, skipped

@@ -375,6 +375,48 @@ def test_a_close_joins_an_announced_round_at_once_and_nothing_else(tmp_path: Pat
     run_nodes([a], scenario)
 
 
+def test_latest_waits_for_a_part_whose_intent_reached_the_remote_after_the_marker(tmp_path: Path) -> None:
+    """Node b's intent is late (its remote slow for longer than ``--remote-wait``): a's gate
+    cannot see b, and a's marker goes out over a step without b's shard.  ``latest`` then
+    finds b's round, begun before the marker: the step is not complete until b's done is out
+    and its shard is there (it named the step, b's shard missing, the moment the marker was
+    out)."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    a, b = Node(tmp_path, "a", remote_dir), Node(tmp_path, "b", remote_dir)
+    step, marker = "ck/s1", "ck/s1/.metadata"
+    intent_late = asyncio.Event()
+    create_object = b.remote.create_object
+
+    async def late_create(key: str, data: bytes) -> bool:
+        if key.endswith(".intent"):
+            await intent_late.wait()
+        return await create_object(key, data)
+
+    b.remote.create_object = late_create  # type: ignore[method-assign]
+    remote = FileRemote(parse_remote_url(f"file://{remote_dir}"))
+
+    async def scenario() -> None:
+        b.write(f"{step}/shard_b", b"B" * 1000)
+        await asyncio.sleep(0.6)  # b's round began well before the marker (their clocks)
+        shard_a = a.write(f"{step}/shard_a", b"A" * 1000)
+        meta = a.write(marker, b"metadata")
+        await until(lambda: a.durable(shard_a) and a.durable(meta), "a's marker out: b's intent is not there")
+        await until(lambda: keys(remote_dir, COMMITS_PREFIX), "a's commit record")
+        entered, release = b.remote.hold("put", f"{step}/shard_b")
+        intent_late.set()
+        await until(lambda: b.mover.groups.intent_out(step) and entered.is_set(), "b's intent, its shard uploading")
+        latest, skipped = await find_latest(remote, "ck")
+        assert latest is None and skipped and "node b's part" in skipped[0][1], (latest, skipped)
+        release.set()
+        b_done = f"{GROUPS_PREFIX}{step}/b@"
+        await until(lambda: any(k.endswith(".done") for k in keys(remote_dir, b_done)), "b's done")
+        latest, skipped = await find_latest(remote, "ck")
+        assert latest is not None and latest.dir == step and latest.files == 3, (latest, skipped)
+
+    run_nodes([a, b], scenario)
+
+
 def test_latest_orders_checkpoints_by_when_their_marker_was_written(tmp_path: Path) -> None:
     """Commit records that land in the same second (the remote's mtime resolution), or an older
     step whose commit got out last (its node came back late): ``latest`` is still the step whose
