@@ -334,6 +334,9 @@ class CommitGroups:
         self.abandoned: dict[str, float] = {}  # dir -> when an operator gave up its checkpoint
         # (pointer ino, generation) -> the directory its gate looks at (``gate_dir``)
         self._pointed: dict[tuple[int, int], str] = {}
+        # gate dir -> how many older versions of the pointer now waiting there were rewritten
+        # while they waited (status: the drain is slower than the checkpoint interval)
+        self._rewritten: dict[str, int] = {}
         # dir -> {node: since}: a marker renamed into dir from a checkpoint these other nodes had
         # parts of; it waits for each of them to have a round there too (their renames).
         self.carried: dict[str, dict[str, float]] = {}
@@ -656,13 +659,17 @@ class CommitGroups:
                     gate = named
             if len(self._pointed) >= 1024:  # generations never published (rewritten, removed)
                 self._pointed.clear()
+            rewritten = 0
             for replaced in [key for key in self._pointed if key[0] == marker.ino]:
                 # A rewritten pointer's older version never drains: the step it waited for is not
                 # asked about any more (status showed it waiting until GATE_FORGET_S went by).
                 old_gate = self._pointed.pop(replaced)
+                rewritten += 1 + self._rewritten.pop(old_gate, 0)
                 if old_gate != gate:
                     self._wanted.pop(old_gate, None)
                     self.verdicts.pop(old_gate, None)
+            if rewritten:
+                self._rewritten[gate] = rewritten
             self._pointed[ident] = gate
         return self._pointed[ident]
 
@@ -801,7 +808,9 @@ class CommitGroups:
 
     def marker_durable(self, marker: InodeRow, key: str, size: int, digest: str) -> None:
         """The marker is published: its commit record (what ``latest`` checks) is due."""
-        self._pointed.pop((marker.ino, marker.generation), None)
+        gate = self._pointed.pop((marker.ino, marker.generation), None)
+        if gate is not None:
+            self._rewritten.pop(gate, None)
         approved = self._approved.pop((marker.ino, marker.generation), None)
         if approved is None:
             return
@@ -902,11 +911,14 @@ class CommitGroups:
                         for w in verdict.waiting
                     ],
                     "own_pending": [d for d, _ in verdict.own_pending],
+                    # a pointer rewritten this often while it waited: each step drains slower
+                    # than the next is written, so the remote pointer does not advance
+                    "pointer_rewrites": self._rewritten.get(dir_key, 0),
                     # A marker waiting here now is a later one than any given up here (those are
                     # failed, not asked about): an abandon here long ago says nothing of it.
                     "abandoned": False,
                 }
             )
         for dir_key in sorted(given_up):
-            out.append({"dir": dir_key, "waiting": [], "own_pending": [], "abandoned": True})
+            out.append({"dir": dir_key, "waiting": [], "own_pending": [], "pointer_rewrites": 0, "abandoned": True})
         return out

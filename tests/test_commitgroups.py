@@ -19,6 +19,7 @@ import pytest
 from test_mover import PART, Front, HookedRemote, until
 
 from burstfs import commitgroups
+from burstfs.admin.views import _held_line
 from burstfs.commitgroups import COMMITS_PREFIX, GROUPS_PREFIX, parse_record_key, record_key
 from burstfs.config import DrainOptions, S3Options, check_node_id, parse_remote_url
 from burstfs.errors import ConfigError, RemoteError
@@ -749,8 +750,11 @@ def test_a_pointer_waits_for_the_step_it_names_not_the_next_ones(
         stray = a.write(tracker, b"nothing-here\n")  # names no step: the whole directory's rounds
         await asyncio.sleep(1.0)
         assert not a.durable(stray) and remote_pointer() == names["s1"]
-        # Status shows what the pointer waits for now, not the step its older version named.
-        assert [w["dir"] for w in a.mover.groups.waiting_markers()] == ["ck"]
+        # Status shows what the pointer waits for now, not the step its older version named,
+        # and that it was rewritten while it waited (the remote pointer does not advance).
+        assert [(w["dir"], w["pointer_rewrites"]) for w in a.mover.groups.waiting_markers()] == [("ck", 1)]
+        line = _held_line(a.mover.groups.waiting_markers()[0])
+        assert line.startswith("checkpoint ck waiting for node b") and "rewritten once while it waited" in line
         release.set()
         await until(lambda: a.durable(stray), "the pointer once b's step 2 is done")
         assert remote_pointer() == b"nothing-here\n"

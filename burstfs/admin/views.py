@@ -168,7 +168,14 @@ def _held_line(held: dict[str, Any]) -> str:
     ]
     if held["own_pending"]:
         others.append("this node's own files")
-    return f"checkpoint {where} waiting for " + ", ".join(others)
+    line = f"checkpoint {where} waiting for " + ", ".join(others)
+    rewrites = held.get("pointer_rewrites")  # absent from an older daemon's document
+    if rewrites:
+        line += (
+            f" (its pointer was rewritten {'once' if rewrites == 1 else f'{rewrites} times'} while it waited: "
+            "each step drains slower than the next is written, so the remote pointer does not advance)"
+        )
+    return line
 
 
 @path_command(name="ls")
