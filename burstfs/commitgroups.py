@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .errors import OBJECT, CorruptDataError, FsError, RemoteError, error_scope
+from .errors import OBJECT, CorruptDataError, FsError, RemoteError, RemoteNotFound, error_scope
 from .journal import DONE, INCOMPLETE, WRITING, InodeRow, Journal
 from .journal.thread import JournalCall
 from .objects import RequestHealth, reported_call
@@ -192,7 +192,10 @@ class OwnGroup:
     intent: bool = False  # published
     sealed: bool = False  # its done is written (or being written): a later open starts a new round
     done: bool = False  # published
-    previous: str | None = None  # the round whose records go once this intent is out
+    # This node's earlier rounds here: their records go once this round's done is out, and this
+    # done lists their files still here as they were (a marker written after a done of the
+    # node's shards, in a round of its own, kept no record of them).
+    previous: list[str] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> str:
         # Field by field: dataclasses.asdict deep-copies every member first (a pass journals
@@ -205,6 +208,8 @@ class OwnGroup:
     def from_json(cls, text: str) -> OwnGroup:
         doc = json.loads(text)
         doc["members"] = set(doc.get("members", ()))
+        previous = doc.get("previous")  # one round id or none, as journaled before it was a list
+        doc["previous"] = [previous] if isinstance(previous, str) else list(previous or ())
         return cls(**doc)
 
 
@@ -359,7 +364,12 @@ class CommitGroups:
         with self._lock:
             group = self.groups.get(dir_key)
             if group is None or group.sealed:
-                group = OwnGroup(dir_key, new_round_id(), time.time(), previous=group.round if group else None)
+                earlier = group
+                group = OwnGroup(dir_key, new_round_id(), time.time())
+                if earlier is not None:
+                    group.previous = [*([] if earlier.done else earlier.previous), earlier.round]
+                    if not earlier.done:  # its done is not out (yet): its files are waited for here too
+                        group.members |= earlier.members
                 self.groups[dir_key] = group
                 log.info("event=round_started dir=%s round=%s node=%s", dir_key, group.round, self.node_id)
             self._touch_locked(group, ino)
@@ -508,12 +518,6 @@ class CommitGroups:
         if event is not None:
             event.set()
         log.info("event=intent_published key=%s", key)
-        if group.previous:  # our earlier round here is over: its records go (only ours, ever)
-            for kind in (INTENT, DONE_RECORD):
-                with contextlib.suppress(RemoteError):
-                    key = record_key(group.dir_key, self.node_id, group.previous, kind)
-                    await self.retry.call(remote, remote.delete, key, what=f"delete {key}")
-            group.previous = None
 
     def _all_settled(self, group: OwnGroup, members: set[int], retouched: set[int]) -> bool:
         """Whether every member looks closed and durable (or out of the round), reading only
@@ -585,6 +589,8 @@ class CommitGroups:
             {"path": path, "size": r.size, "digest": r.digest, "generation": r.generation}
             for r, path in zip(rows, paths, strict=True)
         ]
+        earlier = await self._earlier_files(remote, group)
+        files += await self._db(self._still_here, group.dir_key, earlier, {str(p) for p in paths})
         key = record_key(group.dir_key, self.node_id, group.round, DONE_RECORD)
         doc = {"node": self.node_id, "round": group.round, "dir": group.dir_key, "time": time.time(), "files": files}
         await self._create(remote, key, doc)
@@ -593,6 +599,64 @@ class CommitGroups:
             self._dirty.add(group.dir_key)
         self._done_files[key] = files
         log.info("event=done_published key=%s files=%d", key, len(files))
+        await self._drop_earlier(remote, group)
+
+    async def _earlier_files(self, remote: Remote, group: OwnGroup) -> list[dict[str, Any]]:
+        """The files the dones of this node's earlier rounds in ``group``'s directory listed
+        (a later round's entry for a path wins)."""
+        files: dict[str, dict[str, Any]] = {}
+        for round_id in group.previous:
+            key = record_key(group.dir_key, self.node_id, round_id, DONE_RECORD)
+            if key not in self._done_files:
+                try:
+                    data = await self.retry.call(remote, remote.get_object, key, what=f"get {key}")
+                    self._done_files[key] = record_files(parse_record(data))
+                except RemoteNotFound:
+                    continue  # that round's done never went out: its files are this round's members
+                except CorruptDataError as exc:  # not ours as written: nothing to carry from it
+                    log.error("event=group_record_unreadable key=%s error=%s", key, exc)
+                    continue
+            files.update((entry["path"], entry) for entry in self._done_files[key])
+        return list(files.values())
+
+    def _still_here(self, dir_key: str, entries: list[dict[str, Any]], skip: set[str]) -> list[dict[str, Any]]:
+        """Of earlier dones' ``entries``, those whose file is still in ``dir_key`` as recorded
+        (same generation, durable at its path), but not the paths in ``skip`` (this round
+        has them).  Journal reads: runs on the journal thread."""
+        directory = lookup(self.journal, dir_key)
+        if directory is None or directory.kind != "dir":
+            return []
+        kept = []
+        for entry in entries:
+            path = entry["path"]
+            if path in skip or dir_of(path) != dir_key:
+                continue
+            name = path.rpartition("/")[2]
+            row = self.journal.child(directory.ino, os.fsencode(name))
+            if (
+                row is not None
+                and row.kind == "file"
+                and not self.is_marker(name)
+                and row.generation == entry.get("generation")
+                and row.state in DONE
+                and row.durable_generation == row.generation
+                and row.remote_key == path
+            ):
+                kept.append(entry)
+        return kept
+
+    async def _drop_earlier(self, remote: Remote, group: OwnGroup) -> None:
+        """This node's earlier rounds in the directory are over once this done is out: their
+        records go (only ours, ever; best effort: a record left is one more complete round)."""
+        for round_id in group.previous:
+            for kind in (INTENT, DONE_RECORD):
+                key = record_key(group.dir_key, self.node_id, round_id, kind)
+                with contextlib.suppress(RemoteError):
+                    await self.retry.call(remote, remote.delete, key, what=f"delete {key}")
+                self._done_files.pop(key, None)
+        with self._lock:
+            group.previous = []
+            self._dirty.add(group.dir_key)
 
     # -- the marker gate ---------------------------------------------------------------
 

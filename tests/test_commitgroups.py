@@ -376,6 +376,43 @@ def test_a_close_joins_an_announced_round_at_once_and_nothing_else(tmp_path: Pat
     run_nodes([a], scenario)
 
 
+def test_a_commit_lists_the_shards_of_the_nodes_earlier_round_in_the_step(tmp_path: Path) -> None:
+    """DCP's rank 0: its shard's round is done (waiting for a slow rank) before it opens
+    ``.metadata.tmp``, which starts a second round; that round's intent deleted the first
+    round's records, and its done had no file (the temp file became the marker), so the
+    commit record left rank 0's shard out and ``latest`` never checked it.  A round's done
+    lists the files of the node's earlier rounds there that are still as they were."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    a = Node(tmp_path, "a", remote_dir)
+    remote = FileRemote(parse_remote_url(f"file://{remote_dir}"))
+    mine = f"{GROUPS_PREFIX}ck/s1/a@"
+
+    async def scenario() -> None:
+        shard = a.write("ck/s1/shard_a", b"A" * 1000)
+        await until(lambda: any(k.endswith(".done") for k in keys(remote_dir, mine)), "the shard's round done")
+        first = {k.rsplit("/", 1)[1] for k in keys(remote_dir, mine)}
+        a.write("ck/s1/extra", b"E" * 10)  # a second round: the first one's done is out
+        meta = a.write("ck/s1/.metadata", b"metadata")
+        await until(lambda: a.durable(meta) and keys(remote_dir, COMMITS_PREFIX), "the marker and its commit")
+        commit = json.loads((remote_dir / next(iter(keys(remote_dir, COMMITS_PREFIX)))).read_bytes())
+        assert sorted(f["path"] for f in commit["files"]) == ["ck/s1/extra", "ck/s1/shard_a"], commit
+        # The first round's records went once the second round's done was out.
+        await until(lambda: not first & {k.rsplit("/", 1)[1] for k in keys(remote_dir, mine)}, "the first round gone")
+        (remote_dir / "ck/s1/shard_a").unlink()  # torn behind burstfs' back: latest must see it
+        latest, skipped = await find_latest(remote, "ck")
+        assert latest is None and "shard_a: missing" in skipped[0][1], (latest, skipped)
+        assert a.durable(shard)
+
+    run_nodes([a], scenario)
+
+
+def test_a_round_journaled_before_earlier_rounds_were_a_list_loads() -> None:
+    group = commitgroups.OwnGroup.from_json('{"dir_key": "ck", "round": "r2", "started": 1.0, "previous": "r1"}')
+    assert group.previous == ["r1"]
+    assert commitgroups.OwnGroup.from_json('{"dir_key": "ck", "round": "r2", "started": 1.0}').previous == []
+
+
 def test_latest_waits_for_a_part_whose_intent_reached_the_remote_after_the_marker(tmp_path: Path) -> None:
     """Node b's intent is late (its remote slow for longer than ``--remote-wait``): a's gate
     cannot see b, and a's marker goes out over a step without b's shard.  ``latest`` then
