@@ -159,6 +159,7 @@ def mount(ctx: click.Context, config_file: Path | None, **options: Any) -> None:
     the --config file.
     """
     from .daemon import mount as run
+    from .daemon import refusal_in
 
     try:
         file = configfile.load(config_file, ctx.command) if config_file is not None else None
@@ -168,6 +169,11 @@ def mount(ctx: click.Context, config_file: Path | None, **options: Any) -> None:
         sys.exit(run(config, foreground=values["foreground"]))
     except BurstfsError as exc:
         _fail(exc)
+    except BaseExceptionGroup as group:  # --foreground: a start-up step failed in a nursery
+        refusal = refusal_in(group)
+        if refusal is None:
+            raise
+        _fail(refusal)
 
 
 @main.group(name="config")

@@ -590,12 +590,21 @@ def mount(config: MountConfig, *, foreground: bool) -> int:
     except BaseException as exc:  # the parent prints it; the log keeps the details
         code = 1
         # A refusal says all in its message; anything else (a nursery's sub-exceptions) needs its traceback.
-        log.error("event=daemon_failed error=%s", exc, exc_info=None if isinstance(exc, BurstfsError) else exc)
+        refusal = refusal_in(exc)
+        log.error("event=daemon_failed error=%s", exc, exc_info=None if refusal is not None else exc)
         if not status.closed:
-            message = str(exc) if isinstance(exc, BurstfsError) else "".join(traceback.format_exception(exc))
-            status.write(f"error {2 if isinstance(exc, ConfigError) else 1}: burstfs: {message}\n")
+            message = str(refusal) if refusal is not None else "".join(traceback.format_exception(exc))
+            status.write(f"error {2 if isinstance(refusal, ConfigError) else 1}: burstfs: {message}\n")
             status.close()
     os._exit(code)
+
+
+def refusal_in(exc: BaseException) -> BurstfsError | None:
+    """The BurstfsError that ``exc`` is, or is alone inside (nested) exception groups of: a
+    start-up step run in a nursery (the mover's) fails that way, and says all in its message."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc if isinstance(exc, BurstfsError) else None
 
 
 def _become_daemon() -> None:

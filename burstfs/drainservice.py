@@ -119,7 +119,8 @@ class DrainService:
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         if not self.mover.wait_ready(timeout):
-            raise RuntimeError("the mover did not start")
+            crash = f": it failed with {self.last_crash!r}" if self.last_crash is not None else ""
+            raise BurstfsError(f"the mover did not start within {timeout:.0f}s{crash} (see burstfs.log in the cache)")
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()

@@ -1104,3 +1104,16 @@ def test_every_admin_command_takes_cache() -> None:
         name for name, command in admin_main.commands.items() if not any("--cache" in p.opts for p in command.params)
     ]
     assert not without, without
+
+
+def test_a_start_up_refusal_inside_a_nursery_is_printed_as_its_message() -> None:
+    """The mover not starting (raised inside the mount's nursery) reached the user as a raw
+    ExceptionGroup traceback; one BurstfsError alone in (nested) groups is its message."""
+    from burstfs.daemon import refusal_in
+    from burstfs.errors import BurstfsError
+
+    inner = BurstfsError("the mover did not start within 30s")
+    assert refusal_in(BaseExceptionGroup("serve", [ExceptionGroup("mover", [inner])])) is inner
+    assert refusal_in(inner) is inner
+    assert refusal_in(ExceptionGroup("two", [inner, ValueError("other")])) is None
+    assert refusal_in(ValueError("a bug")) is None
