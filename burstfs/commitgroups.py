@@ -77,6 +77,10 @@ PUBLISH_BACKOFF_S = 0.5
 PUBLISH_BACKOFF_MAX_S = 30.0
 # Records read from the (shared) remote are bounded before they are parsed.
 MAX_RECORD_BYTES = 64 << 20
+#: A done lists at most this many files of the node's earlier rounds in its directory (the
+#: newest): a directory written a file per round (samples, logs) would otherwise carry every
+#: file ever written there into every done.  A checkpoint's files per node are far fewer.
+CARRIED_FILES_MAX = 1000
 # A round's full check (every member read) waits this many times its last duration before
 # it runs again: a quarter of the journal thread at most while small files keep coming in.
 FULL_CHECK_SPACING = 3.0
@@ -589,8 +593,8 @@ class CommitGroups:
             {"path": path, "size": r.size, "digest": r.digest, "generation": r.generation}
             for r, path in zip(rows, paths, strict=True)
         ]
-        earlier = await self._earlier_files(remote, group)
-        files += await self._db(self._still_here, group.dir_key, earlier, {str(p) for p in paths})
+        earlier = (await self._earlier_files(remote, group))[-CARRIED_FILES_MAX:]
+        files = [*await self._db(self._still_here, group.dir_key, earlier, {str(p) for p in paths}), *files]
         key = record_key(group.dir_key, self.node_id, group.round, DONE_RECORD)
         doc = {"node": self.node_id, "round": group.round, "dir": group.dir_key, "time": time.time(), "files": files}
         await self._create(remote, key, doc)
@@ -602,8 +606,8 @@ class CommitGroups:
         await self._drop_earlier(remote, group)
 
     async def _earlier_files(self, remote: Remote, group: OwnGroup) -> list[dict[str, Any]]:
-        """The files the dones of this node's earlier rounds in ``group``'s directory listed
-        (a later round's entry for a path wins)."""
+        """The files the dones of this node's earlier rounds in ``group``'s directory listed,
+        oldest first (a later round's entry for a path wins)."""
         files: dict[str, dict[str, Any]] = {}
         for round_id in group.previous:
             key = record_key(group.dir_key, self.node_id, round_id, DONE_RECORD)
@@ -616,7 +620,9 @@ class CommitGroups:
                 except CorruptDataError as exc:  # not ours as written: nothing to carry from it
                     log.error("event=group_record_unreadable key=%s error=%s", key, exc)
                     continue
-            files.update((entry["path"], entry) for entry in self._done_files[key])
+            for entry in self._done_files[key]:
+                files.pop(entry["path"], None)  # the newest last: what a cap keeps
+                files[entry["path"]] = entry
         return list(files.values())
 
     def _still_here(self, dir_key: str, entries: list[dict[str, Any]], skip: set[str]) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_mover import PART, Front, HookedRemote, until
@@ -403,6 +404,31 @@ def test_a_commit_lists_the_shards_of_the_nodes_earlier_round_in_the_step(tmp_pa
         latest, skipped = await find_latest(remote, "ck")
         assert latest is None and "shard_a: missing" in skipped[0][1], (latest, skipped)
         assert a.durable(shard)
+
+    run_nodes([a], scenario)
+
+
+def test_a_done_carries_only_the_newest_files_of_earlier_rounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory written a file per round (samples, logs): each done would list every file
+    ever written there.  The dones carry the newest CARRIED_FILES_MAX of earlier rounds."""
+    monkeypatch.setattr(commitgroups, "CARRIED_FILES_MAX", 2)
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    a = Node(tmp_path, "a", remote_dir)
+    mine = f"{GROUPS_PREFIX}logs/a@"
+
+    def dones() -> list[dict[str, Any]]:
+        return [json.loads((remote_dir / k).read_bytes()) for k in keys(remote_dir, mine) if k.endswith(".done")]
+
+    async def scenario() -> None:
+        for n in range(5):
+            path = f"logs/sample_{n}"
+            a.write(path, b"s" * 10)
+            await until(lambda p=path: any(d["files"][-1]["path"] == p for d in dones()), f"round {n} done")  # type: ignore[misc]
+        last = next(d for d in dones() if d["files"][-1]["path"] == "logs/sample_4")
+        assert [f["path"] for f in last["files"]] == ["logs/sample_2", "logs/sample_3", "logs/sample_4"]
 
     run_nodes([a], scenario)
 
