@@ -343,6 +343,9 @@ class CommitGroups:
         self.abandoned: dict[str, float] = {}  # dir -> when an operator gave up its checkpoint
         # (pointer ino, generation) -> the directory its gate looks at (``gate_dir``)
         self._pointed: dict[tuple[int, int], str] = {}
+        # pointer path -> the (ino, generation) of its newest version seen: an older one, rewritten
+        # in place or replaced by a rename (a new inode), never drains
+        self._pointer_at: dict[str, tuple[int, int]] = {}
         # gate dir -> how many older versions of the pointer now waiting there were rewritten
         # while they waited (status: the drain is slower than the checkpoint interval)
         self._rewritten: dict[str, int] = {}
@@ -729,8 +732,10 @@ class CommitGroups:
                     gate = named
             if len(self._pointed) >= 1024:  # generations never published (rewritten, removed)
                 self._pointed.clear()
+                self._pointer_at.clear()
             rewritten = 0
-            for replaced in [key for key in self._pointed if key[0] == marker.ino]:
+            replaced = self._pointer_at.get(marker_key)
+            if replaced is not None and replaced in self._pointed:
                 # A rewritten pointer's older version never drains: the step it waited for is not
                 # asked about any more (status showed it waiting until GATE_FORGET_S went by).
                 old_gate = self._pointed.pop(replaced)
@@ -741,6 +746,7 @@ class CommitGroups:
             if rewritten:
                 self._rewritten[gate] = rewritten
             self._pointed[ident] = gate
+            self._pointer_at[marker_key] = ident
         return self._pointed[ident]
 
     def is_abandoned(self, marker: InodeRow, marker_key: str, gate: str) -> bool:
@@ -962,6 +968,7 @@ class CommitGroups:
         self.abandoned[dir_key] = now
         await self._db(self.journal.set_meta, f"{_META_ABANDONED}{dir_key}", repr(now))
         self.verdicts.pop(dir_key, None)
+        self._wanted.pop(dir_key, None)  # its marker is given up (a second abandon finds nothing to give up)
         log.warning("event=checkpoint_abandoned dir=%s intents=%d", dir_key, len(verdict.waiting))
         return dir_key, verdict.waiting
 

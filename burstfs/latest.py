@@ -30,7 +30,7 @@ from .commitgroups import (
     round_started_ms,
 )
 from .config import RemoteURL
-from .errors import CorruptDataError, RemoteError
+from .errors import CorruptDataError, RemoteError, RemoteNotFound
 from .objects import Manifest, manifest_key
 from .remote import Remote, RetryPolicy
 
@@ -40,6 +40,8 @@ VERIFY_CONCURRENCY = 16
 #: that checkpoint even if its gate did not see it (:func:`late_parts`).
 LATE_ROUND_SLACK_MS = 500
 LATEST_RETRY = RetryPolicy()
+#: Listings of the commit records one answer takes at most (a record replaced while read).
+LISTINGS_MAX = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +54,11 @@ class Checkpoint:
     step: str  # the directory holding its files: for a pointer beside steps (``latest``), the step it names
 
 
-async def _check_file(remote: Remote, entry: dict[str, Any]) -> str | None:
-    """Why ``entry`` (path, size, digest) does not match the remote, or None if it does."""
+async def _check_file(remote: Remote, entry: dict[str, Any], rewritable: bool = False) -> str | None:
+    """Why ``entry`` (path, size, digest) does not match the remote, or None if it does.
+    ``rewritable``: a pointer marker (``latest``), rewritten in place at every checkpoint: its
+    object only has to be there (its new bytes land before its new commit record does, and
+    the files of the step this record names are what is checked)."""
     path = entry["path"]
     info = await LATEST_RETRY.call(remote, remote.head, path, what=f"head {path}")
     if info is None:
@@ -65,6 +70,8 @@ async def _check_file(remote: Remote, entry: dict[str, Any]) -> str | None:
         return f"{path}: no manifest ({exc})"
     except CorruptDataError as exc:
         return f"{path}: bad manifest ({exc})"
+    if rewritable:
+        return None
     stored = sum(chunk.stored_size for chunk in manifest.chunks)
     if manifest.size != entry.get("size") or (entry.get("digest") and manifest.digest != entry["digest"]):
         return f"{path}: not the bytes this checkpoint recorded"
@@ -78,7 +85,8 @@ async def verify_commit(remote: Remote, doc: dict[str, Any]) -> str | None:
     marker = doc.get("marker")
     if not isinstance(marker, dict) or not isinstance(marker.get("path"), str):
         return "the commit record names no marker"
-    return await _check_files(remote, [marker, *record_files(doc)])
+    pointer = marker["path"].rpartition("/")[2] in POINTER_MARKERS and bool(record_files(doc))
+    return await _check_file(remote, marker, rewritable=pointer) or await _check_files(remote, record_files(doc))
 
 
 async def late_parts(remote: Remote, doc: dict[str, Any], written_ms: int | None) -> tuple[str | None, int]:
@@ -167,7 +175,19 @@ def missing_root(url: RemoteURL) -> str | None:
 async def find_latest(remote: Remote, subdir: str = "") -> tuple[Checkpoint | None, list[tuple[str, str]]]:
     """The newest checkpoint under ``subdir`` whose commit record matches the remote, and the
     newer ones skipped (dir, why).  One listing of the commit records, then newest first:
-    only the checkpoints it must look at are read."""
+    only the checkpoints it must look at are read.  A record replaced between the listing and
+    its read (a marker committed again meanwhile) means a newer one is there: listed again
+    (a few times at most) rather than answered "none"."""
+    for _ in range(LISTINGS_MAX - 1):
+        found, skipped, replaced = await _find_once(remote, subdir)
+        if found is not None or not replaced:
+            return found, skipped
+    found, skipped, _ = await _find_once(remote, subdir)
+    return found, skipped
+
+
+async def _find_once(remote: Remote, subdir: str) -> tuple[Checkpoint | None, list[tuple[str, str]], bool]:
+    """:func:`find_latest` from one listing; also whether a record listed was gone when read."""
     prefix = f"{COMMITS_PREFIX}{subdir}/" if subdir else COMMITS_PREFIX
     newest: dict[str, tuple[float, float, str]] = {}  # dir -> (marker written, record's mtime, key)
     async for info in remote.list_all(prefix):
@@ -181,10 +201,16 @@ async def find_latest(remote: Remote, subdir: str = "") -> tuple[Checkpoint | No
     for pointer in [d for d, (_, _, key) in newest.items() if _points_to_steps(d, key, newest)]:
         del newest[pointer]
     skipped: list[tuple[str, str]] = []
+    replaced = False
     for dir_key, (_, mtime, key) in sorted(newest.items(), key=lambda item: item[1], reverse=True):
         late = 0
         try:
-            doc = parse_record(await LATEST_RETRY.call(remote, remote.get_object, key, what=f"get {key}"))
+            try:
+                data = await LATEST_RETRY.call(remote, remote.get_object, key, what=f"get {key}")
+            except RemoteNotFound:
+                replaced = True
+                raise
+            doc = parse_record(data)
             problem = await verify_commit(remote, doc)
             if problem is None:
                 problem, late = await late_parts(remote, doc, commit_written_ms(key.removesuffix(".commit")))
@@ -193,6 +219,6 @@ async def find_latest(remote: Remote, subdir: str = "") -> tuple[Checkpoint | No
         if problem is None:
             marker = doc["marker"]["path"]
             files = len(doc.get("files", [])) + 1 + late
-            return Checkpoint(dir_key, marker, mtime, files, key, pointed_dir(dir_key, doc)), skipped
+            return Checkpoint(dir_key, marker, mtime, files, key, pointed_dir(dir_key, doc)), skipped, replaced
         skipped.append((dir_key, problem))
-    return None, skipped
+    return None, skipped, replaced

@@ -9,6 +9,7 @@ that node's shard becomes durable.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import time
@@ -23,7 +24,7 @@ from burstfs import commitgroups
 from burstfs.admin.views import _held_line
 from burstfs.commitgroups import COMMITS_PREFIX, GROUPS_PREFIX, parse_record_key, record_key
 from burstfs.config import DrainOptions, S3Options, check_node_id, parse_remote_url
-from burstfs.errors import ConfigError, RemoteError
+from burstfs.errors import ConfigError, FsError, RemoteError
 from burstfs.journal import DURABLE, FAILED, WRITING
 from burstfs.latest import find_latest
 from burstfs.mover import Mover
@@ -644,6 +645,84 @@ def test_latest_replaced_by_rename_stays_on_the_remote_until_the_new_one_lands(t
     run_nodes([node], scenario)
 
 
+@pytest.mark.parametrize("given_up", [False, True])
+def test_latest_replaced_by_a_drained_tmp_or_given_up_keeps_the_old_one_on_the_remote(
+    tmp_path: Path, given_up: bool
+) -> None:
+    """``write latest.tmp; fsync; rename onto latest``: the fsync drains ``latest.tmp`` before
+    the rename, so the new ``latest`` was durable (under its old key) and nothing held the old
+    object's delete: the remote had no ``latest``, and no commit record, until the step it
+    names was out.  And when that step is given up (``abandon``: a node is lost), the old
+    ``latest`` was deleted for good: a restart found no checkpoint."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    a, b = Node(tmp_path, "a", remote_dir), Node(tmp_path, "b", remote_dir)
+    remote = FileRemote(parse_remote_url(f"file://{remote_dir}"))
+
+    async def scenario() -> None:
+        a.write("ck/s1/shard_a", b"a1")
+        first = a.write("ck/latest", b"s1")
+        await until(lambda: a.durable(first), "the first latest")
+        lost, release = b.remote.hold("put", "ck/s2/shard_b")
+        b.write("ck/s2/shard_b", b"b")
+        await until(lambda: lost.is_set() and b.mover.groups.intent_out("ck/s2"), "b's intent, its shard stuck")
+        a.write("ck/s2/shard_a", b"a2")
+        tmp = a.write("ck/latest.tmp", b"s2")
+        await until(lambda: a.durable(tmp), "latest.tmp drained before the rename")
+        a.front.rename(tmp, "latest", a.dirs["ck"])
+        a.mover.namespace_changed()
+        await until(lambda: a.mover.groups.waiting_markers(), "the new latest waiting for b")
+        if given_up:
+            await a.mover.groups.abandon(remote, "ck")
+            await until(lambda: a.front.row(tmp).state == FAILED, "the new latest given up")
+        await asyncio.sleep(1.0)  # the mover's passes come and go
+        assert (remote_dir / "ck/latest").read_bytes() == b"s1"
+        latest, skipped = await find_latest(remote, "ck")
+        assert latest is not None and latest.step == "ck/s1", (latest, skipped)
+        if not given_up:
+            release.set()
+            await until(lambda: (remote_dir / "ck/latest").read_bytes() == b"s2", "the new latest on the remote")
+
+    run_nodes([a, b], scenario)
+
+
+def test_latest_names_the_last_step_while_a_pointer_rewritten_in_place_awaits_its_record(tmp_path: Path) -> None:
+    """DeepSpeed rewrites ``latest`` in place: its new bytes are on the remote before its new
+    commit record, and the one record of the pointer then named bytes no longer there, so
+    ``latest`` said "no checkpoint" (exit 1: a restart script starts over) in that window.
+    The step the older record names is still complete: that is the answer meanwhile."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    a = Node(tmp_path, "a", remote_dir)
+    remote = FileRemote(parse_remote_url(f"file://{remote_dir}"))
+    record_out = asyncio.Event()
+    create_object = a.remote.create_object
+
+    async def held_commit(key: str, data: bytes) -> bool:
+        if key.startswith(COMMITS_PREFIX) and b"ck/s2/" in data:
+            await record_out.wait()
+        return await create_object(key, data)
+
+    a.remote.create_object = held_commit  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        a.write("ck/s1/shard", b"1")
+        pointer = a.write("ck/latest", b"s1")
+        await until(lambda: a.durable(pointer) and keys(remote_dir, COMMITS_PREFIX), "the first commit")
+        first = keys(remote_dir, COMMITS_PREFIX)
+        a.write("ck/s2/shard", b"2")
+        a.write("ck/latest", b"s2")
+        await until(lambda: (remote_dir / "ck/latest").read_bytes() == b"s2", "the new latest's bytes")
+        latest, skipped = await find_latest(remote, "ck")
+        assert latest is not None and latest.step == "ck/s1", (latest, skipped)
+        record_out.set()
+        await until(lambda: keys(remote_dir, COMMITS_PREFIX) - first, "the new record")
+        latest, skipped = await find_latest(remote, "ck")
+        assert latest is not None and latest.step == "ck/s2", (latest, skipped)
+
+    run_nodes([a], scenario)
+
+
 def test_a_node_never_deletes_or_moves_the_object_another_node_wrote_at_its_key(tmp_path: Path) -> None:
     """Two nodes write the same path (last writer wins on the remote); the node written over
     then removes or renames its own copy: the other node's object stays, with its manifest
@@ -825,6 +904,38 @@ def test_a_pointer_waits_for_the_step_it_names_not_the_next_ones(
     run_nodes([a, b], scenario)
 
 
+def test_a_pointer_replaced_by_rename_while_it_waits_shows_once_and_is_abandoned_by_its_step(
+    tmp_path: Path,
+) -> None:
+    """``latest.tmp`` renamed onto ``latest`` at every step (a new inode each time) while a
+    slow node holds the steps: status listed the replaced version's step beside the current one
+    (and counted no rewrite), and ``abandon`` of the pointer's directory could give up that
+    stale step, leaving the current pointer waiting."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    a, b = Node(tmp_path, "a", remote_dir), Node(tmp_path, "b", remote_dir)
+    remote = FileRemote(parse_remote_url(f"file://{remote_dir}"))
+
+    async def scenario() -> None:
+        for step in ("s1", "s2", "s3"):
+            b.remote.hold("put", f"ck/{step}/shard_b")  # never released: b is slow, then lost
+            b.write(f"ck/{step}/shard_b", b"b")
+            await until(lambda s=step: b.mover.groups.intent_out(f"ck/{s}"), f"b's intent in {step}")  # type: ignore[misc]
+            a.write(f"ck/{step}/shard_a", b"a")
+            tmp = a.write("ck/latest.tmp", step.encode())
+            a.front.rename(tmp, "latest", a.dirs["ck"])
+            a.mover.namespace_changed()
+            await until(
+                lambda s=step: [w["dir"] for w in a.mover.groups.waiting_markers()] == [f"ck/{s}"],  # type: ignore[misc]
+                f"the pointer to {step} waiting, alone in status",
+            )
+        assert a.mover.groups.waiting_markers()[0]["pointer_rewrites"] == 2
+        given_up_dir, _ = await a.mover.groups.abandon(remote, "ck")
+        assert given_up_dir == "ck/s3"
+
+    run_nodes([a, b], scenario)
+
+
 def test_a_pointer_waiting_for_a_lost_node_is_abandoned_by_its_directory(tmp_path: Path) -> None:
     """``latest`` names a step a lost node never finished: the operator gives it up by the
     pointer's directory (where the file is) or by the step's (what status shows); either way
@@ -843,6 +954,9 @@ def test_a_pointer_waiting_for_a_lost_node_is_abandoned_by_its_directory(tmp_pat
         await until(lambda: a.mover.groups.waiting_markers(), "the pointer waiting for b")
         given_up_dir, given_up = await a.mover.groups.abandon(remote, "ck")
         assert given_up_dir == "ck/s1" and [(w.node, w.dir_key) for w in given_up] == [("b", "ck/s1")]
+        with pytest.raises(FsError) as again:  # nothing waits there any more (it gave up "none" again)
+            await a.mover.groups.abandon(remote, "ck")
+        assert again.value.errno == errno.ENOENT
         await until(lambda: a.front.row(pointer).state == FAILED, "the pointer given up")
         a.write("ck/s2/shard_a", b"a2")
         later = a.write("ck/latest", b"s2")

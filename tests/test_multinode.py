@@ -333,6 +333,15 @@ def test_the_step_latest_names_opens_at_once_through_the_same_mount(
     assert doc["dir"] == "run/step_3"
     assert (n1.path / doc["dir"] / "__0_0.distcp").read_bytes() == written[3]
     assert sorted(os.listdir(n1.path / "run")) == ["step_1", "step_2", "step_3"]
+    # A directory n0 made after n1 listed the root: latest looks on the remote (it said ENOENT,
+    # exit 1: "no checkpoint", until the root's next listing), and the step opens at once.
+    write(n0, "other/step_1/__0_0.distcp", written[1])
+    write(n0, "other/step_1/.metadata", b"metadata of other")
+    admin("wait", n0.path / "other/step_1")
+    wait_for(lambda: bucket.latest("other", expect=None).get("dir") == "other/step_1", what="other's step")
+    result = admin("latest", n1.path / "other")
+    assert Path(result.stdout.strip()) == n1.path / "other/step_1" and not result.stderr, result.stderr
+    assert (n1.path / "other/step_1/__0_0.distcp").read_bytes() == written[1]
 
 
 def test_latest_of_a_megatron_run_names_the_iteration_its_tracker_names(

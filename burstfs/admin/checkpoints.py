@@ -121,7 +121,9 @@ def latest_checkpoint(
             if path is None:
                 raise AdminError("give a PATH inside a mount, or --remote URL", EXIT_USAGE)
             try:
-                target = resolve([Path(path)], cache)
+                # Where on the remote to look: another node may have made it since this mount
+                # listed its parent (ENOENT here said "no checkpoint", exit 1, for up to --list-ttl).
+                target = resolve([Path(path)], cache, must_exist=False)
             except AccessDenied:  # a job's user under a mount root made: the daemon reads the remote
                 return latest_through_mount(Path(path))
             with target.journal() as journal:

@@ -176,8 +176,10 @@ def _is_cache_dir(path: Path) -> bool:
     return (path / "journal.db").is_file()
 
 
-def resolve(paths: Sequence[Path], cache: Path | None) -> Target:
-    """Map PATHs (and ``--cache``) to a cache dir, a live mount if any, and file-system paths."""
+def resolve(paths: Sequence[Path], cache: Path | None, must_exist: bool = True) -> Target:
+    """Map PATHs (and ``--cache``) to a cache dir, a live mount if any, and file-system paths.
+    ``must_exist=False``: PATHs name places on the remote (``latest``), not files here: a
+    directory another node made since this mount listed its parent is not known here yet."""
     if cache is not None:
         cache_dir = Path(os.path.realpath(cache))
         if not _is_cache_dir(cache_dir):
@@ -214,7 +216,8 @@ def resolve(paths: Sequence[Path], cache: Path | None) -> Target:
             where = f"mounted at {root}" if mountpoint else f"last mounted at {root}" if root else "never mounted"
             raise AdminError(f"{path} is not in the file system of cache {cache_dir} ({where})", EXIT_USAGE)
     daemon = Daemon.find(cache_dir) if mountpoint is not None else None
-    _check_paths_exist(paths, rels, cache_dir, mountpoint if daemon is not None else None)
+    if must_exist:
+        _check_paths_exist(paths, rels, cache_dir, mountpoint if daemon is not None else None)
     return Target(cache_dir, mountpoint, rels, daemon)
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Container, Iterable
 from .connection import Database
 from .ops import event_op
 from .rows import ROOT_INO
-from .states import DONE, DURABLE, QUEUED, RESTAGED, STAGED, state_marks
+from .states import DONE, DURABLE, FAILED, QUEUED, RESTAGED, STAGED, state_marks
 
 # Every directory at or below a seed directory (a named one: ``parent != 0``).
 _SUBTREE = """WITH RECURSIVE tree(ino) AS (
@@ -197,10 +197,14 @@ class KeyOwnership:
         return {path.rpartition("/")[0]: path for path in paths if path is not None}
 
     def to_be_overwritten(self, keys: Iterable[str]) -> set[str]:
-        """Of ``keys``, those at whose path a file closed here waits to drain: its upload puts
-        its own object there, so the old one's delete waits (an atomic replace of ``latest`` by
-        rename left the remote with no ``latest`` until the new one drained)."""
-        marks, queued = state_marks(QUEUED)
+        """Of ``keys``, those at whose path a file closed here waits to drain, or failed to, or
+        is durable under another key (its object is to be moved there): its own object goes
+        there, so the old one's delete waits (an atomic replace of ``latest`` by rename left the
+        remote with no ``latest`` until the new one drained; with a ``latest.tmp`` drained before
+        the rename, or a new ``latest`` given up by ``abandon``, it still did).  A version that
+        never drains leaves the old object, as a rewrite in place does."""
+        marks, waiting = state_marks(QUEUED | {FAILED})
+        done_marks, done = state_marks(DONE)
         found: set[str] = set()
         with self._db.lock:
             for key in set(keys):
@@ -209,8 +213,9 @@ class KeyOwnership:
                 if (
                     parent is not None
                     and self._db.connection.execute(
-                        f"SELECT 1 FROM inodes WHERE parent=? AND name=? AND kind='file' AND state IN ({marks})",
-                        (parent, os.fsencode(name), *queued),
+                        f"SELECT 1 FROM inodes WHERE parent=? AND name=? AND kind='file' AND (state IN ({marks}) "
+                        f"OR (state IN ({done_marks}) AND remote_key IS NOT NULL AND remote_key!=?))",
+                        (parent, os.fsencode(name), *waiting, *done, key),
                     ).fetchone()
                 ):
                     found.add(key)
