@@ -199,6 +199,8 @@ def config_check(file: Path) -> None:
     if (problem := missing_root(config.remote)) is not None:  # it may be mounted later: a note, not an error
         click.echo(f"burstfs: note: {problem} (yet): `burstfs mount` fails until it does", err=True)
     click.echo(f"# {file}: valid; the settings of `burstfs mount --config {file}`")
+    # The paths as the mount takes them (a file's relative paths are its directory's: conf/../mnt)
+    values = {**values, "mountpoint": config.mountpoint, "cache_dir": config.cache_dir}
     for line in configfile.format_settings(values, mount):
         click.echo(line)
 

@@ -42,7 +42,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import OBJECT, CorruptDataError, FsError, RemoteError, RemoteNotFound, error_scope
-from .journal import DONE, INCOMPLETE, WRITING, InodeRow, Journal
+from .journal import DONE, FAILED, INCOMPLETE, QUEUED, WRITING, InodeRow, Journal
+from .journal.states import state_marks
 from .journal.thread import JournalCall
 from .objects import RequestHealth, reported_call
 from .remote import INTERNAL_DIR, Remote, RetryPolicy
@@ -436,6 +437,25 @@ class CommitGroups:
                 nodes = {str(node): float(since) for node, since in json.loads(value).items()}
                 if nodes:
                     self.carried[key[len(_META_CARRIED) :]] = nodes
+        # Rounds are journaled by the mover's passes: closes since the last one (a pass stuck on
+        # a silent remote, then an unmount or a crash) were in no journaled round.  Every file
+        # closed here and not drained yet is in one: its directory's open round, or a new one.
+        for ino, dir_key, name in await self._db(self._undrained_files):
+            known = self.groups.get(dir_key)
+            if known is None or known.sealed or ino not in known.members:
+                self.writing_in(ino, dir_key, name)
+
+    def _undrained_files(self) -> list[tuple[int, str, bytes]]:
+        """(ino, directory, name) of every named file closed here and not durable (journal reads)."""
+        marks, states = state_marks(QUEUED | {FAILED})
+        rows = self.journal.inodes(
+            f"WHERE kind='file' AND parent!=0 AND link_of IS NULL AND state IN ({marks})", states
+        )
+        found = []
+        for row, path in zip(rows, self.journal.paths_of([r.ino for r in rows]), strict=True):
+            if path is not None:
+                found.append((row.ino, dir_of(path), row.name))
+        return found
 
     async def wait_intent(self, dir_key: str, timeout: float) -> bool:  # noqa: ASYNC109 (a bound asked from the trio side)
         """Wait (at most ``timeout``) until this node's intent for ``dir_key`` is out."""

@@ -173,6 +173,11 @@ class RemoteListings:
                 directory.ino,
                 time.monotonic() - now,
             )
+            # The request's EIO (a directory never listed) points to status: it says so now,
+            # not only once the listing gives up (LISTING_TIMEOUT later).
+            self.links.fetcher.listing_failed(
+                self.namespace.path_of(directory) or "", f"no answer within {wait:.0f}s (still listing)"
+            )
         self._slow_until = max(self._slow_until, time.monotonic() + self.backoff)
         return False
 

@@ -440,6 +440,34 @@ def test_a_round_journaled_before_earlier_rounds_were_a_list_loads() -> None:
     assert commitgroups.OwnGroup.from_json('{"dir_key": "ck", "round": "r2", "started": 1.0}').previous == []
 
 
+def test_files_closed_in_no_journaled_round_join_one_when_the_mover_starts(tmp_path: Path) -> None:
+    """Rounds are journaled by the mover's passes: shards closed while a pass was stuck on a
+    silent remote, then a clean unmount, were in no round after the remount; their node's done
+    left them out and another node's marker went out before them.  (Here: files journaled by
+    the front with no round at all, as after such an unmount; the mover starts after.)"""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    a, b = Node(tmp_path, "a", remote_dir), Node(tmp_path, "b", remote_dir)
+    step = a.mkdirs("ck/s1")
+    shards = [a.front.write(f"shard_{n}", bytes([n]) * 1000, step) for n in range(3)]
+    marker = "ck/s1/.metadata"
+
+    async def scenario() -> None:
+        _, release = a.remote.hold("put", "ck/s1/shard_2")
+        await until(lambda: a.mover.groups.intent_out("ck/s1"), "a's round, from the journal")
+        b.write("ck/s1/shard_b", b"b")
+        meta = b.write(marker, b"metadata")
+        await asyncio.sleep(1.0)  # b's gate polls meanwhile
+        assert marker not in keys(remote_dir) and not b.durable(meta)
+        release.set()
+        await until(lambda: b.durable(meta), "the marker once a's shards are durable")
+        assert all(a.durable(ino) for ino in shards)
+        latest, _ = await find_latest(FileRemote(parse_remote_url(f"file://{remote_dir}")), "ck")
+        assert latest is not None and latest.files == 5  # the marker, a's three shards, b's
+
+    run_nodes([a, b], scenario)
+
+
 def test_latest_waits_for_a_part_whose_intent_reached_the_remote_after_the_marker(tmp_path: Path) -> None:
     """Node b's intent is late (its remote slow for longer than ``--remote-wait``): a's gate
     cannot see b, and a's marker goes out over a step without b's shard.  ``latest`` then

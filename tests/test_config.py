@@ -132,6 +132,8 @@ def test_relative_paths_of_a_file_are_normalized_against_its_directory(tmp_path:
     config = configfile.build_with_file(values, loaded, mount_command)
     assert config.cache_dir == tmp_path / "cache" / "b" and str(config.cache_dir) == str(tmp_path / "cache/b")
     assert config.mountpoint == tmp_path / "mnt"
+    shown = burstfs("config", "check", str(path)).stdout  # what a mount with it would use, as it would
+    assert f'mountpoint = "{tmp_path / "mnt"}"' in shown and f'cache = "{tmp_path / "cache/b"}"' in shown, shown
 
 
 @pytest.mark.parametrize(

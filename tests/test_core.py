@@ -247,6 +247,9 @@ class ListingFetcher:
     async def list_dir(self, dir_key: str) -> tuple[list[tuple[str, int, float]], list[str]]:
         return self.listing.get(dir_key, ([], []))
 
+    def listing_failed(self, dir_key: str, reason: str) -> None:
+        pass
+
     def forget(self, ino: int) -> None:
         pass
 

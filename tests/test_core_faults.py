@@ -380,6 +380,7 @@ class FakeRemote:
         self.listing = listing
         self.during_list: Callable[[], Awaitable[None]] | None = None
         self.fetches = 0
+        self.failed_listings: list[str] = []  # what status was told of
 
     async def ensure_local(self, ino: int, offset: int, size: int) -> int:
         self.fetches += 1
@@ -390,6 +391,9 @@ class FakeRemote:
         if self.during_list is not None:
             await self.during_list()
         return result
+
+    def listing_failed(self, dir_key: str, reason: str) -> None:
+        self.failed_listings.append(dir_key)
 
     def forget(self, ino: int) -> None:
         pass
@@ -638,6 +642,9 @@ def test_an_unseen_directory_of_the_remote_answers_eio_until_a_listing_lands(tmp
                 with pytest.raises(BurstfsError) as unknown:
                     await call()
                 assert unknown.value.errno == errno.EIO
+            # The EIO says "see burstfs-admin status": status hears of it now, not only once the
+            # listing gives up 30 s later.
+            assert remote.failed_listings == [""]
             release.set()
             while b"ckpt.pt" not in core.namespace.inode(ROOT_INO).children:  # type: ignore[operator]
                 await trio.sleep(0.01)

@@ -498,6 +498,27 @@ def test_outage_headline_uses_the_error_kind_and_the_first_failed_attempt() -> N
     assert outage is not None and outage["since"] > first, outage
 
 
+def test_a_read_failing_again_at_once_is_listed_once_and_starts_no_outage() -> None:
+    """One ``cat`` of a file on a refusing remote was ``read_failed=3``, three identical lines
+    (the kernel asks again), and a listing's line said ``list ckpt: list ckpt: ...``."""
+    from burstfs.mover import MoverStats
+    from burstfs.status import outage_of
+
+    stats = MoverStats()
+    for _ in range(3):
+        stats.read_failed("read of inode 4", "get ckpt/a.pt: remote s3://b unavailable after 8 attempts")
+    stats.read_failed("list ckpt", "list ckpt: remote s3://b unavailable after 8 attempts")
+    assert dict(stats.errors_by_kind) == {"read_failed": 2}
+    assert [m for _, _, m in stats.recent_errors] == [
+        "read of inode 4: get ckpt/a.pt: remote s3://b unavailable after 8 attempts",
+        "list ckpt: remote s3://b unavailable after 8 attempts",
+    ]
+    assert outage_of(stats) is None
+    stats.recent_errors[-1] = (time.time() - 10, *stats.recent_errors[-1][1:])  # a while later: again
+    stats.read_failed("list ckpt", "list ckpt: remote s3://b unavailable after 8 attempts")
+    assert stats.errors_by_kind["read_failed"] == 3
+
+
 def test_an_outage_that_turns_from_retrying_to_throttled_keeps_its_start() -> None:
     """A store answering 503 SlowDown to every attempt: the headline said RETRYING since T,
     then THROTTLING since the moment the retries ran out (the throttled end was taken for an

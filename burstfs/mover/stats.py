@@ -8,6 +8,9 @@ import time
 
 from ..status import CORRUPT_READ_KIND, READ_FAILED_KIND
 
+#: A read error repeated within this many seconds is counted (and listed) once.
+READ_ERROR_MERGE_S = 5.0
+
 
 @dataclasses.dataclass
 class MoverStats:
@@ -48,13 +51,18 @@ class MoverStats:
     def read_error(self, message: str, kind: str = CORRUPT_READ_KIND) -> None:
         """Record a read that failed on a corrupt object, or (``READ_FAILED_KIND``) a read or
         listing the remote did not serve: status lists it; the drain is not in trouble for
-        it, so it starts no outage.  Any thread."""
+        it, so it starts no outage.  The same failure again within READ_ERROR_MERGE_S is the
+        same one (the kernel asks again for one ``cat``: it was listed three times).  Any thread."""
+        now = time.time()
+        last = self.recent_errors[-1] if self.recent_errors else None
+        if last is not None and last[1:] == (kind, message) and now - last[0] < READ_ERROR_MERGE_S:
+            return
         self.errors_by_kind[kind] += 1
-        self.recent_errors.append((time.time(), kind, message))
+        self.recent_errors.append((now, kind, message))
 
     def read_failed(self, what: str, reason: str) -> None:
         """A listing or read that failed on the remote (after its retries, or its bound)."""
-        self.read_error(f"{what}: {reason}", READ_FAILED_KIND)
+        self.read_error(reason if reason.startswith(f"{what}:") else f"{what}: {reason}", READ_FAILED_KIND)
 
     def error(self, kind: str, message: str) -> None:
         """Record a failure of ``kind`` (the retries before it, if any, told ``retried``)."""
