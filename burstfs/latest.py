@@ -178,11 +178,10 @@ async def find_latest(remote: Remote, subdir: str = "") -> tuple[Checkpoint | No
     only the checkpoints it must look at are read.  A record replaced between the listing and
     its read (a marker committed again meanwhile) means a newer one is there: listed again
     (a few times at most) rather than answered "none"."""
-    for _ in range(LISTINGS_MAX - 1):
+    for _ in range(LISTINGS_MAX):
         found, skipped, replaced = await _find_once(remote, subdir)
         if found is not None or not replaced:
-            return found, skipped
-    found, skipped, _ = await _find_once(remote, subdir)
+            break
     return found, skipped
 
 
@@ -205,15 +204,12 @@ async def _find_once(remote: Remote, subdir: str) -> tuple[Checkpoint | None, li
     for dir_key, (_, mtime, key) in sorted(newest.items(), key=lambda item: item[1], reverse=True):
         late = 0
         try:
-            try:
-                data = await LATEST_RETRY.call(remote, remote.get_object, key, what=f"get {key}")
-            except RemoteNotFound:
-                replaced = True
-                raise
-            doc = parse_record(data)
+            doc = parse_record(await LATEST_RETRY.call(remote, remote.get_object, key, what=f"get {key}"))
             problem = await verify_commit(remote, doc)
             if problem is None:
                 problem, late = await late_parts(remote, doc, commit_written_ms(key.removesuffix(".commit")))
+        except RemoteNotFound as exc:  # a record gone since the listing: a newer one replaced it
+            problem, replaced = str(exc), True
         except (RemoteError, CorruptDataError) as exc:
             problem = str(exc)
         if problem is None:

@@ -175,9 +175,7 @@ class RemoteListings:
             )
             # The request's EIO (a directory never listed) points to status: it says so now,
             # not only once the listing gives up (LISTING_TIMEOUT later).
-            self.links.fetcher.listing_failed(
-                self.namespace.path_of(directory) or "", f"no answer within {wait:.0f}s (still listing)"
-            )
+            self._tell_status(directory, f"no answer within {wait:.0f}s (still listing)")
         self._slow_until = max(self._slow_until, time.monotonic() + self.backoff)
         return False
 
@@ -193,9 +191,7 @@ class RemoteListings:
                     directory.ino,
                     self.timeout,
                 )
-                if self.links.fetcher is not None:
-                    dir_key = self.namespace.path_of(directory)
-                    self.links.fetcher.listing_failed(dir_key or "", f"no answer within {self.timeout:.0f}s")
+                self._tell_status(directory, f"no answer within {self.timeout:.0f}s")
                 self._slow_until = time.monotonic() + self.backoff
             elif merged[0] and trio.current_time() - started <= self.wait:
                 self._slow_until = 0.0  # the remote answers in time again
@@ -325,6 +321,11 @@ class RemoteListings:
         if now - first >= LOST_CONFIRM_S and key not in self._lost_logged:
             self._lost_logged.add(key)
             log.error("event=object_lost key=%s note=gone from the remote, its manifest is not", key)
+
+    def _tell_status(self, directory: Inode, reason: str) -> None:
+        """A listing of ``directory`` that has not answered: status lists it (read_failed)."""
+        if self.links.fetcher is not None:
+            self.links.fetcher.listing_failed(self.namespace.path_of(directory) or "", reason)
 
     def _list_failed(self, dir_key: str, exc: Exception) -> bool:
         """A listing that could not be taken: logged, retried after the TTL; requests meanwhile
