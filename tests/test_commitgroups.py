@@ -462,6 +462,7 @@ def test_files_closed_in_no_journaled_round_join_one_when_the_mover_starts(tmp_p
         release.set()
         await until(lambda: b.durable(meta), "the marker once a's shards are durable")
         assert all(a.durable(ino) for ino in shards)
+        await until(lambda: keys(remote_dir, COMMITS_PREFIX), "the commit record (it follows the marker)")
         latest, _ = await find_latest(FileRemote(parse_remote_url(f"file://{remote_dir}")), "ck")
         assert latest is not None and latest.files == 5  # the marker, a's three shards, b's
 
@@ -690,7 +691,7 @@ def test_latest_replaced_by_a_drained_tmp_or_given_up_keeps_the_old_one_on_the_r
     async def scenario() -> None:
         a.write("ck/s1/shard_a", b"a1")
         first = a.write("ck/latest", b"s1")
-        await until(lambda: a.durable(first), "the first latest")
+        await until(lambda: a.durable(first) and keys(remote_dir, COMMITS_PREFIX), "the first latest, committed")
         lost, release = b.remote.hold("put", "ck/s2/shard_b")
         b.write("ck/s2/shard_b", b"b")
         await until(lambda: lost.is_set() and b.mover.groups.intent_out("ck/s2"), "b's intent, its shard stuck")
