@@ -26,7 +26,7 @@ from faultproxy import FaultProxy
 from s3server import fresh_bucket
 
 from burstfs.config import S3Options, parse_remote_url
-from burstfs.errors import CorruptDataError, FsError
+from burstfs.errors import CorruptDataError, FsError, RemoteError
 from burstfs.localtier import LocalTier
 from burstfs.objects import ChunkInfo, Manifest, ObjectStore, manifest_key
 from burstfs.remote import FileRemote, RetryPolicy
@@ -826,6 +826,45 @@ def test_a_stream_cut_mid_body_resumes_from_the_bytes_already_landed(
             resumed = [line for line in caplog.text.splitlines() if "event=stream_resumed key=cut.pt" in line]
             assert len(resumed) == 2 and "offset=0 " not in resumed[0]
         assert svc.tier.path(4).read_bytes() == content
+
+    run_async(body)
+
+
+def test_a_stream_that_goes_silent_after_a_cut_fails_its_read_and_frees_its_slot_within_the_stall_bound(
+    tmp_path: Path, s3_env: str, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stall bound runs from the last byte that landed, across resumes: a stream cut
+    mid-body whose resumed GET hangs gives up after READ_STALL_S of silence, not after a
+    read timeout per attempt (a black-holed prefetch failed 41 s after its last byte, its
+    message saying 30 s)."""
+    from burstfs.restore import state as restore_state
+    from burstfs.restore import stream as restore_stream
+
+    stall = 1.5
+    for module in (restore_service, restore_state, restore_stream):
+        monkeypatch.setattr(module, "READ_STALL_S", stall, raising=False)
+    journal = FakeJournal()
+    content = os.urandom(40 << 20)  # the cut comes after more than socket buffers hold: after the black hole
+
+    async def body() -> None:
+        async with s3_service(s3_env, proxy, journal, tmp_path) as svc:
+            await put_with_manifest(svc.store, "hang.pt", content, S3_CHUNK)
+            journal.add(9, "hang.pt", len(content))
+            proxy.reset_next(1, when="body", after=24 << 20, match="/ckpts/hang.pt ")
+            assert await svc.ensure_local(9, 0, 100) == S3_CHUNK  # the stream is open, waiting for its reader
+            proxy.blackhole()  # the resumed GET (and any ranged one) is never answered
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            with pytest.raises(RemoteError, match="sent nothing for"):
+                await svc.ensure_local(9, 0, len(content))
+            assert loop.time() - started < stall + 3.0  # S3's read timeout here is 20 s
+            for _ in range(60):
+                if svc.streams.active == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert svc.streams.active == 0  # the stream gave up too: its slot is free, its GET closed
+            assert S3_CHUNK < svc.fetched_bytes < len(content)  # it landed bytes before it went silent
+            proxy.resume()
 
     run_async(body)
 

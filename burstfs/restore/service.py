@@ -240,10 +240,11 @@ class RestoreService:
         progress: READ_STALL_S without a chunk landing (``first_wait`` for the first, which
         the open of the fetch already used part of) fails the read and, for UNANSWERED_MEMO_S,
         the file's next reads.  The chunks go on (other readers may share them)."""
+        loop = asyncio.get_running_loop()
         pending = set(needed)
-        wait = max(first_wait, 1.0)
+        deadline = loop.time() + max(first_wait, 1.0)
         while pending:
-            done, pending = await asyncio.wait(pending, timeout=wait)
+            done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - loop.time()))
             if not done:
                 error = RemoteError(
                     f"read {fetch.key}: remote {self.store.remote.url} sent nothing for {READ_STALL_S:.0f}s",
@@ -253,7 +254,7 @@ class RestoreService:
                 raise error
             if any(not f.cancelled() and f.exception() is None for f in done):
                 self._unanswered.clear()  # the remote answers again
-            wait = READ_STALL_S
+                deadline = loop.time() + READ_STALL_S  # only a chunk that landed is progress, not one that failed
         return [f.exception() if not f.cancelled() else asyncio.CancelledError() for f in needed]
 
     def _raise_if_unanswered(self, ino: int) -> None:

@@ -123,11 +123,24 @@ class Stream:
     landed_bytes: int = 0  # of the chunk landing now, already on the tier and hashed
     hasher: xxhash.xxh3_64 = dataclasses.field(default_factory=xxhash.xxh3_64)  # of those bytes
     skipping: bool = False  # the chunk landing now is present or fetched by a ranged GET: read past it
+    progressed_at: float = 0.0  # loop time of the last byte landed (or of the reader letting the stream go on)
+    stall_guard: asyncio.Timeout | None = None  # of the GET under way: expires READ_STALL_S after progressed_at
 
     def extend(self, limit: int) -> None:
         if limit > self.limit:
             self.limit = limit
             self.moved.set()
+
+    def progressed(self) -> None:
+        """Bytes landed (or the reader let the stream go on): the stall bound starts again."""
+        self.progressed_at = asyncio.get_running_loop().time()
+        if self.stall_guard is not None:
+            self.stall_guard.reschedule(self.progressed_at + READ_STALL_S)
+
+    def waiting_for_reader(self) -> None:
+        """The stream waits for its reader, not for the remote: no stall bound meanwhile."""
+        if self.stall_guard is not None:
+            self.stall_guard.reschedule(None)
 
 
 class OwnedTasks:

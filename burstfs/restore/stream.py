@@ -20,7 +20,16 @@ from ..errors import CorruptDataError, RemoteError
 from ..objects import ObjectStore
 from ..remote.retry import describe_error
 from .datafiles import DataFiles
-from .state import MAX_STREAMS, STREAM_IDLE_S, STREAM_PIECE, FileFetch, OwnedTasks, Stream, pass_outcome
+from .state import (
+    MAX_STREAMS,
+    READ_STALL_S,
+    STREAM_IDLE_S,
+    STREAM_PIECE,
+    FileFetch,
+    OwnedTasks,
+    Stream,
+    pass_outcome,
+)
 from .verify import check_digest
 
 log = logging.getLogger("burstfs.restore")
@@ -102,23 +111,29 @@ class Streams:
         remote, retry = self.store.remote, self.store.retry
         failures, landed_at_failure = 0, -1
         loop = asyncio.get_running_loop()
-        stalled_since = loop.time()
+        stream.progressed_at = loop.time()
         while stream.next_chunk < stream.end_chunk:
             position = fetch.chunk_start(stream.next_chunk) + stream.landed_bytes
+            # Bounded from the last byte that landed, across resumes: a GET that hangs after a
+            # cut waits out no read timeout beyond READ_STALL_S of silence in all.
+            guard = stream.stall_guard = asyncio.timeout_at(stream.progressed_at + READ_STALL_S)
             try:
-                if not await self._stream_body(fetch, stream, position):
-                    return  # the reader went idle, or the rest is here
+                async with guard:
+                    if not await self._stream_body(fetch, stream, position):
+                        return  # the reader went idle, or the rest is here
             except Exception as exc:
+                here = fetch.chunk_start(stream.next_chunk) + stream.landed_bytes
+                what = f"get {fetch.key} bytes {here}-{fetch.chunk_start(stream.end_chunk)}"
+                if guard.expired():
+                    raise RemoteError(
+                        f"{what}: remote {remote.url} sent nothing for {READ_STALL_S:.0f}s", kind="unavailable"
+                    ) from exc
                 if not remote.is_temp_failure(exc):
                     raise
-                here = fetch.chunk_start(stream.next_chunk) + stream.landed_bytes
                 failures = 1 if here != landed_at_failure else failures + 1  # progress restarts the count
-                if failures == 1:
-                    stalled_since = loop.time()
                 landed_at_failure = here
-                what = f"get {fetch.key} bytes {here}-{fetch.chunk_start(stream.end_chunk)}"
                 delay = retry.backoff(failures)
-                spent = retry.budget is not None and loop.time() - stalled_since + delay >= retry.budget
+                spent = retry.budget is not None and loop.time() - stream.progressed_at + delay >= retry.budget
                 if failures >= retry.attempts or spent:
                     raise RemoteError(
                         f"{what}: remote {remote.url} unavailable after {failures} attempts: {describe_error(exc)}",
@@ -158,6 +173,7 @@ class Streams:
                         await self.data_files.write(fetch, take, at, stream.hasher)
                         self.fetched_bytes += len(take)
                     stream.landed_bytes += len(take)
+                    stream.progressed()
                     if at + len(take) < fetch.chunk_start(index + 1):
                         continue
                     if not stream.skipping:
@@ -186,9 +202,12 @@ class Streams:
         """Wait (the GET stays open) until the reader lets the next chunk start; False once idle."""
         while fetch.chunk_start(stream.next_chunk) >= stream.limit:
             stream.moved.clear()
+            stream.waiting_for_reader()
             try:
                 await asyncio.wait_for(stream.moved.wait(), self.idle_s)
             except TimeoutError:
                 log.info("event=stream_idle key=%s offset=%d", fetch.key, fetch.chunk_start(stream.next_chunk))
                 return False
+            finally:
+                stream.progressed()
         return True
