@@ -77,6 +77,7 @@ class FaultProxy:
         self.port = 0
         #: Request lines seen, in order, and how many faults were injected.
         self.requests: list[str] = []
+        self.heads: list[tuple[str, dict[str, str]]] = []  # request line and headers (lower-case names)
         self.injected = 0
         #: "blackhole" | "pause" | None: what happens to every new request (see blackhole()).
         self._mode: str | None = None
@@ -230,6 +231,8 @@ class FaultProxy:
         # Without a length (chunked), the body is copied until the response is done.
         body_length = None if "transfer-encoding" in headers else int(headers.get("content-length", "0"))
         expects_continue = headers.get("expect", "").lower() == "100-continue"
+        with self._lock:
+            self.heads.append((request_line, headers))
         rule = self._take(request_line)
 
         if rule is not None and rule.kind == "stall":
