@@ -375,7 +375,9 @@ class CommitGroups:
                 earlier = group
                 group = OwnGroup(dir_key, new_round_id(), time.time())
                 if earlier is not None:
-                    group.previous = [*([] if earlier.done else earlier.previous), earlier.round]
+                    # After its done, what is left of its earlier rounds are records a failed
+                    # delete kept: this round's done tries again.
+                    group.previous = [*earlier.previous, earlier.round]
                     if not earlier.done:  # its done is not out (yet): its files are waited for here too
                         group.members |= earlier.members
                 self.groups[dir_key] = group
@@ -676,15 +678,26 @@ class CommitGroups:
 
     async def _drop_earlier(self, remote: Remote, group: OwnGroup) -> None:
         """This node's earlier rounds in the directory are over once this done is out: their
-        records go (only ours, ever; best effort: a record left is one more complete round)."""
-        for round_id in group.previous:
-            for kind in (INTENT, DONE_RECORD):
-                key = record_key(group.dir_key, self.node_id, round_id, kind)
-                with contextlib.suppress(RemoteError):
-                    await self.retry.call(remote, remote.delete, key, what=f"delete {key}")
-                self._done_files.pop(key, None)
+        records go (only ours, ever), the intent first.  A round whose intent could not be
+        deleted keeps its done too (an intent without its done is an unfinished round that
+        would hold every later marker above it for good; the pair left is one more complete
+        round) and stays earlier, so the next done tries again.  A done left without its
+        intent is no round at all."""
+        dropped = set()
+        for round_id in list(group.previous):
+            intent = record_key(group.dir_key, self.node_id, round_id, INTENT)
+            try:
+                await self.retry.call(remote, remote.delete, intent, what=f"delete {intent}")
+            except RemoteError as exc:
+                log.warning("event=group_record_kept key=%s reason=%r", intent, str(exc))
+                continue
+            done = record_key(group.dir_key, self.node_id, round_id, DONE_RECORD)
+            with contextlib.suppress(RemoteError):
+                await self.retry.call(remote, remote.delete, done, what=f"delete {done}")
+            self._done_files.pop(done, None)
+            dropped.add(round_id)
         with self._lock:
-            group.previous = []
+            group.previous = [round_id for round_id in group.previous if round_id not in dropped]
             self._dirty.add(group.dir_key)
 
     # -- the marker gate ---------------------------------------------------------------

@@ -295,6 +295,43 @@ def test_a_rewrite_of_the_same_directory_is_a_new_round(tmp_path: Path) -> None:
     run_nodes([a, b], scenario)
 
 
+def test_an_earlier_rounds_intent_that_cannot_be_deleted_keeps_its_done_and_holds_no_marker(tmp_path: Path) -> None:
+    """Found in an acceptance pass: three 503s on the delete of an earlier round's intent, then
+    its done deleted, left an intent without a done: an unfinished round of this very node, and
+    the next marker in (or above) the directory waited for it for good, remounts included."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    a = Node(tmp_path, "a", remote_dir)
+    refusing = [True]
+    delete = a.remote.delete
+
+    async def flaky_delete(key: str) -> None:
+        if refusing[0] and key.endswith(".intent"):
+            raise RemoteError(f"delete {key}: SlowDown", kind="unavailable")
+        await delete(key)
+
+    a.remote.delete = flaky_delete  # type: ignore[method-assign]
+
+    def records(kind: str) -> set[str]:
+        return {k for k in keys(remote_dir, GROUPS_PREFIX + "out/a@") if k.endswith("." + kind)}
+
+    async def scenario() -> None:
+        first = a.write("out/a.bin", b"a" * 100)
+        await until(lambda: a.durable(first) and len(records("done")) == 1, "round 1 done")
+        second = a.write("out/b.bin", b"b" * 100)
+        await until(lambda: a.durable(second) and len(records("done")) == 2, "round 2 done")
+        await asyncio.sleep(0.3)  # round 1's records: the intent's delete failed, so its done stays
+        assert len(records("intent")) == 2 and len(records("done")) == 2
+        marker = a.write("out/.metadata", b"m")
+        await until(lambda: a.durable(marker), "the marker, not held by the node's own earlier round")
+        refusing[0] = False
+        third = a.write("out/c.bin", b"c" * 100)
+        await until(lambda: a.durable(third) and len(records("intent")) == 1, "the kept round dropped by the next done")
+        assert len(records("done")) == 1
+
+    run_nodes([a], scenario)
+
+
 def test_a_file_that_cannot_drain_holds_the_marker_and_a_marker_alone_needs_no_round(tmp_path: Path) -> None:
     """A closed round member that never becomes durable (its drain failed) means no done: the
     other node's marker waits; a node that only writes markers publishes no intent at all."""
