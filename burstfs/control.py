@@ -302,7 +302,7 @@ class ControlServer:
             doc["drain"].update(
                 outage=outage,
                 throughput_bps=throughput,
-                eta_s=None if held else drain_eta(doc["states"], throughput),
+                eta_s=None if held else drain_eta(doc["states"], throughput, stats.landed_in_flight()),
                 files_drained=stats.files_drained,
                 bytes_drained=stats.bytes_drained,
                 halted=stats.halted,

@@ -143,6 +143,7 @@ class ObjectStore:
         compress: str | None = None,
         cancel_check: Callable[[], Awaitable[bool]] | None = None,
         pace: Callable[[], Awaitable[None]] | None = None,
+        sent: Callable[[int], None] | None = None,
     ) -> Manifest:
         """Upload the staged file at ``path`` to ``key`` and write its manifest.
 
@@ -164,6 +165,8 @@ class ObjectStore:
         A multipart upload awaits ``pace()`` before it reads each chunk and before it
         sends each part, and the whole-file pass before each window (the drain yields
         to writers with it: only the reads and sends already started go on).
+        ``sent(n)`` hears of the file's bytes each part (or the single PUT) took to the
+        remote, as they land: the drain's rate while a large file is under way.
         """
         if compress not in (None, "lz4"):
             raise ValueError(f"unknown compression {compress!r}")
@@ -195,8 +198,10 @@ class ObjectStore:
         try:
             if reader.count <= 1:
                 chunks = await self._put_whole(key, reader, cancel_check)
+                if sent is not None:
+                    sent(size)
             else:
-                chunks = await self._put_multipart(key, reader, concurrency, cancel_check, pace)
+                chunks = await self._put_multipart(key, reader, concurrency, cancel_check, pace, sent)
             if whole is not None:
                 digest = await whole
             else:
@@ -248,6 +253,7 @@ class ObjectStore:
         concurrency: int,
         cancel_check: Callable[[], Awaitable[bool]] | None,
         pace: Callable[[], Awaitable[None]] | None = None,
+        sent: Callable[[int], None] | None = None,
     ) -> list[ChunkInfo]:
         """Read, check and encode chunks in threads and upload them as parts, memory bounded.
 
@@ -296,31 +302,34 @@ class ObjectStore:
                 await budget.acquire(reader.length(index))
                 reads.put_nowait(group.create_task(read(index)))
 
-        async def send(number: int, offset: int, data: bytes) -> None:
+        async def send(number: int, offset: int, data: bytes, file_bytes: int) -> None:
             try:
                 what = f"upload {key} part {number}"
                 parts.append(await self._call(self.remote.upload_part, key, upload_id, number, offset, data, what=what))
+                if sent is not None:
+                    sent(file_bytes)
             finally:
                 budget.release(len(data))
                 upload_slots.release()
 
         async def assemble(group: asyncio.TaskGroup) -> None:
             buffer: list[bytes] = []
-            buffered = offset = number = 0
+            buffered = offset = number = file_bytes = 0
             for index in range(count):
                 info, data = await (await reads.get())
                 budget.release(reader.length(index) - len(data))  # keep only what compression left
                 chunks.append(info)
                 buffer.append(data)
                 buffered += len(data)
+                file_bytes += reader.length(index)
                 if buffered >= target or index == count - 1:
                     if pace is not None:
                         await pace()
                     await upload_slots.acquire()
                     number += 1
-                    group.create_task(send(number, offset, b"".join(buffer)))
+                    group.create_task(send(number, offset, b"".join(buffer), file_bytes))
                     offset += buffered
-                    buffer, buffered = [], 0
+                    buffer, buffered, file_bytes = [], 0, 0
 
         try:
             async with fail_fast_group() as group:

@@ -210,13 +210,16 @@ def _held_bytes(journal: Journal, data_dir: Path) -> int:
     return total
 
 
-def drain_eta(states: Mapping[FileState, Mapping[str, int]], throughput_bps: float | None) -> float | None:
-    """Seconds until the queued bytes of ``states`` (a status document's) are drained at
-    ``throughput_bps``: 0 when nothing is queued, None when the rate is unknown or zero."""
+def drain_eta(
+    states: Mapping[FileState, Mapping[str, int]], throughput_bps: float | None, landed: int = 0
+) -> float | None:
+    """Seconds until the queued bytes of ``states`` (a status document's), less the ``landed``
+    bytes of uploads under way, are drained at ``throughput_bps``: 0 when nothing is queued,
+    None when the rate is unknown or zero."""
     queued = sum(states[s]["bytes"] for s in QUEUED)
     if not queued:
         return 0.0
-    return queued / throughput_bps if throughput_bps else None
+    return max(queued - landed, 0) / throughput_bps if throughput_bps else None
 
 
 def journal_status(journal: Journal, cache_dir: Path) -> dict[str, Any]:

@@ -565,9 +565,33 @@ def test_the_drain_rate_is_zero_during_an_outage_in_status_and_the_metric() -> N
 
     stats = MoverStats()
     stats.bytes_drained_recent.append((time.time() - 5, 50 << 20))
+    stats.bytes_sent_recent.append((time.time() - 5, 50 << 20))
     assert drain_rate(stats, outage_of(stats)) > 0
     stats.error("unavailable", "s3://b: put: 503 Service Unavailable")
     assert drain_rate(stats, outage_of(stats)) == 0.0
+
+
+def test_the_drain_rate_counts_parts_as_they_land_and_the_eta_what_is_left() -> None:
+    """Found in an acceptance pass: with one 96 MiB upload under way and a tiny file durable
+    just before, status said "0 B/s, ETA 161867h" (the rate counted only whole files, over
+    30 s), and the file was durable a second later."""
+    from burstfs.journal import DRAINING, FILE_STATES
+    from burstfs.mover import MoverStats
+    from burstfs.status import drain_eta
+
+    stats = MoverStats()
+    now = time.time()
+    for age in (3.0, 2.0, 1.0, 0.0):  # four 8 MiB parts of one file, one a second
+        stats.bytes_sent_recent.append((now - age, 8 << 20))
+    rate = stats.throughput()
+    assert 7 << 20 < rate < 9 << 20, rate  # 8 MiB/s: not averaged over the 30 s window
+    stats.sent(5, 8 << 20)
+    stats.sent(5, 8 << 20)
+    states = {s: {"files": 0, "bytes": 0} for s in FILE_STATES}
+    states[DRAINING] = {"files": 1, "bytes": 96 << 20}
+    assert drain_eta(states, 8 << 20, stats.landed_in_flight()) == 10.0  # 80 MiB left of it
+    stats.upload_over(5)
+    assert stats.landed_in_flight() == 0
 
 
 def test_outage_headline_comes_while_requests_are_still_retried() -> None:

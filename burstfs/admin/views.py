@@ -14,7 +14,7 @@ import click
 
 from ..cachelock import CacheLock
 from ..errors import THROTTLED
-from ..journal import FILE_STATES
+from ..journal import FILE_STATES, QUEUED
 from ..progress import Progress, fmt_bytes, fmt_duration
 from ..status import (
     LOCAL_TIER_KIND,
@@ -98,7 +98,8 @@ def _print_status(doc: dict[str, Any]) -> None:
             f"{headline} since {fmt_time(outage['since'])}: {outage['reason']}  (nothing drained since; {count})"
         )
     if doc["live"]:
-        eta = "nothing to drain" if drain["eta_s"] == 0 else f"ETA {fmt_duration(drain['eta_s'])}"
+        queued = any(states[s]["files"] for s in QUEUED)  # ETA 0 with files queued: their last requests
+        eta = "nothing to drain" if drain["eta_s"] == 0 and not queued else f"ETA {fmt_duration(drain['eta_s'])}"
         click.echo(
             f"drain: {fmt_bytes(drain['throughput_bps'])}/s, {eta}; "
             f"{drain['files_drained']} files ({fmt_bytes(drain['bytes_drained'])}) drained since mount"

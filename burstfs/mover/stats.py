@@ -21,6 +21,14 @@ class MoverStats:
     bytes_drained_recent: collections.deque[tuple[float, int]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=256)
     )
+    #: (time, file bytes) of each part or single PUT as it landed: the rate, which a large
+    #: file under way moves long before it is durable.
+    bytes_sent_recent: collections.deque[tuple[float, int]] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=4096)
+    )
+    #: Of each upload under way (by inode), the file bytes already on the remote: the ETA
+    #: counts only what is left of it.
+    sent_in_flight: dict[int, int] = dataclasses.field(default_factory=dict)
     errors_by_kind: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     # (time recorded, kind, message): the kind says what failed (``unavailable``: the
     # remote did not answer after retries) without matching message text.
@@ -40,13 +48,31 @@ class MoverStats:
     )
     halted: str | None = None  # the permanent error that stopped the drain
 
+    def sent(self, ino: int, file_bytes: int) -> None:
+        """A part (or a whole small file) of the upload of ``ino`` landed on the remote."""
+        self.bytes_sent_recent.append((time.time(), file_bytes))
+        self.sent_in_flight[ino] = self.sent_in_flight.get(ino, 0) + file_bytes
+
+    def upload_over(self, ino: int) -> None:
+        """The upload of ``ino`` ended (durable, requeued or failed)."""
+        self.sent_in_flight.pop(ino, None)
+
+    def landed_in_flight(self) -> int:
+        """File bytes of the uploads under way that are on the remote already (any thread)."""
+        return sum(list(self.sent_in_flight.values()))
+
     def throughput(self, window: float = 30.0) -> float:
-        """Bytes per second drained over the last ``window`` seconds."""
+        """Bytes per second sent to the remote over the last ``window`` seconds (parts as they
+        land: a 100 GiB file under way is not a rate of 0 until its last part)."""
         now = time.time()
-        recent = [(t, n) for t, n in list(self.bytes_drained_recent) if now - t <= window]
+        recent = [(t, n) for t, n in list(self.bytes_sent_recent) if now - t <= window]
         if not recent:
             return 0.0
-        return sum(n for _, n in recent) / max(window if len(recent) > 1 else 1.0, now - recent[0][0], 1.0)
+        if len(recent) == 1:
+            return recent[0][1] / max(now - recent[0][0], 1.0)
+        # Since the first landing in the window (its bytes went out before it): a drain that
+        # began 3 s ago is not averaged over 30 s, and an idle spell since lowers the rate.
+        return sum(n for _, n in recent[1:]) / max(now - recent[0][0], 1.0)
 
     def read_error(self, message: str, kind: str = CORRUPT_READ_KIND) -> None:
         """Record a read that failed on a corrupt object, or (``READ_FAILED_KIND``) a read or

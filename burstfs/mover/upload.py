@@ -51,6 +51,7 @@ class FileDrain:
                 compress=self.mover.options.compress,
                 cancel_check=functools.partial(self._superseded, ino, generation),
                 pace=self._yield_to_writers,
+                sent=functools.partial(self.mover.stats.sent, ino),
             )
             # Digests taken during the upload are journaled with its record (for verify and the xattr).
             taken = None
@@ -98,6 +99,7 @@ class FileDrain:
                 await self._fail(ino, generation, exc)
         finally:
             self.mover.in_flight.pop(ino, None)
+            self.mover.stats.upload_over(ino)
             self.mover.upload_ended(row.size)
 
     async def _yield_to_writers(self) -> None:
