@@ -304,7 +304,8 @@ class FaultProxy:
             return
         writer.write(_with_connection_close(head))
         if rule is not None and rule.kind == "reset":  # when="body": part of the body, then the reset
-            await _copy(up_reader, writer, rule.after)
+            length = headers.get("content-length")  # a shorter body goes whole: never wait for more
+            await _copy(up_reader, writer, rule.after if length is None else min(rule.after, int(length)))
             await writer.drain()
             _reset(writer)
             return
