@@ -74,6 +74,7 @@ class TierCapacity:
         self.local_bytes = sum(inode.accounted for inode in inodes.values())
         self._space_freed = trio.Event()
         self._full_waited: dict[int, float] = {}  # ino -> seconds its writes waited on a full tier
+        self._full_failed_at: dict[int, float] = {}  # ino -> when its wait ran out (monotonic)
         self._fetched_into: set[int] = set()  # files not (yet) local that a fetch claimed room for
         self._fetching: dict[int, int] = {}  # ino -> fetches of it under way (ensure_local calls)
         self._stopping = False  # the mount is stopping: no write waits for the drain any more
@@ -186,7 +187,13 @@ class TierCapacity:
                         )
                         raise NoSpaceError("local tier full of data not yet durable, and the mount is stopping")
                     if time.monotonic() >= deadline:
-                        if spent < self.policy.full_timeout:
+                        first = spent < self.policy.full_timeout
+                        if inode is not None:
+                            spent = self.policy.full_timeout  # budget spent: no more waiting for this file
+                            self._full_failed_at[inode.ino] = time.monotonic()
+                        if not await self._drain_may_free_room():
+                            self._held_by_open_files(nbytes, inode, first)
+                        if first:
                             log.error(
                                 "event=tier_full bytes=%d used=%d limit=%s ino=%s action=ENOSPC "
                                 "note=later writes of this file that do not fit fail at once until it is emptied",
@@ -195,8 +202,6 @@ class TierCapacity:
                                 self.policy.cache_size,
                                 inode.ino if inode else None,
                             )
-                        if inode is not None:
-                            spent = self.policy.full_timeout  # budget spent: no more waiting for this file
                         raise NoSpaceError("local tier full of data not yet durable")
                     if not waited:
                         waited = True
@@ -216,14 +221,50 @@ class TierCapacity:
                     self._full_waited[inode.ino] = max(spent, spent + time.monotonic() - started)
         self.local_bytes += nbytes
 
+    async def _drain_may_free_room(self) -> bool:
+        """Whether the drain can make room: files not yet durable (evictable once drained)
+        or open for writing (they drain once closed).  Else what fills the tier is durable
+        copies of files held open and fetches in use: only their readers free it by closing
+        (another process's reader soon; a reader waiting on its own open files, never)."""
+        if any(inode.writers for inode in self.inodes.values()):
+            return True
+        undrained = await trio.to_thread.run_sync(self.journal.undrained)
+        return any(files for files, _ in undrained.values())
+
+    def _held_by_open_files(self, nbytes: int, inode: Inode | None, first: bool) -> None:
+        """The ENOSPC of a wait that ran out with nothing to drain: the room is open files'
+        (logged the first time only: the kernel's retries of the read fail at once)."""
+        held = sum(i.accounted for i in self.inodes.values() if i.kind == "file" and i.handles and i is not inode)
+        if first:
+            log.error(
+                "event=tier_full bytes=%d used=%d limit=%s ino=%s action=ENOSPC reason=held_by_open_files held=%d",
+                nbytes,
+                self.local_bytes,
+                self.policy.cache_size,
+                inode.ino if inode else None,
+                held,
+            )
+        off = "; eviction is off (--evict none)" if self.policy.evict == "none" else ""
+        raise NoSpaceError(
+            f"local tier full and no data waits to drain: {held} bytes of it are files open on this node "
+            f"(a durable copy is not evicted while open){off}; close files or raise --cache-size"
+        )
+
     async def account(self, inode: Inode, size: int) -> None:
         """Count ``inode`` as ``size`` bytes on the tier.  Concurrent writes to one
-        file claim disjoint increments, so nothing is counted twice."""
+        file claim disjoint increments, so nothing is counted twice.  A fetch that failed on
+        a full tier keeps its spent wait for ``full_timeout`` (the kernel asks again at once
+        after a failed read: one read(2) waited the timeout twice)."""
         need = size - inode.accounted
         if need <= 0:
             return
-        if inode.accounted == 0 and not inode.incomplete:  # written from empty: a fresh wait budget
-            self._full_waited.pop(inode.ino, None)
+        failed_at = self._full_failed_at.get(inode.ino)
+        recent_fetch_failure = (
+            not inode.local and failed_at is not None and time.monotonic() - failed_at < self.policy.full_timeout
+        )
+        if inode.accounted == 0 and not inode.incomplete and not recent_fetch_failure:
+            self._full_waited.pop(inode.ino, None)  # written (or fetched) from empty: a fresh wait budget
+            self._full_failed_at.pop(inode.ino, None)
         inode.accounted = size
         try:
             await self._reserve(need, inode)

@@ -380,11 +380,39 @@ def test_concurrent_restore_reads_do_not_overfill_the_tier(
     assert (reader.path / "next.pt").read_bytes() == fresh
 
 
+def test_a_read_whose_room_open_files_hold_fails_after_one_wait_and_says_so(
+    small_tier: Path, tmp_path: Path, mounted_factory: type[MountedFS]
+) -> None:
+    """Found in an acceptance pass: a reader holding two restored files open read a third
+    that did not fit beside them. The fetch waited --full-timeout for a drain with nothing to
+    drain, failed with "full of data not yet durable", and the kernel's retry of the read
+    waited the whole timeout again (one read(2): twice the timeout; an mmap reader: SIGBUS)."""
+    data = _remote_files(tmp_path, mounted_factory, {f"rank{i}.pt": 9 * MiB for i in range(3)})
+    reader = _on_tier(mounted_factory, small_tier, tmp_path, "--full-timeout", "2")
+    reader.mount()
+    held = [open(reader.path / name, "rb") for name in ("rank0.pt", "rank1.pt")]  # noqa: SIM115
+    try:
+        for f, name in zip(held, ("rank0.pt", "rank1.pt"), strict=True):
+            assert f.read() == data[name]
+        with pytest.raises(OSError) as failed:
+            (reader.path / "rank2.pt").read_bytes()
+        assert failed.value.errno == errno.ENOSPC
+        log = (reader.cache / "burstfs.log").read_text()
+        assert log.count("action=wait_for_drain") == 1, log  # the kernel's retry failed at once
+        assert log.count("reason=held_by_open_files") == 1 and "full of data not yet durable" not in log, log
+    finally:
+        for f in held:
+            f.close()
+    assert (reader.path / "rank2.pt").read_bytes() == data["rank2.pt"]  # their room is free once closed
+
+
 def test_a_prefetch_larger_than_the_tier_leaves_it_working(
     small_tier: Path, tmp_path: Path, mounted_factory: type[MountedFS]
 ) -> None:
     """`burstfs-admin prefetch` of four 8 MiB files onto a 24 MiB tier: its fetches filled the
-    tier at once, all failed, and the partial copies they left wedged every later read."""
+    tier at once, all failed, and the partial copies they left wedged every later read.  And
+    (an acceptance pass) it said "fetched 32.0 MiB in 4 files" with files it had evicted again
+    to fetch the others: it warns, and the JSON lists them."""
     data = _remote_files(tmp_path, mounted_factory, {f"shard{i}.bin": 8 * MiB for i in range(4)})
     reader = _on_tier(mounted_factory, small_tier, tmp_path, "--full-timeout", "30")
     reader.mount()
@@ -392,6 +420,15 @@ def test_a_prefetch_larger_than_the_tier_leaves_it_working(
         [str(BIN / "burstfs-admin"), "prefetch", str(reader.path)], capture_output=True, text=True, timeout=120
     )
     assert prefetch.returncode == 0, prefetch.stdout + prefetch.stderr
+    listing = subprocess.run(
+        [str(BIN / "burstfs-admin"), "ls", str(reader.path), "--json"], capture_output=True, text=True, check=True
+    )
+    not_local = [f for f in json.loads(listing.stdout)["files"] if f["state"] != "durable"]
+    assert not_local and "evicted again" in prefetch.stderr, (listing.stdout, prefetch.stderr)
+    again = subprocess.run(
+        [str(BIN / "burstfs-admin"), "prefetch", str(reader.path), "--json"], capture_output=True, text=True
+    )
+    assert json.loads(again.stdout)["evicted_again"], again.stdout
     for name, content in data.items():
         assert (reader.path / name).read_bytes() == content, name
     fresh = os.urandom(4 * MiB)  # within the headroom kept ahead of the writers (passthrough)
