@@ -430,13 +430,22 @@ class ControlServer:
         if client_gone:
             raise trio.BrokenResourceError("the client went away during prefetch")
         fetched = sum(r["bytes"] for r in results)
+        # A prefetch larger than the tier evicts its own earlier files to fetch the later ones.
+        inodes = {path: inode for path, inode in files}
+        evicted = sorted(r["path"] for r in results if r["ok"] and not inodes[r["path"]].local)
         log.info(
-            "event=control_prefetch files=%d bytes=%d failed=%d",
+            "event=control_prefetch files=%d bytes=%d failed=%d evicted_again=%d",
             len(files),
             fetched,
             sum(1 for r in results if not r["ok"]),
+            len(evicted),
         )
-        return {"schema": SCHEMA, "files": sorted(results, key=lambda r: r["path"]), "bytes": fetched}
+        return {
+            "schema": SCHEMA,
+            "files": sorted(results, key=lambda r: r["path"]),
+            "bytes": fetched,
+            "evicted_again": evicted,
+        }
 
     async def _verify(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:
         rels = self._rels(request)
