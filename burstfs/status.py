@@ -151,14 +151,14 @@ def outage_of(stats: Any, now: float | None = None) -> dict[str, Any] | None:
     """The drain's trouble since its last progress: ``{"since", "reason", "kind", "errors",
     "unreachable"}``, or None while files drain (or nothing failed).
 
-    Errors recorded after the newest durable file, the latest within
+    Errors recorded after the newest durable file (or part landed), the latest within
     OUTAGE_FRESH_S, make an outage.  It started at the first failed attempt of the
     retries that led to them (``MoverStats.retrying_since``), else at the first of them
     (``MoverStats.trouble_since``: the deque of recent errors forgets the oldest).
     ``unreachable`` comes from the error's kind, never from its message text.
     """
     now = time.time() if now is None else now
-    last_progress = max((t for t, _ in list(stats.bytes_drained_recent)), default=0.0)
+    last_progress = stats.last_progress()
     errors = [(t, k, m) for t, k, m in list(stats.recent_errors) if t > last_progress and k not in READ_KINDS]
     if not errors or now - errors[-1][0] > OUTAGE_FRESH_S:
         return _retrying(stats, last_progress, now)

@@ -577,7 +577,7 @@ def test_the_drain_rate_counts_parts_as_they_land_and_the_eta_what_is_left() -> 
     30 s), and the file was durable a second later."""
     from burstfs.journal import DRAINING, FILE_STATES
     from burstfs.mover import MoverStats
-    from burstfs.status import drain_eta
+    from burstfs.status import drain_eta, outage_of
 
     stats = MoverStats()
     now = time.time()
@@ -592,6 +592,10 @@ def test_the_drain_rate_counts_parts_as_they_land_and_the_eta_what_is_left() -> 
     assert drain_eta(states, 8 << 20, stats.landed_in_flight()) == 10.0  # 80 MiB left of it
     stats.upload_over(5)
     assert stats.landed_in_flight() == 0
+    stats.error("unavailable", "s3://b: put ck/x.intent: 503 SlowDown")
+    assert outage_of(stats) is not None
+    stats.sent(6, 8 << 20)  # a part landed since: the drain moves, no "nothing drained since" headline
+    assert outage_of(stats) is None
 
 
 def test_outage_headline_comes_while_requests_are_still_retried() -> None:

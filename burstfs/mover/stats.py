@@ -57,6 +57,10 @@ class MoverStats:
         """The upload of ``ino`` ended (durable, requeued or failed)."""
         self.sent_in_flight.pop(ino, None)
 
+    def last_progress(self) -> float:
+        """When the drain last got something onto the remote: a file durable, or a part landed."""
+        return max((t for t, _ in [*self.bytes_drained_recent, *self.bytes_sent_recent]), default=0.0)
+
     def landed_in_flight(self) -> int:
         """File bytes of the uploads under way that are on the remote already (any thread)."""
         return sum(list(self.sent_in_flight.values()))
@@ -95,7 +99,7 @@ class MoverStats:
         now = time.time()
         self.errors_by_kind[kind] += 1
         self.recent_errors.append((now, kind, message))
-        last_progress = self.bytes_drained_recent[-1][0] if self.bytes_drained_recent else 0.0
+        last_progress = self.last_progress()
         if self.trouble_since is None or self.trouble_since <= last_progress:  # a new run of failures
             self.trouble_since = now
 
