@@ -412,6 +412,13 @@ class CommitGroups:
         self._dirty.add(group.dir_key)
         return True
 
+    def announced_in(self, dir_key: str) -> bool:
+        """Whether this node announced a round in ``dir_key`` on the remote (an intent is out):
+        its files there reached (or are reaching) the remote, beside other nodes' (any thread)."""
+        with self._lock:
+            group = self.groups.get(dir_key)
+            return group is not None and (group.intent or bool(group.previous))
+
     def intent_out(self, dir_key: str) -> bool:
         """True unless this node's intent for ``dir_key`` is still to be published."""
         group = self.groups.get(dir_key)

@@ -141,7 +141,10 @@ class BurstCore:
         self.links.namespace_changed()
 
     async def rmdir(self, parent_ino: int, name: bytes) -> None:
-        await self._listed_in_full(self.namespace.child(parent_ino, name))
+        directory = self.namespace.child(parent_ino, name)
+        await self._listed_in_full(directory)
+        if directory.kind == "dir" and not directory.children:
+            await self.listings.list_before_removal(directory, self._announced_in(directory))
         await self.namespace.rmdir(parent_ino, name)
 
     async def rename(
@@ -156,6 +159,11 @@ class BurstCore:
                 self.orphans.note(replaced)
             self.links.namespace_changed()
             await self._join_rounds(self.namespace.child(new_parent_ino, new_name))
+
+    def _announced_in(self, directory: Inode) -> bool:
+        """This node announced a commit round in ``directory`` (its files there went out)."""
+        dir_key = self.namespace.path_of(directory)
+        return self.links.drain is not None and dir_key is not None and self.links.drain.announced_in(dir_key)
 
     def _named(self, parent_ino: int, name: bytes) -> Inode | None:
         """The inode ``name`` in ``parent_ino`` names now, if any (no remote lookup)."""

@@ -147,6 +147,9 @@ class DrainService:
 
         return await self.on_mover_loop(self.mover.retry_failed())
 
+    def announced_in(self, dir_key: str) -> bool:
+        return self.mover.groups.announced_in(dir_key)
+
     def writing_in(self, ino: int, dir_key: str, name: bytes) -> None:
         self.mover.bursts.opened(ino)
         self.mover.groups.writing_in(ino, dir_key, name)

@@ -39,6 +39,9 @@ class DrainHooks(Protocol):
         """``ino`` (named ``name``) is opened for writing in ``dir_key``: this node takes part
         in the checkpoint there (a cross-node commit round)."""
 
+    def announced_in(self, dir_key: str) -> bool:
+        """Whether this node's round in ``dir_key`` was announced on the remote."""
+
     def hold_drain(self, ino: int, generation: int) -> None:
         """``generation`` of ``ino`` was journaled by a close(2) (FLUSH): other descriptors of
         the open file may still write, so it drains only after :meth:`release_drain`."""

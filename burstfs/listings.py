@@ -125,6 +125,8 @@ class RemoteListings:
         # Directories whose entries are known: made here or listed (merged), in this life or an
         # earlier one (journaled: ops.KNOWN_DIR).
         self._seen: set[int] = journal.known_dirs()
+        # Directory -> when the last listing of it that merged started (this life of the daemon).
+        self._merged_at: dict[int, float] = {}
         # Another node's files (Inode.as_listed) -> the etag their object had when this mount first
         # listed them: a rewrite of the same size within the same second changes only that.
         self._etags: dict[int, str | None] = {}
@@ -138,8 +140,9 @@ class RemoteListings:
         self._emptied: dict[int, int] = journal.emptied_dirs()  # ino -> its mtime_ns then
         self._following: set[int] = set()
 
-    async def refresh_bounded(self, directory: Inode) -> bool:
-        """:meth:`refresh` for a request: wait at most ``wait`` for it.
+    async def refresh_bounded(self, directory: Inode, *, force: bool = False, despite_backoff: bool = False) -> bool:
+        """:meth:`refresh` for a request: wait at most ``wait`` for it (``force``: list even
+        within the TTL; ``despite_backoff``: wait even right after a failed or slow listing).
 
         The listing runs in its own task, so a slow or hung remote never holds a
         lookup or an opendir for long: past the bound, the request is answered
@@ -154,15 +157,15 @@ class RemoteListings:
         pending = self._in_flight.get(directory.ino)
         now = time.monotonic()
         if pending is None:
-            if not self._due(directory, now):
+            if not force and not self._due(directory, now):
                 return False
             never_listed = directory.listed_at == NEVER_LISTED
             wait = max(self.wait, self.first_wait) if never_listed else self.wait
             pending = (trio.Event(), [False], trio.current_time(), wait)  # trio's clock: move_on_at below
             self._in_flight[directory.ino] = pending
-            trio.lowlevel.spawn_system_task(self._list_in_background, directory, pending)
+            trio.lowlevel.spawn_system_task(self._list_in_background, directory, pending, force)
         done, merged, started, wait = pending
-        if now < self._slow_until:
+        if now < self._slow_until and not despite_backoff:
             return False  # the remote is slow or down: local work does not wait for it
         with trio.move_on_at(started + wait):
             await done.wait()
@@ -179,12 +182,14 @@ class RemoteListings:
         self._slow_until = max(self._slow_until, time.monotonic() + self.backoff)
         return False
 
-    async def _list_in_background(self, directory: Inode, pending: tuple[trio.Event, list[bool], float, float]) -> None:
+    async def _list_in_background(
+        self, directory: Inode, pending: tuple[trio.Event, list[bool], float, float], force: bool
+    ) -> None:
         """Run one listing, bounded by ``timeout`` (the remote's own retries may take minutes)."""
-        done, merged, started, _ = pending
+        done, merged, _, _ = pending
         try:
             with trio.move_on_after(self.timeout) as scope:
-                merged[0] = await self.refresh(directory)
+                merged[0] = await self.refresh(directory, force=force)
             if scope.cancelled_caught:
                 log.warning(
                     "event=list_failed dir_ino=%d error=no answer within %.0fs note=retried after the TTL",
@@ -193,8 +198,6 @@ class RemoteListings:
                 )
                 self._tell_status(directory, f"no answer within {self.timeout:.0f}s")
                 self._slow_until = time.monotonic() + self.backoff
-            elif merged[0] and trio.current_time() - started <= self.wait:
-                self._slow_until = 0.0  # the remote answers in time again
         except Exception as exc:  # a failed merge commit: retried after the TTL
             log.warning("event=listing_merge_failed dir_ino=%d error=%s", directory.ino, exc)
         finally:
@@ -285,9 +288,14 @@ class RemoteListings:
                     self._note_lost(key, now)
         for key in [key for key in self._lost_since if key.startswith(prefix) and key not in vanished]:
             del self._lost_since[key]  # deleted with its manifest since, or back
-        return await self._merge(
+        merged = await self._merge(
             directory, prefix, now, wanted_files, wanted_dirs, listed_dirs, remote_versions, own_durable
         )
+        if merged:
+            self._merged_at[directory.ino] = now
+            if time.monotonic() - now <= self.wait:
+                self._slow_until = 0.0  # the remote answers in time again
+        return merged
 
     async def refresh_path(self, rel: str) -> tuple[Inode, int]:
         """List ``rel`` (a path below the root) afresh, whatever the TTL: each directory on the
@@ -478,7 +486,39 @@ class RemoteListings:
         self._etags = {ino: etag for ino, etag in self._etags.items() if ino in alive}
         self._seen = {ino for ino in self._seen if ino in alive}
         self._emptied = {ino: mtime for ino, mtime in self._emptied.items() if ino in alive}
+        self._merged_at = {ino: at for ino, at in self._merged_at.items() if ino in alive}
         self._memo_sweep_at = max(MEMO_SWEEP_MIN, 2 * (len(self._etags) + len(self._seen)))
+
+    async def list_before_removal(self, directory: Inode, reached_remote: bool) -> None:
+        """``directory`` (empty here) is about to be removed: list it first unless a listing
+        merged within the TTL, bounded by ``--remote-wait`` even right after a failed one.
+        Other nodes' files in it (a step's shards: keep-last-N on one node prunes every
+        node's) show only in a listing: after one 503 on the listing of ``rm -r``, the rmdir
+        passed, their objects stayed on the remote for good and the step came back, torn, at
+        the next listing.  Merged now, they make the rmdir ENOTEMPTY (``rm -r`` again removes
+        them).  A remote that does not answer does not hold the rmdir (a save never waits for
+        a sick remote): logged, their files then stay on the remote.  Not asked at all: a
+        directory this life never listed, with no key of this node under it and where this
+        node's files never ``reached_remote`` (a save's temp directory)."""
+        if self.links.fetcher is None:
+            return
+        merged_at = self._merged_at.get(directory.ino)
+        if merged_at is not None and time.monotonic() - merged_at < self.ttl:
+            return
+        dir_key = self.namespace.path_of(directory)
+        if dir_key is None:
+            return
+        if (
+            merged_at is None
+            and not reached_remote
+            and not await trio.to_thread.run_sync(self.journal.keys.owned_under, dir_key)
+        ):
+            return
+        if not await self.refresh_bounded(directory, force=True, despite_backoff=True):
+            log.warning(
+                "event=rmdir_unlisted dir=%s note=the remote did not answer: other nodes' files there stay on it",
+                dir_key,
+            )
 
     def made_here(self, directory: Inode) -> None:
         """``directory`` was just made on this node: what it holds is known (nothing)."""

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -789,6 +790,44 @@ def test_a_step_pruned_elsewhere_leaves_a_node_that_only_lists_its_parent(
     assert state(n1, "ck/step_1/__1_0.distcp") is None
     assert state(n1, "ck/step_2/__1_0.distcp") == "durable"
     assert "event=deleted_elsewhere key=ck/step_1/__1_0.distcp" in n1.log_text()
+
+
+def test_a_step_removed_right_after_its_listing_failed_is_listed_again_first(
+    mounted_factory: type[MountedFS], bucket: Bucket
+) -> None:
+    """Found in an acceptance pass: one 503 on n0's listing of a step while keep-last-N removed
+    it. rmtree saw only n0's own shard, deleted it and removed the directory; n1's shard stayed
+    on the remote for good, and the step came back (torn: no .metadata) at the next listing.
+    The rmdir lists the directory again first (even right after a failed listing): n1's shard
+    makes it ENOTEMPTY, and rm -r again removes every node's shard.  A remote that does not
+    answer at all does not hold the rmdir (logged)."""
+    from faultproxy import FaultProxy
+
+    n1 = node(mounted_factory, bucket, "n1")
+    with FaultProxy(bucket.endpoint) as proxy:
+        n0 = mounted_factory(  # type: ignore[call-arg]
+            "n0", bucket.url, ("--endpoint-url", proxy.endpoint, "--node-id", "n0", "--list-ttl", "0.5")
+        )
+        n0.mount()
+        for step in (1, 2):
+            write(n0, f"ck/step_{step}/__0_0.distcp", shard(step, 0))
+            write(n1, f"ck/step_{step}/__1_0.distcp", shard(step, 1))
+        admin("wait", n0.path / "ck")
+        admin("wait", n1.path / "ck")
+        time.sleep(1.0)  # n0's listings of the steps are older than its TTL
+        proxy.fail_next(1, match="list-type=2")  # the listing of rm -r's opendir
+        with pytest.raises(OSError) as failed:
+            shutil.rmtree(n0.path / "ck/step_1")
+        assert failed.value.errno == errno.ENOTEMPTY
+        shutil.rmtree(n0.path / "ck/step_1")  # n1's shard is listed now, and goes with it
+        admin("wait", n0.path / "ck")
+        assert not [key for key in bucket.keys() if key.startswith("ck/step_1/")], bucket.keys()
+        time.sleep(1.0)
+        proxy.fail_next(50, match="list-type=2")  # down for good: the rmdir does not wait for it
+        shutil.rmtree(n0.path / "ck/step_2")
+        assert "event=rmdir_unlisted dir=ck/step_2" in n0.log_text()
+        proxy.clear()
+        n0.unmount()
 
 
 def test_a_step_emptied_by_deletes_elsewhere_goes_at_the_next_listing_after_a_restart(
