@@ -52,6 +52,9 @@ FIRST_LISTING_WAIT = 10.0
 LISTING_TIMEOUT = 30.0
 #: After a listing failed or was slow, requests wait for none for this long.
 LISTING_BACKOFF = 30.0
+#: An rmdir whose directory must be listed first tries for this long (or ``--remote-wait``),
+#: again and again while listings fail fast (throttling), then removes it anyway.
+REMOVAL_LIST_S = 3.0
 #: A directory of the remote no listing has reached yet (``unseen``) is listed again this
 #: soon after a failed attempt, not after the TTL: its lookups fail with EIO meanwhile.
 UNSEEN_RETRY_S = 1.0
@@ -496,8 +499,8 @@ class RemoteListings:
         node's) show only in a listing: after one 503 on the listing of ``rm -r``, the rmdir
         passed, their objects stayed on the remote for good and the step came back, torn, at
         the next listing.  Merged now, they make the rmdir ENOTEMPTY (``rm -r`` again removes
-        them).  A remote that does not answer does not hold the rmdir (a save never waits for
-        a sick remote): logged, their files then stay on the remote.  Not asked at all: a
+        them).  A remote that does not answer within REMOVAL_LIST_S does not hold the rmdir
+        longer (a save never waits for a sick remote): logged, their files then stay on it.  Not asked at all: a
         directory this life never listed, with no key of this node under it and where this
         node's files never ``reached_remote`` (a save's temp directory)."""
         if self.links.fetcher is None:
@@ -514,11 +517,17 @@ class RemoteListings:
             and not await trio.to_thread.run_sync(self.journal.keys.owned_under, dir_key)
         ):
             return
-        if not await self.refresh_bounded(directory, force=True, despite_backoff=True):
-            log.warning(
-                "event=rmdir_unlisted dir=%s note=the remote did not answer: other nodes' files there stay on it",
-                dir_key,
-            )
+        deadline = time.monotonic() + max(self.wait, REMOVAL_LIST_S)
+        pause = 0.1
+        while not await self.refresh_bounded(directory, force=True, despite_backoff=True):
+            if time.monotonic() + pause >= deadline:
+                log.warning(
+                    "event=rmdir_unlisted dir=%s note=the remote did not answer: other nodes' files there stay on it",
+                    dir_key,
+                )
+                return
+            await trio.sleep(pause)  # a burst of 503s (one attempt per listing): try again
+            pause *= 2
 
     def made_here(self, directory: Inode) -> None:
         """``directory`` was just made on this node: what it holds is known (nothing)."""
