@@ -192,7 +192,7 @@ class TierCapacity:
                             spent = self.policy.full_timeout  # budget spent: no more waiting for this file
                             self._full_failed_at[inode.ino] = time.monotonic()
                         if not await self._drain_may_free_room():
-                            self._held_by_open_files(nbytes, inode, first)
+                            self._fail_held_by_open_files(nbytes, inode, first)
                         if first:
                             log.error(
                                 "event=tier_full bytes=%d used=%d limit=%s ino=%s action=ENOSPC "
@@ -231,7 +231,7 @@ class TierCapacity:
         undrained = await trio.to_thread.run_sync(self.journal.undrained)
         return any(files for files, _ in undrained.values())
 
-    def _held_by_open_files(self, nbytes: int, inode: Inode | None, first: bool) -> None:
+    def _fail_held_by_open_files(self, nbytes: int, inode: Inode | None, first: bool) -> None:
         """The ENOSPC of a wait that ran out with nothing to drain: the room is open files'
         (logged the first time only: the kernel's retries of the read fail at once)."""
         held = sum(i.accounted for i in self.inodes.values() if i.kind == "file" and i.handles and i is not inode)

@@ -494,15 +494,16 @@ class RemoteListings:
 
     async def list_before_removal(self, directory: Inode, reached_remote: bool) -> None:
         """``directory`` (empty here) is about to be removed: list it first unless a listing
-        merged within the TTL, bounded by ``--remote-wait`` even right after a failed one.
-        Other nodes' files in it (a step's shards: keep-last-N on one node prunes every
-        node's) show only in a listing: after one 503 on the listing of ``rm -r``, the rmdir
-        passed, their objects stayed on the remote for good and the step came back, torn, at
-        the next listing.  Merged now, they make the rmdir ENOTEMPTY (``rm -r`` again removes
-        them).  A remote that does not answer within REMOVAL_LIST_S does not hold the rmdir
-        longer (a save never waits for a sick remote): logged, their files then stay on it.  Not asked at all: a
-        directory this life never listed, with no key of this node under it and where this
-        node's files never ``reached_remote`` (a save's temp directory)."""
+        merged within the TTL, even right after a failed one, trying again while listings
+        fail fast for up to REMOVAL_LIST_S (or ``--remote-wait``).  Other nodes' files in it
+        (a step's shards: keep-last-N on one node prunes every node's) show only in a
+        listing: after one 503 on the listing of ``rm -r``, the rmdir passed, their objects
+        stayed on the remote for good and the step came back, torn, at the next listing.
+        Merged now, they make the rmdir ENOTEMPTY (``rm -r`` again removes them).  A remote
+        that does not answer by then does not hold the rmdir longer (a save never waits for
+        a sick remote): logged, their files then stay on it.  Not asked at all: a directory
+        this life never listed, with no key of this node under it and where this node's
+        files never ``reached_remote`` (a save's temp directory)."""
         if self.links.fetcher is None:
             return
         merged_at = self._merged_at.get(directory.ino)
