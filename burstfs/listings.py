@@ -520,14 +520,23 @@ class RemoteListings:
             return
         deadline = time.monotonic() + max(self.wait, REMOVAL_LIST_S)
         pause = 0.1
-        while not await self.refresh_bounded(directory, force=True, despite_backoff=True):
+        while True:
+            in_flight = self._in_flight.get(directory.ino)
+            if in_flight is not None:  # a request's listing, still trying: its outcome, not a new one
+                done, merged, _, _ = in_flight
+                with trio.move_on_after(max(0.0, deadline - time.monotonic())):
+                    await done.wait()
+                if merged[0]:
+                    return
+            elif await self.refresh_bounded(directory, force=True, despite_backoff=True):
+                return
             if time.monotonic() + pause >= deadline:
                 log.warning(
                     "event=rmdir_unlisted dir=%s note=the remote did not answer: other nodes' files there stay on it",
                     dir_key,
                 )
                 return
-            await trio.sleep(pause)  # a burst of 503s (one attempt per listing): try again
+            await trio.sleep(pause)  # a longer burst of 503s than a listing's own tries: again
             pause *= 2
 
     def made_here(self, directory: Inode) -> None:

@@ -8,6 +8,7 @@ Sits between a client and moto::
         proxy.reset_next(1, when="response", match="partNumber=")
         proxy.reset_next(1, when="body", after=3 << 20)   # the response's first 3 MiB, then a reset
         proxy.delay_next(1, seconds=2.0)
+        proxy.flip_next(1, match="/a.pt ", at=100)  # one bit of the body's byte 100 flipped in transit
         proxy.stall_next(1, match="PUT ")  # read the head, then neither read the body nor answer
         proxy.blackhole()    # accept every connection, read it, never answer
         proxy.pause()        # hold every request until resume(), then forward it
@@ -45,7 +46,7 @@ Match = str | Callable[[str], bool] | None
 
 @dataclass
 class _Rule:
-    kind: str  # "fail" | "reset" | "delay" | "stall"
+    kind: str  # "fail" | "reset" | "delay" | "stall" | "flip"
     remaining: int
     match: Match
     status: int = 503
@@ -106,6 +107,11 @@ class FaultProxy:
         if when not in ("request", "response", "body"):
             raise ValueError(f"when must be 'request', 'response' or 'body', not {when!r}")
         self._add(_Rule("reset", n, match, when=when, after=after))
+
+    def flip_next(self, n: int, match: Match = None, at: int = 0) -> None:
+        """Flip one bit of byte ``at`` of the body of the next ``n`` matching responses (a
+        corruption in transit: the object on the server is intact)."""
+        self._add(_Rule("flip", n, match, after=at))
 
     def delay_next(self, n: int, seconds: float, match: Match = None) -> None:
         """Hold the response to the next ``n`` matching requests for ``seconds``."""
@@ -311,8 +317,13 @@ class FaultProxy:
             return
         status = int(status_line.split(" ")[1])
         if not (request_line.startswith("HEAD ") or status in (204, 304)):
-            length = headers.get("content-length")
-            await _copy(up_reader, writer, int(length) if length is not None else None)
+            length = None if headers.get("content-length") is None else int(headers["content-length"])
+            if rule is not None and rule.kind == "flip" and (length is None or rule.after < length):
+                await _copy(up_reader, writer, rule.after)
+                byte = await asyncio.wait_for(up_reader.readexactly(1), _IO_TIMEOUT)
+                writer.write(bytes([byte[0] ^ 0x40]))
+                length = None if length is None else length - rule.after - 1
+            await _copy(up_reader, writer, length)
         await writer.drain()
 
 

@@ -815,7 +815,7 @@ def test_a_step_removed_right_after_its_listing_failed_is_listed_again_first(
         admin("wait", n0.path / "ck")
         admin("wait", n1.path / "ck")
         time.sleep(1.0)  # n0's listings of the steps are older than its TTL
-        proxy.fail_next(4, match="list-type=2")  # rm -r's opendir listing, and the rmdir's first tries
+        proxy.fail_next(6, match="list-type=2")  # every try of rm -r's opendir listing
         with pytest.raises(OSError) as failed:
             shutil.rmtree(n0.path / "ck/step_1")
         assert failed.value.errno == errno.ENOTEMPTY

@@ -110,6 +110,27 @@ def test_second_node_with_fresh_cache_sees_and_reads_everything(
 
 
 @fuse
+@pytest.mark.parametrize("remote", ["s3"], indirect=True)
+def test_a_restore_rides_out_a_few_throttled_listings(mounted_factory: type[MountedFS], remote: RemoteTarget) -> None:
+    """A fresh node's first listing of a checkpoint directory answered 503 (SlowDown, as S3
+    does when many nodes list at once): the lookup failed EIO at once and the whole restore
+    with it.  A listing that fails fast is tried again within the request's wait."""
+    assert remote.proxy is not None
+    writer = mounted_factory("writer", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    writer.mount()
+    content = os.urandom(300_000)
+    (writer.path / "ck").mkdir()
+    (writer.path / "ck/a.pt").write_bytes(content)
+    wait_for(lambda: drained(writer, "a.pt"), what="drain")
+    writer.unmount()
+    reader = mounted_factory("reader", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    remote.proxy.fail_next(3, status=503, match=lambda line: "list-type=2" in line and "ck%2F" in line)
+    reader.mount()
+    assert (reader.path / "ck/a.pt").read_bytes() == content
+    assert remote.proxy.injected == 3
+
+
+@fuse
 def test_random_reads_fetch_only_what_they_touch(mounted_factory: type[MountedFS], remote: RemoteTarget) -> None:
     writer = mounted_factory("w", remote.url, (*remote.extra_args, "--part-size", "5M"))  # type: ignore[call-arg]
     writer.mount()
@@ -425,10 +446,10 @@ def test_one_ranged_get_serves_consecutive_chunks_and_a_bad_one_fails_only_itsel
         gets.clear()
         with pytest.raises(CorruptDataError, match=f"bytes {5 * CHUNK}-{6 * CHUNK}"):
             await svc.ensure_local(4, 3 * CHUNK, 6 * CHUNK)  # chunks 3..8
-        assert gets == [(3 * CHUNK, 9 * CHUNK)]
+        assert gets == [(3 * CHUNK, 9 * CHUNK), (5 * CHUNK, 6 * CHUNK)]  # the bad one once more, alone
         assert svc._files[4].present == {3, 4, 6, 7, 8}
         assert await svc.ensure_local(4, 6 * CHUNK, 2 * CHUNK) == 0  # the good ones are local: no GET
-        assert gets == [(3 * CHUNK, 9 * CHUNK)]
+        assert gets == [(3 * CHUNK, 9 * CHUNK), (5 * CHUNK, 6 * CHUNK)]
         await svc.aclose()
 
     run_async(body)
@@ -808,6 +829,37 @@ def test_a_streamed_chunk_that_does_not_match_is_a_clear_error_and_never_served(
     run_async(body)
 
 
+@pytest.mark.parametrize("how", ["stream", "ranged"])
+def test_a_chunk_damaged_in_transit_is_fetched_once_more_and_served_right(
+    tmp_path: Path, s3_env: str, proxy: FaultProxy, caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    """A bit flipped between the store and this node (the object is intact): the read failed
+    EIO although a second GET of the chunk would have matched.  A chunk that does not match is
+    fetched once more; only one that fails again is corrupt (the object itself: the test above)."""
+    journal = FakeJournal()
+    content = os.urandom(12 * S3_CHUNK)
+
+    async def body() -> None:
+        async with s3_service(s3_env, proxy, journal, tmp_path) as svc:
+            await put_with_manifest(svc.store, "flip.pt", content, S3_CHUNK)
+            journal.add(5, "flip.pt", len(content))
+            at = 5 * S3_CHUNK + 777
+            proxy.flip_next(1, match="/ckpts/flip.pt ", at=at if how == "stream" else 777)
+            with caplog.at_level(logging.WARNING, logger="burstfs"):
+                if how == "stream":
+                    assert await svc.ensure_local(5, 0, len(content)) == len(content)
+                else:  # a seek: ranged chunks
+                    await svc.ensure_local(5, 5 * S3_CHUNK + 10, 100)
+                    assert 5 in svc._files[5].present
+            assert proxy.injected == 1 and gets_of(proxy, "flip.pt") == 2
+            assert "event=chunk_refetched key=flip.pt" in caplog.text
+            if how == "ranged":
+                assert await svc.ensure_local(5, 0, len(content)) == len(content)
+        assert svc.tier.path(5).read_bytes() == content
+
+    run_async(body)
+
+
 def test_a_stream_cut_mid_body_resumes_from_the_bytes_already_landed(
     tmp_path: Path, s3_env: str, proxy: FaultProxy, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -919,7 +971,8 @@ def test_a_streamed_object_without_manifest_is_verified_against_journal_digests(
             bad = f"{6 * S3_CHUNK}-{7 * S3_CHUNK}" if chunks is not None else f"0-{len(content)}"
             with pytest.raises(CorruptDataError, match=f"bare.pt: bytes {bad} do not match"):
                 await svc.ensure_local(8, 0, len(content))
-            assert gets_of(proxy, "bare.pt") == 1 and journal.updates == []
+            # A chunk that does not match its journaled digest is streamed once more first.
+            assert gets_of(proxy, "bare.pt") == (2 if chunks is not None else 1) and journal.updates == []
             if chunks is not None:
                 assert 6 not in svc._files[8].present and set(range(6)) <= svc._files[8].present
             await svc.store.remote.put_object("bare.pt", content)  # repaired

@@ -34,7 +34,7 @@ from .state import (
     OwnedTasks,
 )
 from .stream import Streams
-from .verify import check_journal_chunk, verify_whole, without_manifest
+from .verify import check_journal_chunk, note_refetch, verify_whole, without_manifest
 
 log = logging.getLogger("burstfs.restore")
 
@@ -135,7 +135,7 @@ class RestoreService:
         return gone
 
     async def _list_dir_once(self, dir_key: str) -> Listing:
-        """list_dir's one attempt (``listing_retry``), without a bound of its own."""
+        """list_dir's tries (``listing_retry``), without a bound of its own."""
         remote = self.store.remote
         files, subdirs = await self.listing_retry.call(remote, remote.list_dir, dir_key, what=f"list {dir_key or '/'}")
         prefix = f"{dir_key}/" if dir_key else ""
@@ -404,12 +404,20 @@ class RestoreService:
         return task
 
     async def _fetch_chunks(self, fetch: FileFetch, first: int, stop: int) -> None:
-        """Chunks ``[first, stop)`` by one ranged GET; each that checks out lands and is present,
-        then the first one that did not raises (CorruptDataError)."""
+        """Chunks ``[first, stop)`` by one ranged GET (those that did not match: by one more);
+        each that checks out lands and is present, then the first one that did not raises
+        (CorruptDataError)."""
         problem: BaseException | None = None
         try:
             async with self._slots:  # held until the chunks are on the tier: bounds fetch memory
-                for index, data in await self._read_chunks(fetch, first, stop):
+                chunks = await self._read_chunks(fetch, first, stop)
+                bad = [index for index, data in chunks if isinstance(data, CorruptDataError)]
+                if bad:
+                    for index in bad:
+                        note_refetch(fetch, index)
+                    again = dict(await self._read_chunks(fetch, bad[0], bad[-1] + 1))
+                    chunks = [(index, again[index] if index in bad else data) for index, data in chunks]
+                for index, data in chunks:
                     if isinstance(data, BaseException):
                         problem = problem or data
                         continue

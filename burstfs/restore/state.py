@@ -43,10 +43,12 @@ VERIFY_READ_SIZE = 8 << 20
 # Written by a drain that compresses: its presence tells readers that listed
 # object sizes are stored sizes, not file sizes.
 LAYOUT_KEY = ".burstfs/layout.json"
-#: Listings answer requests (a lookup miss, an opendir): one attempt, bounded, never
-#: the drain's retry budget (8 attempts of up to 60 s each).  A failed listing is
-#: tried again by the core after its backoff; the drain keeps its own retries.
-LISTING_RETRY = RetryPolicy(attempts=1)
+#: Listings answer requests (a lookup miss, an opendir): a few quick tries (~3 s of backoff
+#: in all: one 503 SlowDown on a fresh node's first listing of a checkpoint failed its whole
+#: restore with EIO), within LISTING_ATTEMPT_TIMEOUT_S, never the drain's retry budget
+#: (8 attempts of up to 60 s each).  A listing that fails is tried again by the core after
+#: its backoff; the drain keeps its own retries.
+LISTING_RETRY = RetryPolicy(attempts=6, budget=5.0)
 #: Reads answer requests too (a read of a file that is not local waits for them): retried
 #: while the remote refuses or drops them (503s, resets), but not for longer than this in all,
 #: then EIO (a black-holed remote costs the S3 read timeout per attempt).
@@ -60,7 +62,7 @@ UNANSWERED_MEMO_S = 10.0
 #: made one read(2) take 100-120 s.  Progress (any chunk landing) restarts the wait: a
 #: whole-file fetch of a large file on a slow remote is not cut short.
 READ_STALL_S = READ_RETRY.budget or 30.0
-#: A listing attempt (with the manifests a compressed layout needs) gives up after this.
+#: A listing (all its tries, with the manifests a compressed layout needs) gives up after this.
 LISTING_ATTEMPT_TIMEOUT_S = 20.0
 
 
@@ -125,6 +127,7 @@ class Stream:
     skipping: bool = False  # the chunk landing now is present or fetched by a ranged GET: read past it
     progressed_at: float = 0.0  # loop time of the last byte landed (or of the reader letting the stream go on)
     stall_guard: asyncio.Timeout | None = None  # of the GET under way: expires READ_STALL_S after progressed_at
+    refetched: set[int] = dataclasses.field(default_factory=set)  # chunks that did not match once
 
     def extend(self, limit: int) -> None:
         if limit > self.limit:

@@ -30,7 +30,7 @@ from .state import (
     Stream,
     pass_outcome,
 )
-from .verify import check_digest
+from .verify import check_digest, note_refetch
 
 log = logging.getLogger("burstfs.restore")
 
@@ -153,7 +153,8 @@ class Streams:
         """One GET from ``position`` to the end of the stream's chunks; True if it must be resumed.
 
         Each piece is written and hashed (one thread hop) as it arrives; a chunk is
-        marked present only once all of it landed and its digest matched.  A chunk
+        marked present only once all of it landed and its digest matched (one that did not
+        is streamed once more before it is called corrupt).  A chunk
         that is already present, or being fetched by a ranged GET, is read past.
         """
         end = fetch.chunk_start(stream.end_chunk)
@@ -177,7 +178,15 @@ class Streams:
                     if at + len(take) < fetch.chunk_start(index + 1):
                         continue
                     if not stream.skipping:
-                        check_digest(fetch, index, stream.hasher.hexdigest())
+                        try:
+                            check_digest(fetch, index, stream.hasher.hexdigest())
+                        except CorruptDataError:
+                            if index in stream.refetched:
+                                raise
+                            stream.refetched.add(index)
+                            note_refetch(fetch, index)
+                            stream.landed_bytes = 0
+                            return True  # resumed from the chunk's first byte
                         fetch.present.add(index)
                     waiter = stream.waiters.pop(index, None)
                     if waiter is not None and not waiter.done():

@@ -71,6 +71,17 @@ def check_digest(fetch: FileFetch, index: int, digest: str) -> None:
     )
 
 
+def note_refetch(fetch: FileFetch, index: int) -> None:
+    """A chunk that did not match is fetched once more before it is called corrupt: a bit
+    flipped on the way (a plain-HTTP endpoint, a bad NIC) is not the object."""
+    log.warning(
+        "event=chunk_refetched key=%s ino=%d chunk=%d note=did not match its checksum, fetched once more",
+        fetch.key,
+        fetch.ino,
+        index,
+    )
+
+
 async def check_journal_chunk(fetch: FileFetch, index: int, data: bytes | memoryview) -> None:
     check_digest(fetch, index, await asyncio.to_thread(xxhash.xxh3_64_hexdigest, data))
 
