@@ -260,9 +260,11 @@ WAIT_NOTE_S = 30.0
 def _wait_durable(point: Path, timeout: float | None) -> None:
     """Block until every file of the mount is durable, as ``burstfs-admin wait`` does;
     incomplete files never drain, and markers of abandoned checkpoints are never published,
-    so they are left out (unmount reports them)."""
+    so they are left out (unmount reports them).  So are other nodes' files known here from
+    listings: none of their bytes is lost with this mount, and a move of one renamed here is
+    its owner's to make (it may never come: an epilog waited for it for good)."""
     from .admin.common import resolve, wait_durable
-    from .journal import INCOMPLETE
+    from .journal import INCOMPLETE, REMOTE
     from .status import Durability, wait_state
 
     said = [time.monotonic()]
@@ -280,7 +282,9 @@ def _wait_durable(point: Path, timeout: float | None) -> None:
         click.echo(f"burstfs: waiting for {what}; burstfs-admin status {point} says why", err=True)
 
     target = resolve([point], None)
-    outcome = wait_durable(target, timeout, say_what_it_waits_for, ignore=frozenset({INCOMPLETE}), skip_abandoned=True)
+    outcome = wait_durable(
+        target, timeout, say_what_it_waits_for, ignore=frozenset({INCOMPLETE, REMOTE}), skip_abandoned=True
+    )
     if outcome.result == "failed":
         why = (
             f"the drain is halted ({outcome.halted})"

@@ -249,6 +249,37 @@ def test_file_renamed_or_deleted_before_upload_leaves_no_stray_object(
     assert remote.multipart_uploads() == []
 
 
+@pytest.mark.parametrize("remote", ["s3"], indirect=True)
+def test_a_file_unlinked_while_its_upload_completes_is_gone_before_unmount_wait_returns(
+    mounted_factory: type[MountedFS], remote: RemoteTarget
+) -> None:
+    """(An acceptance pass.)  A shard removed while its CompleteMultipartUpload was in flight:
+    `burstfs-admin wait` said durable with 0 deletes and `unmount --wait` returned 0 while its
+    object was still on the remote, and a fresh node restored the removed file.  The delete
+    its upload's intent stands for is one the waits wait for."""
+    assert remote.proxy is not None
+    fs = mounted_factory("n", remote.url, (*remote.extra_args, "--part-size", "5M"))  # type: ignore[call-arg]
+    fs.mount()
+    (fs.path / "step_1").mkdir()
+    remote.proxy.delay_next(1, 3.0, match=lambda line: line.startswith("POST ") and "uploadId=" in line)
+    (fs.path / "step_1/shard.bin").write_bytes(os.urandom(12 << 20))
+    wait_for(
+        lambda: any(r.startswith("POST ") and "uploadId=" in r for r in remote.proxy.requests),  # type: ignore[union-attr]
+        what="the complete request sent",
+    )
+    os.unlink(fs.path / "step_1/shard.bin")
+    waited = subprocess.run(
+        [str(BIN / "burstfs-admin"), "wait", str(fs.path), "--timeout", "60", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert waited.returncode == 0, waited.stdout + waited.stderr
+    assert "step_1/shard.bin" not in remote.keys()
+    fs.unmount()
+    assert "step_1/shard.bin" not in remote.keys()
+
+
 def test_a_file_still_written_through_a_dup_drains_only_once_released(burst: MountedFS) -> None:
     """``cmd > file``: the shell closes its descriptor (a FLUSH) while the command's copy still
     writes.  The drain must not upload a snapshot taken mid-write nor call the file durable."""

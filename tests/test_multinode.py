@@ -671,6 +671,26 @@ def test_a_node_that_renames_the_temp_directory_first_waits_for_the_owner_to_mov
     assert {"ck/s1/__0_0.distcp", "ck/s1/__1_0.distcp"} <= bucket.keys()
 
 
+def test_unmount_wait_does_not_wait_for_another_nodes_file_it_may_not_move(
+    mounted_factory: type[MountedFS], bucket: Bucket
+) -> None:
+    """(An acceptance pass.)  n0 renamed a directory holding n1's files and n1 never renamed
+    it: the move is n1's to make, so n0's `unmount --wait` (a Slurm epilog, the packaged stop)
+    waited for it for good.  It waits for this node's data only; `burstfs-admin wait` still
+    waits for the owner (the test above)."""
+    n0 = node(mounted_factory, bucket, "n0", "--list-ttl", "0")
+    n1 = node(mounted_factory, bucket, "n1")
+    write(n1, "ck/step_1/sub/n1.bin", shard(1, 1))
+    admin("wait", n1.path / "ck/step_1")
+    write(n0, "ck/step_1/sub/n0.bin", shard(1, 0))
+    assert sorted(os.listdir(n0.path / "ck/step_1/sub")) == ["n0.bin", "n1.bin"]
+    (n0.path / "ck/step_1").rename(n0.path / "ck/step_1_old")
+    wait_for(lambda: "node n1's file" in admin("status", n0.path).stdout, timeout=30, what="n0's refused move")
+    stopped = burstfs("unmount", "--wait", "--wait-timeout", "20", str(n0.path), check=False, timeout=90)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert "ck/step_1_old/sub/n0.bin" in bucket.keys() and "ck/step_1/sub/n1.bin" in bucket.keys()
+
+
 def test_a_cache_keeps_its_node_id_while_its_rounds_are_open(mounted_factory: type[MountedFS], bucket: Bucket) -> None:
     """n1's shard is staged and its intent is out; its cache is mounted again as another node
     (moved to another host: the default id is the host name).  The done went out under the

@@ -23,6 +23,13 @@ _SUBTREE = """WITH RECURSIVE tree(ino) AS (
 #: Queued deletes of removed, replaced or moved files' objects; not the intents ('upload',
 #: 'move') that uploads and moves in flight leave for their own crash cleanup.
 _REMOVALS = "reason NOT IN ('upload', 'move')"
+#: What a wait waits for besides the files: the removals, and the intent of an upload whose
+#: file was unlinked while it ran (no linked file uploads to its key): a CompleteMultipartUpload
+#: answered after the unlink leaves an object that only that intent's delete removes.
+_WAITED_DELETES = (
+    f"({_REMOVALS} OR (reason='upload' AND NOT EXISTS "
+    "(SELECT 1 FROM inodes WHERE inodes.upload_key=remote_deletes.key AND inodes.parent!=0)))"
+)
 # Every file at or below a seed ``(ino, path)``, with its path: the walk behind relocations.
 _PATHS_BELOW = """WITH RECURSIVE paths(ino, path) AS (
        SELECT ?, ?
@@ -127,16 +134,16 @@ class KeyOwnership:
     def deletes_queued_under(self, rel: str) -> set[str]:
         """Keys whose remote delete is still queued, at or below ``rel`` ("" = everywhere) or
         the old objects of files moved to a key there (the remote shows a renamed checkpoint
-        only once its old name is gone): those of removed, replaced or moved files, not the
-        intents of uploads and moves in flight (their files are not durable yet: a wait waits
-        for them anyway)."""
+        only once its old name is gone): those of removed, replaced or moved files, and the
+        intents of uploads whose file was unlinked meanwhile; not the intents of uploads and
+        moves of live files (those files are not durable yet: a wait waits for them anyway)."""
         if not rel:
-            rows = self._db.query(f"SELECT key FROM remote_deletes WHERE {_REMOVALS}")
+            rows = self._db.query(f"SELECT key FROM remote_deletes WHERE {_WAITED_DELETES}")
         else:
             low, high = f"{rel}/", f"{rel}0"  # '0' sorts right after '/'
             rows = self._db.query(
                 f"SELECT key FROM remote_deletes WHERE (key=? OR (key >= ? AND key < ?) "
-                f"OR (reason='moved' AND (version=? OR (version >= ? AND version < ?)))) AND {_REMOVALS}",
+                f"OR (reason='moved' AND (version=? OR (version >= ? AND version < ?)))) AND {_WAITED_DELETES}",
                 (rel, low, high, rel, low, high),
             )
         return {str(row[0]) for row in rows}
