@@ -429,6 +429,7 @@ def test_a_prefetch_larger_than_the_tier_leaves_it_working(
         [str(BIN / "burstfs-admin"), "prefetch", str(reader.path), "--json"], capture_output=True, text=True
     )
     assert json.loads(again.stdout)["evicted_again"], again.stdout
+    assert "evicted again" in again.stderr, again.stderr  # --json warns on stderr too (ADMIN.md)
     for name, content in data.items():
         assert (reader.path / name).read_bytes() == content, name
     fresh = os.urandom(4 * MiB)  # within the headroom kept ahead of the writers (passthrough)

@@ -284,8 +284,10 @@ def test_a_journal_from_a_newer_burstfs_is_refused(tmp_path: Path) -> None:
     journal = Journal(tmp_path)
     journal.set_meta("schema_version", str(SCHEMA_VERSION + 1))
     journal.close()
-    with pytest.raises(ConfigError, match=f"schema {SCHEMA_VERSION + 1}"):
+    with pytest.raises(ConfigError, match=f"schema {SCHEMA_VERSION + 1}") as refused:
         Journal(tmp_path)
+    assert "a newer burstfs wrote this cache" in str(refused.value)  # and what to do (an acceptance pass)
+    assert "burstfs drain --cache DIR --now" in str(refused.value)
     with pytest.raises(ConfigError, match=f"schema {SCHEMA_VERSION + 1}"):
         Journal(tmp_path, readonly=True)
 

@@ -101,14 +101,14 @@ def prefetch(paths: tuple[Path, ...], cache: Path | None, as_json: bool) -> None
             f"fetched {fmt_bytes(doc['bytes'])} in {len(doc['files']) - failed} files"
             + (f"; {failed} failed" if failed else "")
         )
-        evicted = doc.get("evicted_again", [])  # absent from an older daemon's answer
-        if evicted:
-            click.echo(
-                f"burstfs-admin: warning: the local tier could not hold all of it: {len(evicted)} of the files "
-                f"fetched were evicted again to make room for the others (first: {shown(evicted[0])}); their "
-                "reads fetch them anew (raise --cache-size to keep a checkpoint this large local)",
-                err=True,
-            )
+    evicted = doc.get("evicted_again", [])  # absent from an older daemon's answer
+    if evicted:  # on stderr with --json too: a script may log stderr and parse only stdout
+        click.echo(
+            f"burstfs-admin: warning: the local tier could not hold all of it: {len(evicted)} of the files "
+            f"fetched were evicted again to make room for the others (first: {shown(evicted[0])}); their "
+            "reads fetch them anew (raise --cache-size to keep a checkpoint this large local)",
+            err=True,
+        )
     _per_file_failures(doc, "fetched")
 
 

@@ -127,7 +127,11 @@ def _recorded_version(db: sqlite3.Connection) -> int | None:
 
 def _refuse_newer(found: int | None, path: Path) -> None:
     if found is not None and found > SCHEMA_VERSION:
-        raise ConfigError(f"{path} has journal schema {found}; this burstfs reads up to {SCHEMA_VERSION}")
+        raise ConfigError(
+            f"{path} has journal schema {found}; this burstfs reads up to {SCHEMA_VERSION}: a newer burstfs "
+            "wrote this cache, and what it staged is still there. Mount it with that version, or drain it "
+            "with that version first (burstfs drain --cache DIR --now), then use this one"
+        )
 
 
 def check_readable(db: sqlite3.Connection, path: Path) -> None:
