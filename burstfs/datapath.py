@@ -203,6 +203,10 @@ class DataPath:
             await trio.to_thread.run_sync(self.tier.truncate, inode.ino, size)
         if inode.direct is not None:
             inode.direct.reopened_clean = False
+        # Our own change, not a direct writer's (the kernel holds the inode's lock through the
+        # truncate): adopted at the close, the data file's mtime replaced the one the kernel
+        # sends with it and keeps showing, and a remount showed another mtime.
+        self.io_paths.note_daemon_change(inode)
         # Growth adds a hole: nothing allocated, nothing counted (a file drains at its
         # logical size, but the tier holds only what was written).  Shrinking frees blocks.
         if size < inode.size:

@@ -111,6 +111,16 @@ class IOPaths:
         direct.reopened_clean = False
         return st
 
+    def note_daemon_change(self, inode: Inode) -> None:
+        """The daemon itself just changed the data file (a truncate): what it is now is seen, so
+        that :meth:`written_behind` does not take it for a direct writer's change."""
+        direct = inode.direct
+        fd = self.tier.fd(inode.ino)
+        if direct is None or not direct.writers or fd is None:
+            return
+        st = os.fstat(fd)
+        direct.seen = (st.st_size, st.st_mtime_ns)
+
     @staticmethod
     def writes_direct(inode: Inode) -> bool:
         """Some open handle of ``inode`` writes through passthrough (its bytes never reach the daemon)."""
