@@ -19,7 +19,7 @@ import trio
 import trio.lowlevel
 
 from .committer import GroupCommitter
-from .errors import FsError
+from .errors import THROTTLED, FsError
 from .hooks import DrainLinks, ListedFile
 from .journal import (
     META,
@@ -340,11 +340,14 @@ class RemoteListings:
 
     def _list_failed(self, dir_key: str, exc: Exception) -> bool:
         """A listing that could not be taken: logged, retried after the TTL; requests meanwhile
-        wait for none (``backoff``)."""
+        wait for none (``backoff``) -- unless the remote answered, throttling (503 SlowDown):
+        waiting for a listing costs its few quick tries then, and a fresh node's lookups in
+        every other directory would fail EIO at once for the whole backoff."""
         log.warning("event=list_failed dir=%s error=%s", dir_key or "/", exc)
         if self.links.fetcher is not None:
             self.links.fetcher.listing_failed(dir_key, str(exc))
-        self._slow_until = time.monotonic() + self.backoff
+        if getattr(exc, "kind", None) != THROTTLED:
+            self._slow_until = time.monotonic() + self.backoff
         return False
 
     async def _merge(

@@ -75,7 +75,7 @@ from test_core import db_rows, open_core  # noqa: E402
 from burstfs import listings  # noqa: E402
 from burstfs.committer import DEFER_S  # noqa: E402
 from burstfs.core import BurstCore, Inode  # noqa: E402
-from burstfs.errors import BurstfsError  # noqa: E402
+from burstfs.errors import THROTTLED, BurstfsError, RemoteError  # noqa: E402
 from burstfs.journal import ROOT_INO, Journal, Op  # noqa: E402
 
 UID, GID = os.getuid(), os.getgid()
@@ -652,6 +652,38 @@ def test_an_unseen_directory_of_the_remote_answers_eio_until_a_listing_lands(tmp
         with pytest.raises(BurstfsError) as absent:  # listed now: a missing name is absent
             await core.lookup(ROOT_INO, b"other.pt")
         assert absent.value.errno == errno.ENOENT
+
+    run_flaky(tmp_path, body)
+
+
+def test_a_throttled_listing_does_not_make_other_directories_answer_eio_at_once(tmp_path: Path) -> None:
+    """(An acceptance pass.)  After one directory's listing gave up on 503 SlowDown, a lookup
+    in every other directory this fresh node had not listed failed EIO at once for 30 s
+    without trying (the backoff for a hung remote), though the remote answered again: a
+    restore's os.walk then missed whole directories silently.  A throttled listing does not
+    set that backoff; a remote that hangs or does not answer still does."""
+
+    async def body(core: BurstCore) -> None:
+        remote = FakeRemote({"": ([], ["a", "b"]), "a": ([("x.pt", 4, 1.0)], []), "b": ([("y.pt", 4, 1.0)], [])})
+        throttled = ["a"]
+        list_dir = remote.list_dir
+
+        async def flaky_list(dir_key: str) -> Any:
+            if dir_key in throttled:
+                throttled.remove(dir_key)
+                raise RemoteError("list a: throttled the requests for 6 attempts", kind=THROTTLED)
+            return await list_dir(dir_key)
+
+        remote.list_dir = flaky_list  # type: ignore[method-assign]
+        listed(core, remote)
+        core.listings.ttl = 60
+        with trio.fail_after(10):
+            a = await core.lookup(ROOT_INO, b"a")
+            b = await core.lookup(ROOT_INO, b"b")
+            with pytest.raises(BurstfsError) as failed:
+                await core.lookup(a.ino, b"x.pt")
+            assert failed.value.errno == errno.EIO
+            assert (await core.lookup(b.ino, b"y.pt")).size == 4  # listed, not refused for 30 s
 
     run_flaky(tmp_path, body)
 
