@@ -804,25 +804,28 @@ def test_file_remote_refuses_a_symlink_at_the_key(tmp_path: Path, path_resolutio
     assert not (root / "stolen").exists()
 
 
-def test_request_path_listing_is_one_short_attempt(tmp_path: Path) -> None:
-    """Issue 11 leftover (b): RestoreService.list_dir (a lookup miss, an opendir) makes one
-    attempt, bounded in time, instead of the drain's retry policy; the drain's ObjectStore
-    keeps its retries."""
+def test_request_path_listing_tries_a_few_quick_times_within_a_bound(tmp_path: Path) -> None:
+    """Issue 11 leftover (b), then an acceptance pass: RestoreService.list_dir (a lookup miss,
+    an opendir) is bounded in time and tries a temporary failure a few quick times (one 503 on
+    a fresh node's first listing failed a whole restore), never with the drain's retry policy;
+    the drain's ObjectStore keeps its own."""
     from burstfs.localtier import LocalTier
     from burstfs.objects import ObjectStore
     from burstfs.restore import RestoreService
+    from burstfs.restore.state import LISTING_RETRY
 
     calls: list[str] = []
 
     class Flaky(FileRemote):
         hang = False
+        failures = 1
 
         async def list_dir(self, prefix: str) -> Any:
             calls.append(prefix)
             if self.hang:
                 await asyncio.sleep(3600)
-            if len(calls) == 1:
-                raise OSError(errno.ECONNRESET, "connection reset")  # temporary: a retry would succeed
+            if len(calls) <= self.failures:
+                raise OSError(errno.ECONNRESET, "connection reset")  # temporary: a retry may succeed
             return await super().list_dir(prefix)
 
     (tmp_path / "remote").mkdir()
@@ -831,10 +834,12 @@ def test_request_path_listing_is_one_short_attempt(tmp_path: Path) -> None:
     restore = RestoreService(store, None, LocalTier(tmp_path / "cache"))  # type: ignore[arg-type]
 
     async def body() -> None:
+        assert await restore.list_dir("") == ([], []) and calls == ["", ""]  # one reset: tried again
+        calls.clear()
+        remote.failures = 100
         with pytest.raises(RemoteError) as info:
             await restore.list_dir("")
-        assert info.value.kind == "unavailable" and calls == [""]
-        assert await restore.list_dir("") == ([], [])  # the next request's attempt goes through
+        assert info.value.kind == "unavailable" and len(calls) == LISTING_RETRY.attempts < store.retry.attempts
         remote.hang = True
         restore.listing_timeout = 0.2
         with pytest.raises(RemoteError, match="did not answer within") as info:
