@@ -58,8 +58,14 @@ def check_name(name: bytes) -> None:
 
 def check_new_name(parent: Inode, name: bytes) -> None:
     """A name something is about to be made or renamed to; ``.burstfs`` is the
-    remote's own at the root (manifests, layout) and is refused with EPERM."""
+    remote's own at the root (manifests, layout) and is refused with EPERM.  A name
+    that is not UTF-8 has no object key (keys, records and the journal's paths are
+    UTF-8): EILSEQ, before anything of it is journaled."""
     check_name(name)
+    try:
+        name.decode("utf-8")
+    except UnicodeDecodeError:
+        raise FsError(errno.EILSEQ, f"name {name!r} is not UTF-8: object keys are") from None
     if parent.ino == ROOT_INO and name == RESERVED_ROOT_NAME:
         raise FsError(errno.EPERM, ".burstfs is reserved at the root of the mount")
 

@@ -36,7 +36,7 @@ from .journal import (
     unlink_name_ops,
 )
 from .localtier import LocalTier
-from .nodes import Inode
+from .nodes import NAME_MAX, Inode
 
 log = logging.getLogger("burstfs.namespace")
 
@@ -79,6 +79,29 @@ async def stamp_alive(cache_dir: Path) -> None:
         await trio.sleep(ALIVE_PERIOD_S)
 
 
+def _utf8_names(rows: list[InodeRow]) -> list[Op]:
+    """Rename (in ``rows``, and ops to journal it) each name that is not UTF-8 to its bytes
+    written as ``\\xNN``: a cache from a burstfs that let such names be made (they have no
+    object key) otherwise wedged every drain pass, and the name could not be removed."""
+    ops: list[Op] = []
+    taken: set[tuple[int, bytes]] = {(row.parent, row.name) for row in rows if row.parent}
+    for row in rows:
+        try:
+            row.name.decode("utf-8")
+            continue
+        except UnicodeDecodeError:
+            pass
+        base = row.name.decode("utf-8", "backslashreplace").encode()[: NAME_MAX - 8]
+        name, n = base, 1
+        while (row.parent, name) in taken:
+            name, n = base + b"~%d" % n, n + 1
+        log.warning("event=name_repaired ino=%d name=%r new_name=%r reason=not_utf8", row.ino, row.name, name)
+        taken.add((row.parent, name))
+        row.name = name
+        ops.append(("UPDATE inodes SET name=? WHERE ino=?", (name, row.ino)))
+    return ops
+
+
 def recover(journal: Journal, tier: LocalTier) -> tuple[dict[int, Inode], int]:
     """Rebuild the namespace from the journal after a clean stop or a crash: the inodes
     by number (names linked), and the highest row number in use."""
@@ -102,7 +125,7 @@ def recover(journal: Journal, tier: LocalTier) -> tuple[dict[int, Inode], int]:
         )
         journal.apply([insert_inode_op(root)])
         rows = [root]
-    ops: list[Op] = []
+    ops: list[Op] = _utf8_names(rows)
     last_row = max(row.ino for row in rows)
     held = journal.held_closes()
     last_alive = _last_alive(tier.cache_dir)

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import trio
 
+from burstfs import namespace as namespace_module
 from burstfs import reaper
 from burstfs.committer import DEFER_S
 from burstfs.config import DrainOptions, S3Options, TierOptions, parse_remote_url
@@ -809,6 +810,59 @@ def test_names(tmp_path: Path) -> None:
         assert set(core.namespace.inode(ROOT_INO).children or {}) == {b"ok", max_name}
 
     run(tmp_path, body)
+
+
+def test_names_must_be_utf8(tmp_path: Path) -> None:
+    """Object keys are UTF-8: a name that is not is refused (EILSEQ) where it would be made, and
+    nothing of it reaches the journal (it once wedged every later drain pass and its unlink)."""
+
+    async def body(core: BurstCore) -> None:
+        bad = b"caf\xe9.pt"
+        with raises_errno(errno.EILSEQ):
+            await core.create(ROOT_INO, bad, 0o644, os.O_WRONLY, UID, GID)
+        with raises_errno(errno.EILSEQ):
+            await core.mkdir(ROOT_INO, bad, 0o755, UID, GID)
+        with raises_errno(errno.EILSEQ):
+            await core.symlink(ROOT_INO, bad, b"t", UID, GID)
+        ok = await write_file(core, ROOT_INO, b"ok", b"data")
+        with raises_errno(errno.EILSEQ):
+            await core.rename(ROOT_INO, b"ok", ROOT_INO, bad, 0)
+        with raises_errno(errno.EILSEQ):
+            await core.link(ok, ROOT_INO, bad)
+        with raises_errno(errno.ENOENT):
+            await core.lookup(ROOT_INO, bad)
+        assert set(core.namespace.inode(ROOT_INO).children or {}) == {b"ok"}
+
+    run(tmp_path, body)
+    assert db_rows(tmp_path, "SELECT ino FROM inodes WHERE name=?", (b"caf\xe9.pt",)) == []
+
+
+def test_names_not_utf8_from_an_older_cache_are_repaired(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache made by a burstfs that let such names in: at recovery each becomes its bytes
+    written as \\xNN (unique in its directory), so it can drain, be renamed and be removed."""
+
+    async def older(core: BurstCore) -> None:
+        await write_file(core, ROOT_INO, b"caf\\xe9.pt", b"taken")
+        await write_file(core, ROOT_INO, b"caf\xe9.pt", b"latin-1")
+        await core.mkdir(ROOT_INO, b"d\xff", 0o755, UID, GID)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(namespace_module, "check_new_name", lambda parent, name: None)
+        run(tmp_path, older)
+
+    async def repaired(core: BurstCore) -> None:
+        names = set(core.namespace.inode(ROOT_INO).children or {})
+        assert names == {b"caf\\xe9.pt", b"caf\\xe9.pt~1", b"d\\xff"}
+        assert await read_all(core, core.namespace.child(ROOT_INO, b"caf\\xe9.pt~1").ino) == b"latin-1"
+        await core.rename(ROOT_INO, b"caf\\xe9.pt~1", ROOT_INO, b"cafe.pt", 0)
+        await core.unlink(ROOT_INO, b"cafe.pt")
+        await core.rmdir(ROOT_INO, b"d\\xff")
+
+    run(tmp_path, repaired)
+    assert sorted(r[0] for r in db_rows(tmp_path, "SELECT name FROM inodes WHERE parent=?", (ROOT_INO,))) == [
+        b"",
+        b"caf\\xe9.pt",
+    ]
 
 
 def test_xattrs(tmp_path: Path) -> None:

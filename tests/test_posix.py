@@ -918,6 +918,26 @@ def test_long_names(burst: MountedFS) -> None:
     assert sorted(os.listdir(burst.path)) == sorted(["m" * 255, "ünïcode ✓ name"])
 
 
+def test_names_that_are_not_utf8_are_refused(burst: MountedFS) -> None:
+    """Remote keys are UTF-8: such a name is refused with EILSEQ (it once stopped every drain)."""
+    root = os.fsencode(burst.path)
+    bad = b"caf\xe9.pt"
+    with oserror(errno.EILSEQ):
+        os.open(root + b"/" + bad, os.O_CREAT | os.O_WRONLY, 0o644)
+    with oserror(errno.EILSEQ):
+        os.mkdir(root + b"/" + bad)
+    with oserror(errno.EILSEQ):
+        os.symlink(b"t", root + b"/" + bad)
+    (burst.path / "ok.pt").write_bytes(b"fine")
+    with oserror(errno.EILSEQ):
+        os.rename(root + b"/ok.pt", root + b"/" + bad)
+    with oserror(errno.EILSEQ):
+        os.link(root + b"/ok.pt", root + b"/" + bad)
+    assert os.listdir(root) == [b"ok.pt"]
+    wait_for(lambda: file_state(burst.cache, "ok.pt") == "durable", timeout=30, what="the file drained")
+    assert (burst.remote_dir / "ok.pt").read_bytes() == b"fine"
+
+
 # -- permissions: other users ------------------------------------------------------------
 
 
