@@ -263,7 +263,7 @@ def _wait_durable(point: Path, timeout: float | None) -> None:
     so they are left out (unmount reports them).  So are other nodes' files known here from
     listings: none of their bytes is lost with this mount, and a move of one renamed here is
     its owner's to make (it may never come: an epilog waited for it for good)."""
-    from .admin.common import resolve, wait_durable
+    from .admin.common import AdminError, outage_note, resolve, wait_durable
     from .journal import INCOMPLETE, REMOTE
     from .status import Durability, wait_state
 
@@ -279,12 +279,21 @@ def _wait_durable(point: Path, timeout: float | None) -> None:
             what = f"{len(outcome.pending)} files to be durable (first: {path}, {wait_state(path, row)})"
         else:
             what = f"{outcome.deletes} remote deletes"
-        click.echo(f"burstfs: waiting for {what}; burstfs-admin status {point} says why", err=True)
+        click.echo(
+            f"burstfs: waiting for {what}{outage_note(outcome)}; burstfs-admin status {point} says why", err=True
+        )
 
     target = resolve([point], None)
-    outcome = wait_durable(
-        target, timeout, say_what_it_waits_for, ignore=frozenset({INCOMPLETE, REMOTE}), skip_abandoned=True
-    )
+    try:
+        outcome = wait_durable(
+            target, timeout, say_what_it_waits_for, ignore=frozenset({INCOMPLETE, REMOTE}), skip_abandoned=True
+        )
+    except AdminError as exc:  # the daemon went away while it waited (killed, crashed)
+        _fail(
+            BurstfsError(
+                f"{exc.message}; not unmounting (`burstfs unmount {point}` without --wait clears a dead mount)"
+            )
+        )
     if outcome.result == "failed":
         why = (
             f"the drain is halted ({outcome.halted})"
@@ -299,8 +308,9 @@ def _wait_durable(point: Path, timeout: float | None) -> None:
     if outcome.result == "waiting":
         _fail(
             BurstfsError(
-                f"{len(outcome.pending)} files still not durable and {outcome.deletes} remote deletes queued "
-                f"after {timeout:.0f}s; "
+                f"{len(outcome.pending)} files still not durable"
+                + (f" and {outcome.deletes} remote deletes queued" if outcome.deletes else "")
+                + f" after {timeout:.0f}s{outage_note(outcome)}; "
                 f"not unmounting (see: burstfs-admin status {point})"
             )
         )

@@ -366,6 +366,7 @@ class Durability:
     broken: list[tuple[str, InodeRow]]
     halted: str | None = None
     deletes: int = 0
+    outage: dict[str, Any] | None = None  # the daemon's (outage_of), when a wait asked it
 
     @property
     def pending(self) -> list[tuple[str, InodeRow]]:

@@ -226,6 +226,26 @@ def test_unlink_queues_the_object_and_an_unrecorded_upload_leaves_its_intent(
     assert ("b", "upload") in [(k, r) for _, k, r in journal.keys.pending_deletes(10)]
 
 
+def test_a_wait_does_not_count_the_intents_of_failed_attempts_of_a_file_still_there(
+    journal: Journal, tree: JournalTree
+) -> None:
+    """Each failed attempt leaves its intent (the remote may have taken the object after all);
+    while the file is still at that path its next upload replaces that object, so a wait
+    waits for the file, not for a delete the user never asked for (it said "2 remote deletes
+    queued" with the remote down and no file removed)."""
+    d = tree.mkdir("ckpt")
+    ino, generation = tree.write_file("f1", parent=d)
+    for attempt in (1, 2):
+        claimed = journal.drain.claim(ino, generation)
+        assert isinstance(claimed, tuple) and claimed[0] == "ckpt/f1"
+        journal.drain.requeue(ino, generation, "connection refused", attempt)
+    assert [r for _, _, r in journal.keys.pending_deletes(10)] == ["upload", "upload"]
+    assert journal.keys.deletes_queued_under("") == set()
+    assert journal.keys.deletes_queued_under("ckpt") == set()
+    journal.apply(unlink_ops(ino, b"f1", time.time_ns()))  # gone: an object left there must go
+    assert journal.keys.deletes_queued_under("ckpt") == {"ckpt/f1"}
+
+
 def test_owned_under_is_a_key_prefix_range(journal: Journal, tree: JournalTree) -> None:
     d = tree.mkdir("ckpt")
     e = tree.mkdir("ckpt-2")

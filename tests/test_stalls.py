@@ -9,10 +9,13 @@ completion timeouts, never timing ratios.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import os
+import re
 import shutil
+import sqlite3
 import subprocess
 import sys
 import time
@@ -726,3 +729,41 @@ def test_directories_this_cache_made_or_listed_take_saves_after_a_restart_while_
     (fs.path / "top.pt").write_bytes(b"t" * 1000)
     proxy.resume()
     _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "25", str(fs.path)], "the drain after the heal")
+
+
+def test_a_wait_on_an_unreachable_remote_says_so_and_counts_no_delete_nobody_asked_for(
+    mounted_factory: type[MountedFS], s3_proxy: tuple[FaultProxy, str]
+) -> None:
+    """The endpoint refuses connections and three files are written (nothing removed): `wait`
+    and `unmount --wait` said "2 remote deletes queued" (the intents of failed attempts) and
+    not a word of the remote, and the progress note called the file "draining"."""
+    proxy, url = s3_proxy
+    fs = _mount(mounted_factory, proxy, url, "passthrough")
+    proxy.close()  # from now on: connection refused
+    for i in range(3):
+        (fs.path / f"f{i}").write_bytes(os.urandom(200_000))
+
+    def failed_attempts() -> int:
+        with contextlib.closing(sqlite3.connect(f"file:{fs.cache / 'journal.db'}?mode=ro", uri=True)) as db:
+            return int(db.execute("SELECT count(*) FROM remote_deletes WHERE reason='upload'").fetchone()[0])
+
+    wait_for(lambda: failed_attempts() >= 2, timeout=60, what="failed upload attempts")
+    waited = subprocess.run(
+        [str(BIN / "burstfs-admin"), "wait", "--timeout", "3", str(fs.path)], capture_output=True, text=True, timeout=60
+    )
+    assert waited.returncode == 3, waited.stderr
+    outage = re.compile(r"REMOTE (UNREACHABLE|RETRYING) since .*EndpointConnectionError")
+    assert outage.search(waited.stderr) and "deletes queued" not in waited.stderr, waited.stderr
+    stopped = burstfs("unmount", "--wait", "--wait-timeout", "3", str(fs.path), check=False, timeout=60)
+    assert stopped.returncode == 1 and "3 files still not durable after 3s" in stopped.stderr, stopped.stderr
+    assert outage.search(stopped.stderr) and "deletes queued" not in stopped.stderr, stopped.stderr
+    assert fs.path.is_mount()
+    # The daemon killed while `unmount --wait` waits: it says so as burstfs, with the way out.
+    waiting = subprocess.Popen(
+        [str(BIN / "burstfs"), "unmount", "--wait", str(fs.path)], stderr=subprocess.PIPE, text=True
+    )
+    time.sleep(1)
+    os.kill(fs.daemon_pid(), 9)
+    _, err = waiting.communicate(timeout=60)
+    assert waiting.returncode == 1 and err.startswith("burstfs: lost the daemon"), err
+    assert f"`burstfs unmount {fs.path}` without --wait clears a dead mount" in err, err

@@ -23,11 +23,11 @@ import click
 from ..cachelock import CacheLock
 from ..config import RemoteURL, S3Options, check_seconds, config_from_meta
 from ..control import SOCKET_NAME, socket_address
-from ..errors import BurstfsError, ConfigError
+from ..errors import THROTTLED, BurstfsError, ConfigError
 from ..journal import FileState, Journal
 from ..log import escape_controls
 from ..mountinfo import FSNAME_PREFIX, UnexaminedPath, find_burstfs_mount, mounts
-from ..status import Durability, lookup
+from ..status import LOCAL_TIER_KIND, RETRYING_KIND, Durability, lookup
 from ..status import wait_durable as wait_in_journal
 
 EXIT_ERROR = 1
@@ -277,9 +277,21 @@ def wait_durable(
                 return None
             raise
 
+    outage: list[dict[str, Any] | None] = [None]  # the last status answer's
+
     def halted() -> str | None:
         answer = ask("status")
-        return None if answer is None else answer["drain"]["halted"]
+        if answer is None:
+            return None
+        outage[0] = answer["drain"].get("outage")  # absent from an older daemon's document
+        return answer["drain"]["halted"]
+
+    def with_outage(state: Durability) -> Durability:
+        return dataclasses.replace(state, outage=outage[0])
+
+    def polled(state: Durability) -> None:
+        if on_poll is not None:
+            on_poll(with_outage(state))
 
     def nobody_drains() -> str | None:
         """A stopped mount's files drain only once a daemon (or ``burstfs drain``) runs for the
@@ -295,14 +307,16 @@ def wait_durable(
         ask("settle")  # a file created just now is journaled before we look
     with target.journal() as journal:
         try:
-            return wait_in_journal(
-                journal,
-                target.rels,
-                timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
-                on_poll=on_poll,
-                ignore=ignore,
-                skip_abandoned=skip_abandoned,
-                halted=nobody_drains if daemon is None else halted,
+            return with_outage(
+                wait_in_journal(
+                    journal,
+                    target.rels,
+                    timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
+                    on_poll=polled,
+                    ignore=ignore,
+                    skip_abandoned=skip_abandoned,
+                    halted=nobody_drains if daemon is None else halted,
+                )
             )
         except BurstfsError as exc:
             raise AdminError(str(exc)) from None
@@ -313,6 +327,26 @@ def wait_durable(
 
 def fmt_time(epoch: float) -> str:
     return datetime.datetime.fromtimestamp(epoch).isoformat(sep=" ", timespec="milliseconds")
+
+
+def outage_note(outcome: Durability) -> str:
+    """What a wait that has not ended adds to its message: the drain's outage, if it has one
+    (a wait on an unreachable remote said only which files it waited for, "draining")."""
+    return f"; {outage_line(outcome.outage)}" if outcome.outage else ""
+
+
+def outage_line(outage: dict[str, Any]) -> str:
+    """The drain's outage (``status.outage_of``) as status shows it: what fails, since when, why."""
+    count = f"{outage['errors']} errors"
+    if outage.get("kind") == LOCAL_TIER_KIND:
+        headline = "LOCAL TIER FAILING"  # the journal on the tier (full, damaged): not the remote
+    elif outage.get("kind") == RETRYING_KIND:
+        headline, count = "REMOTE RETRYING", f"{outage['errors']} retries, no request succeeded since"
+    elif outage.get("kind") == THROTTLED:
+        headline = "REMOTE THROTTLING"  # it answers "slow down": the drain backs off
+    else:
+        headline = f"REMOTE {'UNREACHABLE' if outage['unreachable'] else 'FAILING'}"
+    return f"{headline} since {fmt_time(outage['since'])}: {outage['reason']}  (nothing drained since; {count})"
 
 
 def shown(text: str) -> str:

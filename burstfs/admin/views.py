@@ -13,12 +13,9 @@ from typing import Any
 import click
 
 from ..cachelock import CacheLock
-from ..errors import THROTTLED
 from ..journal import FILE_STATES, QUEUED
 from ..progress import Progress, fmt_bytes, fmt_duration
 from ..status import (
-    LOCAL_TIER_KIND,
-    RETRYING_KIND,
     SCHEMA,
     Durability,
     journal_events,
@@ -36,6 +33,8 @@ from .common import (
     emit_json,
     fmt_time,
     journal_call,
+    outage_line,
+    outage_note,
     path_command,
     resolve,
     seconds_option,
@@ -85,18 +84,7 @@ def _print_status(doc: dict[str, Any]) -> None:
     drain = doc["drain"]
     outage = drain.get("outage")  # absent from an older daemon's document
     if outage:
-        count = f"{outage['errors']} errors"
-        if outage.get("kind") == LOCAL_TIER_KIND:
-            headline = "LOCAL TIER FAILING"  # the journal on the tier (full, damaged): not the remote
-        elif outage.get("kind") == RETRYING_KIND:
-            headline, count = "REMOTE RETRYING", f"{outage['errors']} retries, no request succeeded since"
-        elif outage.get("kind") == THROTTLED:
-            headline = "REMOTE THROTTLING"  # it answers "slow down": the drain backs off
-        else:
-            headline = f"REMOTE {'UNREACHABLE' if outage['unreachable'] else 'FAILING'}"
-        click.echo(
-            f"{headline} since {fmt_time(outage['since'])}: {outage['reason']}  (nothing drained since; {count})"
-        )
+        click.echo(outage_line(outage))
     if doc["live"]:
         queued = any(states[s]["files"] for s in QUEUED)  # ETA 0 with files queued: their last requests
         eta = "nothing to drain" if drain["eta_s"] == 0 and not queued else f"ETA {fmt_duration(drain['eta_s'])}"
@@ -239,6 +227,7 @@ def wait(paths: tuple[Path, ...], cache: Path | None, as_json: bool, timeout: fl
                 "halted": halted,
                 "pending": [{"path": p, "state": wait_state(p, r), "error": r.error} for p, r in pending],
                 "deletes": outcome.deletes,
+                "outage": outcome.outage,
             }
         )
     if result == "failed":
@@ -250,7 +239,8 @@ def wait(paths: tuple[Path, ...], cache: Path | None, as_json: bool, timeout: fl
         sample = ", ".join(f"{p} ({wait_state(p, r)})" for p, r in pending[:5]) + (" ..." if len(pending) > 5 else "")
         deletes = f"; {outcome.deletes} remote deletes queued" if outcome.deletes else ""
         raise AdminError(
-            f"timeout after {timeout:g}s: {len(pending)} of {len(files)} files not durable: {sample}{deletes}",
+            f"timeout after {timeout:g}s: {len(pending)} of {len(files)} files not durable: {sample}{deletes}"
+            f"{outage_note(outcome)}",
             EXIT_TIMEOUT,
         )
 

@@ -137,16 +137,21 @@ class KeyOwnership:
         only once its old name is gone): those of removed, replaced or moved files, and the
         intents of uploads whose file was unlinked meanwhile; not the intents of uploads and
         moves of live files (those files are not durable yet: a wait waits for them anyway)."""
-        if not rel:
-            rows = self._db.query(f"SELECT key FROM remote_deletes WHERE {_WAITED_DELETES}")
-        else:
-            low, high = f"{rel}/", f"{rel}0"  # '0' sorts right after '/'
-            rows = self._db.query(
-                f"SELECT key FROM remote_deletes WHERE (key=? OR (key >= ? AND key < ?) "
-                f"OR (reason='moved' AND (version=? OR (version >= ? AND version < ?)))) AND {_WAITED_DELETES}",
-                (rel, low, high, rel, low, high),
-            )
-        return {str(row[0]) for row in rows}
+        with self._db.lock:
+            if not rel:
+                rows = self._db.connection.execute(
+                    f"SELECT key, reason FROM remote_deletes WHERE {_WAITED_DELETES}"
+                ).fetchall()
+            else:
+                low, high = f"{rel}/", f"{rel}0"  # '0' sorts right after '/'
+                rows = self._db.connection.execute(
+                    f"SELECT key, reason FROM remote_deletes WHERE (key=? OR (key >= ? AND key < ?) "
+                    f"OR (reason='moved' AND (version=? OR (version >= ? AND version < ?)))) AND {_WAITED_DELETES}",
+                    (rel, low, high, rel, low, high),
+                ).fetchall()
+            # The intent of a failed attempt of a file still at that path: its next upload there
+            # replaces whatever the attempt left, and the wait waits for that file anyway.
+            return {str(key) for key, reason in rows if reason != "upload" or self._file_at_locked(str(key)) is None}
 
     def removals_after(self, request_id: int) -> list[tuple[int, str]]:
         """``(id, key)`` of the removals queued after request ``request_id``, oldest first: the
@@ -240,6 +245,17 @@ class KeyOwnership:
                 return None
             ino = int(row[0])
         return ino
+
+    def _file_at_locked(self, key: str) -> int | None:
+        """The file linked at path ``key``, if there is one."""
+        dir_key, _, name = key.rpartition("/")
+        parent = self._dir_at_locked(dir_key)
+        if parent is None:
+            return None
+        row = self._db.connection.execute(
+            "SELECT ino FROM inodes WHERE parent=? AND name=? AND kind='file'", (parent, os.fsencode(name))
+        ).fetchone()
+        return None if row is None else int(row[0])
 
     def removals_queued(self) -> int:
         """Queued deletes of removed, replaced or moved files' objects; not the intents of
