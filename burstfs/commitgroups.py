@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import functools
 import json
 import logging
 import math
@@ -41,8 +42,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .checkpointindex import named_files, read_index
 from .errors import OBJECT, CorruptDataError, FsError, RemoteError, RemoteNotFound, error_scope
-from .journal import DONE, FAILED, INCOMPLETE, QUEUED, WRITING, InodeRow, Journal
+from .journal import DONE, FAILED, INCOMPLETE, QUEUED, REMOTE, WRITING, InodeRow, Journal
 from .journal.states import state_marks
 from .journal.thread import JournalCall
 from .objects import RequestHealth, reported_call
@@ -253,6 +255,11 @@ class Verdict:
     abandoned: list[float]  # when each intent without its done that an operator gave up was (the remote's clock)
     intent_times: dict[tuple[str, str, str], float]  # (dir, node, round) -> its intent's time (the remote's clock)
 
+    @functools.cached_property
+    def recorded(self) -> frozenset[str]:
+        """The paths the done records of the complete rounds list."""
+        return frozenset(entry["path"] for entry in self.files)
+
     def open_for(self, closed_at: float) -> bool:
         """True if a marker closed at ``closed_at`` (this node's clock) may go: no other node's
         intent without its done, none of this node's rounds begun before it unfinished, and
@@ -355,6 +362,11 @@ class CommitGroups:
         self.carried: dict[str, dict[str, float]] = {}
         # (marker ino, generation) -> the directory its gate looked at, and what it found there
         self._approved: dict[tuple[int, int], tuple[str, Verdict]] = {}
+        # (index marker ino, generation) -> the paths of the files it names (``index_holds``)
+        self._named: dict[tuple[int, int], list[str]] = {}
+        # gate dir -> the files the index waiting there names that no done lists yet (status)
+        self._unrecorded: dict[str, list[str]] = {}
+        self._unrecorded_logged: dict[str, float] = {}  # gate dir -> when that wait was last logged
         self._commits: list[tuple[InodeRow, str, dict[str, Any]]] = []  # markers durable, commit record due
         self._poke: asyncio.Event | None = None
         self.remote: Remote | None = None
@@ -809,10 +821,69 @@ class CommitGroups:
         if self._poke is not None and dir_key not in self.verdicts:
             self._poke.set()
         verdict = self.verdicts.get(dir_key)
-        if verdict is None or not verdict.open_for(marker.updated):
-            return True
-        self._approved[(marker.ino, marker.generation)] = (dir_key, verdict)
-        return False
+        return verdict is None or not verdict.open_for(marker.updated)
+
+    async def index_holds(self, marker: InodeRow, marker_key: str, local: os.PathLike[str] | str, gate: str) -> bool:
+        """True while a file ``marker`` names (a checkpoint index: DCP's ``.metadata``, a
+        ``weight_map``) is in no done record of the rounds under ``gate`` (and not durable
+        here at its path), once :meth:`holds` let it go.  Without this a node whose intent
+        never reached the remote (its remote down for it) was invisible to the gate, and
+        the index went out naming that node's missing shard.  ``local``: its tier copy."""
+        ident = (marker.ino, marker.generation)
+        if ident not in self._named:
+            name = os.fsencode(marker_key.rpartition("/")[2])
+            try:
+                names = await asyncio.to_thread(lambda: named_files(name, read_index(local, name)))
+            except OSError as exc:  # the tier lost it: the drain of the marker itself fails
+                log.warning("event=index_unreadable key=%s error=%s", marker_key, exc)
+                names = []
+            if len(self._named) >= 1024:  # generations never published (rewritten, removed)
+                self._named.clear()
+            dir_key = dir_of(marker_key)
+            self._named[ident] = [f"{dir_key}/{os.fsdecode(n)}" if dir_key else os.fsdecode(n) for n in names]
+        verdict = self.verdicts.get(gate)
+        unrecorded = [path for path in self._named[ident] if verdict is None or path not in verdict.recorded]
+        if unrecorded:
+            durable_here = await self._db(self._durable_here, unrecorded)
+            unrecorded = [path for path in unrecorded if path not in durable_here]
+        if not unrecorded:
+            self._unrecorded.pop(gate, None)
+            self._unrecorded_logged.pop(gate, None)
+            return False
+        self._unrecorded[gate] = unrecorded
+        now = time.monotonic()
+        if now - self._unrecorded_logged.get(gate, -math.inf) >= GATE_WAIT_LOG_S:
+            self._unrecorded_logged[gate] = now
+            log.warning(
+                "event=marker_waiting dir=%s unrecorded=%d first=%s hint=%s",
+                gate or "/",
+                len(unrecorded),
+                unrecorded[0],
+                "the index names files no node has recorded durable: a node whose intent has not reached "
+                "the remote yet, or a file never written (burstfs-admin abandon on this node gives it up)",
+            )
+        return True
+
+    def _durable_here(self, paths: list[str]) -> set[str]:
+        """Of ``paths``, the files durable at that path as this node knows them: its own, or
+        another node's it listed (journal reads: runs on the journal thread)."""
+        found = set()
+        for path in paths:
+            row = lookup(self.journal, path)
+            if (
+                row is not None
+                and row.kind == "file"
+                and row.state in DONE
+                and row.remote_key == path
+                and (row.state == REMOTE or row.durable_generation == row.generation)
+            ):
+                found.add(path)
+        return found
+
+    def approve(self, marker: InodeRow, gate: str) -> None:
+        """``marker`` drains now (no :meth:`holds` or :meth:`index_holds`): what its gate found is
+        its commit record's, once it is durable."""
+        self._approved[(marker.ino, marker.generation)] = (gate, self.verdicts[gate])
 
     async def poll(self, remote: Remote) -> None:
         """Keep the verdicts of the directories waiting markers ask about fresh (runs forever)."""
@@ -838,9 +909,11 @@ class CommitGroups:
                 self.verdicts[dir_key] = verdict
                 self._log_waiting(dir_key, verdict)
                 if not verdict.waiting:
-                    opened = True
                     if before is None or before.waiting:
+                        opened = True
                         log.info("event=gate_open dir=%s rounds=%d", dir_key, len(verdict.rounds))
+                    elif dir_key in self._unrecorded and verdict.rounds != before.rounds:
+                        opened = True  # a new done may list what an index waiting here names
             if opened:
                 self._wake()
             delay = GATE_POLL_MIN_S if opened else min(GATE_POLL_MAX_S, delay * 2)
@@ -927,6 +1000,7 @@ class CommitGroups:
         gate = self._pointed.pop((marker.ino, marker.generation), None)
         if gate is not None:
             self._rewritten.pop(gate, None)
+        self._named.pop((marker.ino, marker.generation), None)
         approved = self._approved.pop((marker.ino, marker.generation), None)
         if approved is None:
             return
@@ -1018,7 +1092,12 @@ class CommitGroups:
         now = time.monotonic()
         wanted, given_up = dict(self._wanted), {d for d, t in dict(self._given_up).items() if now - t < GATE_FORGET_S}
         for dir_key, verdict in sorted(dict(self.verdicts).items()):
-            if dir_key not in wanted or dir_key in given_up or (not verdict.waiting and not verdict.own_pending):
+            unrecorded = list(self._unrecorded.get(dir_key, ()))
+            if (
+                dir_key not in wanted
+                or dir_key in given_up
+                or (not verdict.waiting and not verdict.own_pending and not unrecorded)
+            ):
                 continue
             out.append(
                 {
@@ -1028,6 +1107,9 @@ class CommitGroups:
                         for w in verdict.waiting
                     ],
                     "own_pending": [d for d, _ in verdict.own_pending],
+                    # files its index names that no done lists yet (the first 10)
+                    "unrecorded": unrecorded[:10],
+                    "unrecorded_count": len(unrecorded),
                     # a pointer rewritten this often while it waited: each step drains slower
                     # than the next is written, so the remote pointer does not advance
                     "pointer_rewrites": self._rewritten.get(dir_key, 0),
@@ -1037,5 +1119,15 @@ class CommitGroups:
                 }
             )
         for dir_key in sorted(given_up):
-            out.append({"dir": dir_key, "waiting": [], "own_pending": [], "pointer_rewrites": 0, "abandoned": True})
+            out.append(
+                {
+                    "dir": dir_key,
+                    "waiting": [],
+                    "own_pending": [],
+                    "unrecorded": [],
+                    "unrecorded_count": 0,
+                    "pointer_rewrites": 0,
+                    "abandoned": True,
+                }
+            )
         return out

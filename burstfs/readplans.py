@@ -24,7 +24,6 @@ the fetches run in :meth:`ReadPlans.run`, a task of the daemon's nursery.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import re
@@ -32,6 +31,7 @@ from collections.abc import Iterable
 
 import trio
 
+from .checkpointindex import MAX_INDEX_BYTES, index_kind, weight_map_files
 from .datapath import DataPath
 from .errors import BurstfsError
 from .namespace import Namespace
@@ -40,18 +40,8 @@ from .nodes import Inode
 log = logging.getLogger("burstfs.readplans")
 
 AHEAD_FILES = 4  # files fetched ahead of the one a walker opened, and files fetched at once
-MAX_INDEX_BYTES = 16 << 20  # a bigger weight_map index is not one: it is not read
 MAX_PLANS = 64  # directories whose plans are remembered (least recently planned dropped)
 QUEUED = 256  # notes waiting for the planner; more are dropped, never waited for
-
-
-def index_kind(name: bytes) -> str | None:
-    """What kind of checkpoint index a file of this name is (None: not one)."""
-    if name == b".metadata":
-        return "dcp"
-    if name.endswith(b".index.json"):
-        return "weight_map"
-    return None
 
 
 def dcp_files(names: Iterable[bytes]) -> list[bytes]:
@@ -68,20 +58,6 @@ def dcp_files(names: Iterable[bytes]) -> list[bytes]:
 def _natural_order(name: bytes) -> list[int | bytes]:
     """``__2_0`` before ``__10_0``: digit runs compare as numbers."""
     return [int(part) if part.isdigit() else part for part in re.split(rb"(\d+)", name)]
-
-
-def weight_map_files(data: bytes) -> list[bytes]:
-    """The files a Hugging Face ``*.index.json`` maps tensors to, in its order (each once).
-    Names with a path separator are not followed."""
-    try:
-        weight_map = json.loads(data).get("weight_map")
-    except (ValueError, AttributeError, RecursionError):  # not JSON, not an object, nested too deep
-        return []
-    if not isinstance(weight_map, dict):
-        return []
-    names = (value for value in weight_map.values() if isinstance(value, str))
-    plain = (os.fsencode(name) for name in names if name and "/" not in name and name not in (".", ".."))
-    return list(dict.fromkeys(plain))
 
 
 class Plan:

@@ -12,6 +12,7 @@ import asyncio
 import errno
 import json
 import os
+import pickle
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -99,6 +100,21 @@ def refuse_records(node: Node, refusal: Callable[[str], RemoteError | None]) -> 
 
     node.remote.create_object = create  # type: ignore[method-assign]
     return refused
+
+
+def hold_intents(node: Node) -> asyncio.Event:
+    """``node``'s intent records wait until the event returned is set (its remote is down for
+    them: the intent is late; its other requests go through)."""
+    intent_late = asyncio.Event()
+    create_object = node.remote.create_object
+
+    async def late_create(key: str, data: bytes) -> bool:
+        if key.endswith(".intent"):
+            await intent_late.wait()
+        return await create_object(key, data)
+
+    node.remote.create_object = late_create  # type: ignore[method-assign]
+    return intent_late
 
 
 def run_nodes(nodes: list[Node], scenario: Callable[[], Awaitable[None]]) -> None:
@@ -516,15 +532,7 @@ def test_latest_waits_for_a_part_whose_intent_reached_the_remote_after_the_marke
     remote_dir.mkdir()
     a, b = Node(tmp_path, "a", remote_dir), Node(tmp_path, "b", remote_dir)
     step, marker = "ck/s1", "ck/s1/.metadata"
-    intent_late = asyncio.Event()
-    create_object = b.remote.create_object
-
-    async def late_create(key: str, data: bytes) -> bool:
-        if key.endswith(".intent"):
-            await intent_late.wait()
-        return await create_object(key, data)
-
-    b.remote.create_object = late_create  # type: ignore[method-assign]
+    intent_late = hold_intents(b)
     remote = FileRemote(parse_remote_url(f"file://{remote_dir}"))
 
     async def scenario() -> None:
@@ -1060,3 +1068,75 @@ def test_latest_of_steps_without_markers_names_only_the_pointed_step(tmp_path: P
         ]
 
     run_nodes([node], scenario)
+
+
+def _dcp_metadata(*files: str) -> bytes:
+    """A pickle shaped like DCP's ``.metadata``: its storage data names each shard file."""
+    return pickle.dumps({"storage_data": {f"t{i}": (name, 0, 1000) for i, name in enumerate(files)}})
+
+
+@pytest.mark.parametrize("index", ["dcp", "weight_map"])
+def test_a_marker_waits_for_the_files_its_index_names_though_their_nodes_intent_is_late(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, index: str
+) -> None:
+    """Node b's intent does not reach the remote (its remote is down for it): no gate can see
+    b, and a's ``.metadata`` went out naming b's shard, which was not there ("the residual
+    window").  The index names b's shard: the marker waits until a done of some node lists
+    it, says so in the status and the log, and the commit record lists both shards."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    a, b = Node(tmp_path, "a", remote_dir), Node(tmp_path, "b", remote_dir)
+    step = "ck/s1"
+    if index == "dcp":
+        shard_a, shard_b, marker = "__0_0.distcp", "__1_0.distcp", ".metadata"
+        content = _dcp_metadata(shard_a, shard_b)
+    else:
+        shard_a, shard_b, marker = "model-1-of-2.safetensors", "model-2-of-2.safetensors", "model.index.json"
+        content = json.dumps({"weight_map": {"w1": shard_a, "w2": shard_b, "w3": shard_b}}).encode()
+    intent_late = hold_intents(b)
+
+    async def scenario() -> None:
+        b.write(f"{step}/{shard_b}", b"B" * 1000)
+        written_a = a.write(f"{step}/{shard_a}", b"A" * 1000)
+        meta = a.write(f"{step}/{marker}", content)
+        await until(lambda: a.durable(written_a), "a's own shard durable")
+        for _ in range(40):  # the gate polls many times meanwhile: the marker stays back
+            await asyncio.sleep(0.05)
+            assert f"{step}/{marker}" not in keys(remote_dir) and not a.durable(meta)
+        waiting = a.mover.groups.waiting_markers()
+        assert [(w["dir"], w["unrecorded"]) for w in waiting] == [(step, [f"{step}/{shard_b}"])], waiting
+        assert "not in any node's done record yet" in _held_line(waiting[0])
+        assert f"event=marker_waiting dir={step} unrecorded=1 first={step}/{shard_b}" in caplog.text
+        intent_late.set()
+        await until(lambda: a.durable(meta), "the marker, once b's done lists its shard")
+        await until(lambda: keys(remote_dir, COMMITS_PREFIX), "the commit record")
+        commit = json.loads((remote_dir / next(iter(keys(remote_dir, COMMITS_PREFIX)))).read_bytes())
+        assert sorted(f["path"] for f in commit["files"]) == sorted([f"{step}/{shard_a}", f"{step}/{shard_b}"])
+
+    run_nodes([a, b], scenario)
+
+
+def test_a_marker_waiting_for_a_file_its_index_names_is_given_up_by_abandon(tmp_path: Path) -> None:
+    """A ``.metadata`` naming a shard no node ever writes (a lost node that never announced
+    anything) waits; ``abandon`` on the marker's node gives the checkpoint up (never published)."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    a = Node(tmp_path, "a", remote_dir)
+
+    async def scenario() -> None:
+        shard = a.write("ck/s1/__0_0.distcp", b"A" * 1000)
+        meta = a.write("ck/s1/.metadata", _dcp_metadata("__0_0.distcp", "__1_0.distcp"))
+        await until(lambda: a.durable(shard) and a.mover.groups.intent_out("ck/s1"), "a's own shard durable")
+        await until(
+            lambda: any(w["unrecorded"] for w in a.mover.groups.waiting_markers()), "the marker waiting for the shard"
+        )
+        assert [w["unrecorded"] for w in a.mover.groups.waiting_markers()] == [["ck/s1/__1_0.distcp"]]
+        await asyncio.sleep(1.0)
+        assert not a.durable(meta) and "ck/s1/.metadata" not in keys(remote_dir)
+        assert a.mover.remote is not None
+        given_up, intents = await a.mover.groups.abandon(a.mover.remote, "ck/s1")
+        assert given_up == "ck/s1" and intents == []
+        await until(lambda: a.front.journal.inode(meta).state == FAILED, "the marker given up")
+        assert "ck/s1/.metadata" not in keys(remote_dir)
+
+    run_nodes([a], scenario)

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import json
 import os
+import pickle
 import re
 import shutil
 import socket
@@ -912,3 +913,40 @@ def test_a_nodes_own_durable_file_another_node_deleted_goes_here_too(
     write(n1, "ck/step_1/__1_0.distcp", b"rewritten")
     admin("wait", n1.path / "ck", "--timeout", "30")
     assert sorted(os.listdir(n1.path / "ck/step_1")) == ["__1_0.distcp", "kept.bin", "lost.bin"]
+
+
+def test_a_dcp_metadata_waits_for_a_shard_whose_nodes_intent_never_reached_the_remote(
+    mounted_factory: type[MountedFS], bucket: Bucket
+) -> None:
+    """ "The residual window": n1's remote is a black hole while it writes its shard, so its
+    intent never lands and n0's gate cannot see it.  n0's ``.metadata`` (written by torch's DCP
+    writer, naming both ranks' shards) went out at once, and `latest` named the step while n1's
+    shard was nowhere.  Now it waits for the shard it names, and goes once n1 heals."""
+    from faultproxy import FaultProxy
+
+    n0 = node(mounted_factory, bucket, "n0")
+    with FaultProxy(bucket.endpoint) as proxy:
+        n1 = mounted_factory(  # type: ignore[call-arg]
+            "n1", bucket.url, ("--endpoint-url", proxy.endpoint, "--node-id", "n1", "--remote-wait", "0.5")
+        )
+        n1.mount()
+        n1.expect_log("event=remote_retry")
+        proxy.blackhole()
+        write(n1, "ck/step_1/__1_0.distcp", shard(1, 1))  # its close waits 0.5 s for the intent, then returns
+        write(n0, "ck/step_1/__0_0.distcp", shard(1, 0))
+        staging = n0.path / "ck/step_1/.metadata.tmp"  # as DCP's writer does: the pickle, then a rename
+        staging.write_bytes(pickle.dumps({"storage_data": {"a": "__0_0.distcp", "b": "__1_0.distcp"}}))
+        os.rename(staging, n0.path / "ck/step_1/.metadata")
+        wait_for(lambda: state(n0, "ck/step_1/__0_0.distcp") == "durable", timeout=60, what="n0's shard durable")
+        for _ in range(40):
+            assert "ck/step_1/.metadata" not in bucket.keys()
+            time.sleep(0.1)
+        status = admin("status", n0.path).stdout
+        assert "checkpoint ck/step_1 waiting for 1 file its index names" in status, status
+        assert bucket.latest("ck", expect=1)["dir"] is None
+        proxy.resume()
+        admin("wait", "--timeout", "120", n1.path / "ck")
+        admin("wait", "--timeout", "60", n0.path / "ck")
+        found = bucket.latest("ck")
+        assert found["dir"] == "ck/step_1" and found["files"] == 3, found
+        n1.unmount()

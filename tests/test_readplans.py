@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 from conftest import BIN, MountedFS, RemoteTarget, wait_for
 
+from burstfs.checkpointindex import index_kind, weight_map_files
 from burstfs.nodes import Inode
-from burstfs.readplans import AHEAD_FILES, Plan, dcp_files, index_kind, weight_map_files
+from burstfs.readplans import AHEAD_FILES, Plan, dcp_files
 
 MiB = 1 << 20
 SHARDS = [f"__{rank}_0.distcp".encode() for rank in range(8)]

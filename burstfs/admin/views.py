@@ -157,6 +157,13 @@ def _held_line(held: dict[str, Any]) -> str:
     ]
     if held["own_pending"]:
         others.append("this node's own files")
+    unrecorded = held.get("unrecorded")  # absent from an older daemon's document
+    if unrecorded:
+        count = held.get("unrecorded_count", len(unrecorded))
+        others.append(
+            f"{'1 file' if count == 1 else f'{count} files'} its index names, not in any node's done record yet "
+            f"(first: {shown(unrecorded[0])})"
+        )
     line = f"checkpoint {where} waiting for " + ", ".join(others)
     rewrites = held.get("pointer_rewrites")  # absent from an older daemon's document
     if rewrites:

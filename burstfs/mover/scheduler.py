@@ -488,9 +488,14 @@ class Mover:
                     # Never published: failed, so that wait and unmount --wait stop waiting for it.
                     await self.db(self.journal.drain.abandon, row.ino, row.generation)
                     continue
-                # A marker waits for every node with an intent under its gate (docs/SEMANTICS.md "Many nodes").
-                if self.groups.holds(row, gate):
+                # A marker waits for every node with an intent under its gate, and for the files its index
+                # names to be in their nodes' done records (docs/SEMANTICS.md "Many nodes").
+                local = self.tier_paths.path(row.data_ino)
+                if self.groups.holds(row, gate) or await self.groups.index_holds(
+                    row, candidate.marker_key, local, gate
+                ):
                     continue
+                self.groups.approve(row, gate)
             if is_marker(row) and candidate.marker_blocked:
                 continue
             small = row.size <= timing.SMALL_FILE_BYTES
