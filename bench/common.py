@@ -208,25 +208,46 @@ def state_dict(size_mib: int) -> dict[str, object]:
     return {f"layer{i}.weight": torch.randn(per) for i in range(n_tensors)}
 
 
+class _Timed:
+    """A barrier that notes when each rank passed it (``wait`` is all ``target`` calls)."""
+
+    def __init__(self, barrier: Any, started: Any, index: int) -> None:
+        self.barrier, self.started, self.index = barrier, started, index
+
+    def wait(self) -> None:
+        self.barrier.wait()
+        self.started[self.index] = time.perf_counter()  # CLOCK_MONOTONIC: one clock for every process
+
+
+def _rank(target: Callable[..., None], args: tuple[object, ...], start: _Timed, finished: Any) -> None:
+    target(*args, start)
+    finished[start.index] = time.perf_counter()
+
+
 def run_ranks(target: Callable[..., None], args_per_rank: list[tuple[object, ...]]) -> float:
-    """Seconds until one process per rank has run ``target(*args, barrier)``, all
-    started together on a barrier (process start-up is not timed)."""
+    """Seconds from the start, a barrier all ranks wait on (the first rank past it), until the
+    last of one process per rank has run ``target(*args, barrier)``.  Neither start-up nor exit is timed: a child
+    forked from this (big) process takes a while to tear down its copy of the parent's
+    memory map (it put seconds on 8 readers after a raw read had grown the heap to GiBs,
+    none of it I/O)."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
     barrier = ctx.Barrier(len(args_per_rank) + 1)
-    procs = [ctx.Process(target=target, args=(*args, barrier)) for args in args_per_rank]
+    started = ctx.Array("d", len(args_per_rank), lock=False)
+    finished = ctx.Array("d", len(args_per_rank), lock=False)
+    procs = [
+        ctx.Process(target=_rank, args=(target, args, _Timed(barrier, started, index), finished))
+        for index, args in enumerate(args_per_rank)
+    ]
     for p in procs:
         p.start()
-
-    def run() -> None:
-        barrier.wait()
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs):
-            raise RuntimeError("a rank failed")
-
-    return timed(run)
+    barrier.wait()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise RuntimeError("a rank failed")
+    return max(finished) - min(started)
 
 
 # -- restoring: what bench/restore.py and bench/peers.py both run ------------------------------
