@@ -431,11 +431,13 @@ def drain(cache_dir: Path, endpoint_url: str | None, now: bool, timeout: float |
 
     from .cachelock import PRIVATE_UMASK, CacheLock, check_cache_dir, secure_cache_dir
     from .config import check_cache_store, recorded_store
+    from .heap import keep_freed_buffers
     from .journal import Journal
     from .log import setup_logging
     from .mover import Mover
 
     os.umask(PRIVATE_UMASK)  # the journal's WAL, the log, temp files: private to this user
+    keep_freed_buffers()
     try:
         if timeout is not None:
             check_seconds(timeout, "timeout")

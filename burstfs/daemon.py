@@ -39,6 +39,7 @@ from .drainservice import DrainService
 from .errors import THROTTLED, BurstfsError, ConfigError, RemoteError
 from .fuse_ops import BurstOperations
 from .headroom import drop_reserve_if_full
+from .heap import keep_freed_buffers
 from .journal import ROOT_INO, Journal
 from .localtier import holds_data
 from .log import reopen_log_file, setup_logging
@@ -497,6 +498,7 @@ def passthrough_backing(config: MountConfig) -> passthrough.BackingFiles | None:
 
 def run_mount(config: MountConfig, on_ready: Callable[[], None]) -> None:
     """Mount, serve until unmounted, then leave the cache consistent for the next start."""
+    keep_freed_buffers()
     watch = StartupWatch()
     lock, journal, config = open_cache(config)
     try:

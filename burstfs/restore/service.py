@@ -417,12 +417,10 @@ class RestoreService:
                         note_refetch(fetch, index)
                     again = dict(await self._read_chunks(fetch, bad[0], bad[-1] + 1))
                     chunks = [(index, again[index] if index in bad else data) for index, data in chunks]
-                for index, data in chunks:
-                    if isinstance(data, BaseException):
-                        problem = problem or data
-                        continue
-                    start = fetch.chunk_start(index)
-                    await self.data_files.write(fetch, data, start)
+                good = [(index, data) for index, data in chunks if not isinstance(data, BaseException)]
+                problem = next((data for _, data in chunks if isinstance(data, BaseException)), None)
+                await self.data_files.write_all(fetch, [(fetch.chunk_start(index), data) for index, data in good])
+                for index, data in good:
                     fetch.present.add(index)
                     self._ranged_bytes += len(data)
         finally:
