@@ -78,6 +78,9 @@ GATE_WAIT_LOG_S = 60.0
 # A failed record publication is retried after this (doubling, capped).
 PUBLISH_BACKOFF_S = 0.5
 PUBLISH_BACKOFF_MAX_S = 30.0
+#: How often the rounds of directories removed here are looked for (``_forget_removed``); a
+#: directory is forgotten once two looks in a row found it gone.
+FORGET_REMOVED_S = 60.0
 # Records read from the (shared) remote are bounded before they are parsed.
 MAX_RECORD_BYTES = 64 << 20
 #: A done lists at most this many files of the node's earlier rounds in its directory (the
@@ -369,6 +372,8 @@ class CommitGroups:
         self._unrecorded_logged: dict[str, float] = {}  # gate dir -> when that wait was last logged
         self._commits: list[tuple[InodeRow, str, dict[str, Any]]] = []  # markers durable, commit record due
         self._poke: asyncio.Event | None = None
+        self._next_forget = time.monotonic() + FORGET_REMOVED_S
+        self._gone: set[str] = set()  # directories of complete rounds the last look found removed
         self.remote: Remote | None = None
         # Records are small: an attempt not answered within RECORD_ATTEMPT_TIMEOUT_S is on a
         # connection gone silent (a black-holed remote that healed), not a slow transfer.
@@ -534,6 +539,44 @@ class CommitGroups:
                     break
                 log.error("event=commit_record_impossible marker=%s error=%s", commit[1], exc)
             self._commits.remove(commit)
+        if time.monotonic() >= self._next_forget:
+            self._next_forget = time.monotonic() + FORGET_REMOVED_S
+            await self._forget_removed(remote)
+
+    async def _forget_removed(self, remote: Remote) -> None:
+        """Rounds of directories removed here (keep-last-N, ``rm -r``) go: their records on the
+        remote, their journal rows and their place here.  A run of thousands of steps kept two
+        records per step directory ever written on the remote, a row in the journal, and an
+        entry every look of a gate went through.  Only complete rounds (their done out) of a
+        directory gone at two looks in a row (a rename in progress is not caught midway)."""
+        with self._lock:
+            complete = {g.dir_key: g for g in self.groups.values() if g.intent and g.done}
+        present = await self._db(self._dirs_present, list(complete))
+        gone = {dir_key for dir_key in complete if dir_key not in present}
+        due, self._gone = gone & self._gone, gone
+        for dir_key in sorted(due):
+            group = complete[dir_key]
+            with self._lock:
+                if self.groups.get(dir_key) is not group:  # a new round began there meanwhile
+                    continue
+                del self.groups[dir_key]
+            try:
+                for round_id in [*group.previous, group.round]:
+                    for kind in (INTENT, DONE_RECORD):  # the intent first: a done left alone is no round
+                        key = record_key(dir_key, self.node_id, round_id, kind)
+                        await self.retry.call(remote, remote.delete, key, what=f"delete {key}")
+                        self._done_files.pop(key, None)
+            except RemoteError as exc:  # its journal row stays: the next start's looks try again
+                log.warning("event=group_forget_failed dir=%s error=%s", dir_key, exc)
+                continue
+            await self._db(self.journal.drop_metas, [f"{_META_GROUP}{dir_key}"])
+            for per_dir in (self._settled, self._retouched, self._touches_seen, self._full_check_after):
+                per_dir.pop(dir_key, None)
+            log.info("event=group_forgotten dir=%s rounds=%d", dir_key, len(group.previous) + 1)
+
+    def _dirs_present(self, dir_keys: list[str]) -> set[str]:
+        """Of ``dir_keys``, the directories this node has (journal reads)."""
+        return {dir_key for dir_key in dir_keys if self._is_dir(dir_key)}
 
     def retry_now(self) -> None:
         """``drain --now``: records backing off after failures are due at once (any thread)."""

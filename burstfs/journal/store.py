@@ -101,6 +101,10 @@ class Journal:
         """Several meta rows in one transaction."""
         self.apply(set_meta_op(key, value) for key, value in items)
 
+    def drop_metas(self, keys: Iterable[str]) -> None:
+        """Remove these meta rows, in one transaction."""
+        self.apply(("DELETE FROM meta WHERE key=?", (key,)) for key in keys)
+
     def meta_items(self, prefix: str) -> list[tuple[str, str]]:
         """Every ``(key, value)`` of the meta table whose key starts with ``prefix``."""
         rows = self.query(
