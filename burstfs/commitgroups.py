@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .checkpointindex import named_files, read_index
+from .checkpointindex import index_kind, named_files, read_index
 from .errors import OBJECT, CorruptDataError, FsError, RemoteError, RemoteNotFound, error_scope
 from .journal import DONE, FAILED, INCOMPLETE, QUEUED, REMOTE, WRITING, InodeRow, Journal
 from .journal.states import state_marks
@@ -875,11 +875,12 @@ class CommitGroups:
         ident = (marker.ino, marker.generation)
         if ident not in self._named:
             name = os.fsencode(marker_key.rpartition("/")[2])
+            names: list[bytes] = []
             try:
-                names = await asyncio.to_thread(lambda: named_files(name, read_index(local, name)))
+                if index_kind(name) is not None:
+                    names = await asyncio.to_thread(lambda: named_files(name, read_index(local, name)))
             except OSError as exc:  # the tier lost it: the drain of the marker itself fails
                 log.warning("event=index_unreadable key=%s error=%s", marker_key, exc)
-                names = []
             if len(self._named) >= 1024:  # generations never published (rewritten, removed)
                 self._named.clear()
             dir_key = dir_of(marker_key)
