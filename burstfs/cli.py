@@ -23,6 +23,7 @@ from .cachelock import CacheLock
 from .config import DEFAULT_COMMIT_MARKERS, check_seconds, config_from_meta
 from .errors import BurstfsError, ConfigError
 from .mountinfo import UnexaminedPath, find_burstfs_mount
+from .progress import be, count
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -236,14 +237,14 @@ def _fail_on_left_behind(cache_dir: Path) -> None:
     files, nbytes = left.get("incomplete", (0, 0))
     if files:
         click.echo(
-            f"burstfs: {files} files ({nbytes} bytes) are incomplete (open for writing at a crash): they never "
-            f"drain (see: burstfs-admin ls {cache_dir})",
+            f"burstfs: {count(files, 'file')} ({nbytes} bytes) {be(files)} incomplete (open for writing at a crash): "
+            f"they never drain (see: burstfs-admin ls {cache_dir})",
             err=True,
         )
     problems = []
     files, nbytes = left.get("failed", (0, 0))
     if files:
-        problems.append(f"{files} files ({nbytes} bytes) failed to drain")
+        problems.append(f"{count(files, 'file')} ({nbytes} bytes) failed to drain")
     if stuck:
         problems.append(f"{stuck} renamed files' objects could not be moved to their new names")
     if problems:
@@ -276,7 +277,7 @@ def _wait_durable(point: Path, timeout: float | None) -> None:
         said[0] = time.monotonic()
         if outcome.pending:
             path, row = outcome.pending[0]
-            what = f"{len(outcome.pending)} files to be durable (first: {path}, {wait_state(path, row)})"
+            what = f"{count(len(outcome.pending), 'file')} to be durable (first: {path}, {wait_state(path, row)})"
         else:
             what = f"{outcome.deletes} remote deletes"
         click.echo(
@@ -298,7 +299,7 @@ def _wait_durable(point: Path, timeout: float | None) -> None:
         why = (
             f"the drain is halted ({outcome.halted})"
             if outcome.halted
-            else f"{len(outcome.broken)} files failed to drain"
+            else f"{count(len(outcome.broken), 'file')} failed to drain"
         )
         if target.daemon is None:  # a dead mount: retry has nobody to ask; a plain unmount clears it
             hint = f"`burstfs unmount {point}` without --wait clears the dead mount, then mount it again"
@@ -308,7 +309,7 @@ def _wait_durable(point: Path, timeout: float | None) -> None:
     if outcome.result == "waiting":
         _fail(
             BurstfsError(
-                f"{len(outcome.pending)} files still not durable"
+                f"{count(len(outcome.pending), 'file')} still not durable"
                 + (f" and {outcome.deletes} remote deletes queued" if outcome.deletes else "")
                 + f" after {timeout:.0f}s{outage_note(outcome)}; "
                 f"not unmounting (see: burstfs-admin status {point})"
@@ -375,7 +376,7 @@ def unmount(
     files, nbytes = left.get("drains", (0, 0))
     if files:
         click.echo(
-            f"{files} files ({nbytes} bytes) are not durable yet: they stay staged in {cache_dir}; "
+            f"{count(files, 'file')} ({nbytes} bytes) {be(files)} not durable yet: they stay staged in {cache_dir}; "
             f"the next mount or `burstfs drain --cache {cache_dir}` drains them"
         )
     if work["moving"] or work["deletes"]:
@@ -386,13 +387,13 @@ def unmount(
     files, nbytes = left.get("failed", (0, 0))
     if files:
         click.echo(
-            f"{files} files ({nbytes} bytes) failed to drain: they drain after `burstfs-admin retry` "
+            f"{count(files, 'file')} ({nbytes} bytes) failed to drain: they drain after `burstfs-admin retry` "
             f"on the next mount (see: burstfs-admin ls {cache_dir})"
         )
     files, nbytes = left.get("incomplete", (0, 0))
     if files:
         click.echo(
-            f"{files} files ({nbytes} bytes) are incomplete (open for writing at a crash, or a write "
+            f"{count(files, 'file')} ({nbytes} bytes) {be(files)} incomplete (open for writing at a crash, or a write "
             "failed): they will not drain; rewrite or delete them"
         )
     files, _ = left.get("abandoned", (0, 0))
@@ -481,14 +482,16 @@ def drain(cache_dir: Path, endpoint_url: str | None, now: bool, timeout: float |
             asyncio.run(asyncio.wait_for(mover.run(until_idle=True), timeout))
         except TimeoutError:
             left, _ = _left_behind(cache_dir)
-            files = sum(count for fate, (count, _) in left.items() if fate not in ("incomplete", "abandoned"))
+            files = sum(n for fate, (n, _) in left.items() if fate not in ("incomplete", "abandoned"))
             click.echo(
-                f"burstfs: drain stopped after {timeout:g}s: {files} files are not durable yet; they stay in "
-                f"{cache_dir} (burstfs-admin status {cache_dir} says why)",
+                f"burstfs: drain stopped after {timeout:g}s: {count(files, 'file')} {be(files)} not durable yet; "
+                f"they stay in {cache_dir} (burstfs-admin status {cache_dir} says why)",
                 err=True,
             )
             sys.exit(EXIT_TIMEOUT)
-        click.echo(f"drained {mover.stats.files_drained} files ({mover.stats.bytes_drained} bytes) to {config.remote}")
+        click.echo(
+            f"drained {count(mover.stats.files_drained, 'file')} ({mover.stats.bytes_drained} bytes) to {config.remote}"
+        )
         _fail_on_left_behind(cache_dir)
     except BurstfsError as exc:
         _fail(exc)

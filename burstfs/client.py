@@ -151,6 +151,8 @@ class PrefetchError(ClientError):
 
 def _live(paths: Sequence[PathLike]) -> Target:
     """The live mount the paths are in (all in one), with an answering daemon."""
+    if not paths:
+        raise ClientError("no path given (an empty list): name the files or directories to ask about")
     try:
         target = resolve([Path(p) for p in paths], None)
     except AccessDenied as exc:

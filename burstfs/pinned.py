@@ -338,7 +338,8 @@ def async_save(state_dict: Any, path: str | os.PathLike[str], pool: PinnedPool |
 
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"async_save writes to a file system path (str or os.PathLike), not {type(path).__name__}")
-    path = Path(os.fspath(path))
+    # Absolute now: the writer thread must not follow a chdir the caller makes after this returns.
+    path = Path(os.path.abspath(os.fspath(path)))
     if not path.parent.is_dir():
         raise FileNotFoundError(errno.ENOENT, "checkpoint directory does not exist", str(path.parent))
     pool = pool if pool is not None else _get_default_pool()
@@ -349,6 +350,7 @@ def async_save(state_dict: Any, path: str | os.PathLike[str], pool: PinnedPool |
         waited_s = time.perf_counter() - start
         host_state, buffer, pooled, nbytes = _snapshot(state_dict, pool)
         handle = SaveHandle(path, nbytes)
+        _order.begin(handle)
         # Tensors that went through deepcopy instead of the pool may be CUDA clones queued
         # on the caller's current stream: the writer uses that stream to copy them to host.
         stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
@@ -361,11 +363,91 @@ def async_save(state_dict: Any, path: str | os.PathLike[str], pool: PinnedPool |
         try:
             writer.start()
         except BaseException:
+            _order.end(handle)
             if buffer is not None:
                 pool._give(buffer, pooled)
             raise
         pool._last = handle
     return handle
+
+
+class _SaveOrder:
+    """The last call wins, across pools: a save to a path renames over it only if no save
+    called after it is in place there already (two pools' saves of one path finished out
+    of order and left the older state).  Bounded by the saves in flight."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls = 0
+        self._ticket: dict[int, int] = {}  # id(handle) -> its call's number
+        self._in_flight: dict[Path, int] = {}  # path -> saves to it not done
+        self._placed: dict[Path, int] = {}  # path -> the number of the newest save renamed over it
+
+    def begin(self, handle: SaveHandle) -> None:
+        with self._lock:
+            self._calls += 1
+            self._ticket[id(handle)] = self._calls
+            self._in_flight[handle.path] = self._in_flight.get(handle.path, 0) + 1
+
+    def replace(self, handle: SaveHandle, tmp: Path) -> bool:
+        """Rename ``tmp`` over the handle's path unless a later save is there; True if it did."""
+        with self._lock:
+            ticket = self._ticket[id(handle)]
+            if self._placed.get(handle.path, 0) > ticket:
+                return False
+            os.replace(tmp, handle.path)
+            self._placed[handle.path] = ticket
+            return True
+
+    def end(self, handle: SaveHandle) -> None:
+        with self._lock:
+            self._ticket.pop(id(handle), None)
+            left = self._in_flight.get(handle.path, 1) - 1
+            if left:
+                self._in_flight[handle.path] = left
+            else:
+                self._in_flight.pop(handle.path, None)
+                self._placed.pop(handle.path, None)
+
+
+_order = _SaveOrder()
+
+
+class _FileSink:
+    """A file ``torch.save`` writes through Python, so that the OSError of a failed write
+    (ENOSPC on a full tier, EIO from the mount) is what the caller gets: torch's own file
+    writer reports any of them as ``RuntimeError('basic_ios::clear: iostream error')``."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        size = len(view)
+        try:
+            while view:
+                view = view[os.write(self.fd, view) :]
+        except OSError as exc:
+            self.error = exc
+            raise
+        return size
+
+    def flush(self) -> None:
+        """Nothing is buffered here."""
+
+
+def _save(torch: Any, obj: Any, tmp: Path) -> None:
+    """``torch.save(obj)`` into a new file at ``tmp``; a failed write raises its OSError."""
+    sink = _FileSink(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
+    try:
+        torch.save(obj, sink)
+    except RuntimeError as exc:
+        if sink.error is not None:
+            raise sink.error from exc
+        raise
+    finally:
+        os.close(sink.fd)
 
 
 def _write(
@@ -385,8 +467,10 @@ def _write(
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
         with torch.cuda.stream(stream):
-            torch.save(host_state, tmp)
-        os.replace(tmp, path)
+            _save(torch, host_state, tmp)
+        if not _order.replace(handle, tmp):
+            logger.info("save path=%s superseded by a later save to it that is already in place", path)
+            os.unlink(tmp)
     except BaseException as exc:  # noqa: BLE001 - handed to wait(), which re-raises it
         handle._error = exc
         try:
@@ -394,6 +478,7 @@ def _write(
         except OSError:  # not there, or its file system gone too (ENOTCONN): the save's error is the news
             pass
     finally:
+        _order.end(handle)
         if buffer is not None:
             pool._give(buffer, pooled)
         handle.total_s = time.perf_counter() - start

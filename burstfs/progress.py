@@ -11,6 +11,16 @@ from typing import TextIO
 from tqdm import tqdm
 
 
+def count(n: int, noun: str) -> str:
+    """``1 file``, ``2 files``: a count and its noun for a message."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def be(n: int) -> str:
+    """The verb for a count of ``n``: ``1 file is``, ``2 files are``."""
+    return "is" if n == 1 else "are"
+
+
 def fmt_bytes(n: float | None) -> str:
     if n is None:
         return "-"

@@ -241,7 +241,7 @@ def test_unmount_wait_is_admin_wait_without_incomplete_files(mounted_factory: An
     ) as db:  # a permanent drain failure, as the mover records it
         db.execute("UPDATE inodes SET state='failed', error='injected' WHERE name=?", (b"a",))
     refused = burstfs("unmount", "--wait", str(fs.path), check=False)
-    assert refused.returncode == 1 and "1 files failed to drain; not unmounting" in refused.stderr
+    assert refused.returncode == 1 and "1 file failed to drain; not unmounting" in refused.stderr
     assert admin_json("status", fs.path)["live"]
     admin("retry", fs.path)
     fs.unmount("--wait", "--wait-timeout", "60")  # torn.bin stays incomplete: not waited for
@@ -619,7 +619,7 @@ def test_verify_remote_on_a_restore_node_checks_remote_only_files(mounted_factor
     reader.expect_log("corrupt")
     reader.expect_log("mismatch")
     result = admin("prefetch", reader.path / "ck", expect=1)
-    assert "in 1 files; 1 failed" in result.stdout, result.stdout
+    assert "in 1 file; 1 failed" in result.stdout, result.stdout
     # ls shows the whole xxh3-128 digest (32 hex digits), as documented
     digest = admin_json("ls", reader.path / "ck" / "good.pt")["files"][0]["digest"]
     row = [line for line in admin("ls", reader.path / "ck").stdout.splitlines() if "good.pt" in line]

@@ -630,7 +630,7 @@ def test_drain_says_it_waits_for_the_drain_delay_and_now_skips_it(mounted_factor
         waiting.kill()
         waiting.wait()
     result = burstfs("drain", "--cache", str(fs.cache), "--now", timeout=60)
-    assert "drained 1 files" in result.stdout
+    assert "drained 1 file" in result.stdout
     assert (fs.remote_dir / "model.pt").read_bytes() == b"w" * 1000
 
 
@@ -639,7 +639,7 @@ def test_drain_of_a_cache_with_a_failed_file_exits_1_and_the_epilog_keeps_the_ca
     mounted_factory: type[MountedFS],
 ) -> None:
     """The Slurm epilog runs `burstfs drain --cache DIR --now && rm -rf DIR`.  A file that
-    failed to drain for good exited 0 ("drained 1 files") and the cache, its only copy, went.
+    failed to drain for good exited 0 ("drained 1 file") and the cache, its only copy, went.
     Now the drain exits 1 saying so; an incomplete file (open at a crash) is said, not an error."""
     if not FUSE_OK:
         pytest.skip("needs /dev/fuse, fusermount3 and root")
@@ -654,8 +654,8 @@ def test_drain_of_a_cache_with_a_failed_file_exits_1_and_the_epilog_keeps_the_ca
         db.execute("UPDATE inodes SET state='failed', error='injected' WHERE name=?", (b"optim.pt",))
     result = burstfs("drain", "--cache", str(fs.cache), "--now", check=False, timeout=60)
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "drained 1 files" in result.stdout
-    assert "1 files (1000 bytes) failed to drain" in result.stderr and str(fs.cache) in result.stderr
+    assert "drained 1 file" in result.stdout
+    assert "1 file (1000 bytes) failed to drain" in result.stderr and str(fs.cache) in result.stderr
     epilog = subprocess.run(
         ["bash", "-c", '"$1" drain --cache "$2" --now && rm -rf "$2"', "drain", str(BIN / "burstfs"), str(fs.cache)],
         capture_output=True,
@@ -665,7 +665,7 @@ def test_drain_of_a_cache_with_a_failed_file_exits_1_and_the_epilog_keeps_the_ca
     with sqlite3.connect(fs.cache / "journal.db") as db:
         db.execute("UPDATE inodes SET state='incomplete', error=NULL WHERE name=?", (b"optim.pt",))
     result = burstfs("drain", "--cache", str(fs.cache), "--now", timeout=60)
-    assert "1 files (1000 bytes) are incomplete" in result.stderr
+    assert "1 file (1000 bytes) is incomplete" in result.stderr
     assert (fs.remote_dir / "model.pt").read_bytes() == b"m" * 1000
 
 
@@ -679,8 +679,11 @@ def test_unmount_of_a_mount_whose_cache_dir_was_removed_says_so_in_one_line(moun
     fs.mount()
     shutil.rmtree(fs.cache)
     result = burstfs("unmount", str(fs.path), check=False)
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
-    assert "cannot read the journal" in one_line(result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    if result.returncode == 2:  # the daemon saw its cache go first (within a second) and unmounted itself
+        assert "is not a burstfs mount point" in result.stderr, result.stderr
+    else:
+        assert result.returncode == 1 and "cannot read the journal" in one_line(result.stderr), result.stderr
     assert not is_mounted(fs.path)
 
 
@@ -725,10 +728,10 @@ def test_unmount_after_a_crash_counts_incomplete_files_apart(mounted_factory: ty
         writer.kill()
         writer.wait()
     result = burstfs("unmount", str(fs.path))
-    assert "1 files (1000 bytes) are not durable yet" in result.stdout, result.stdout
-    (incomplete,) = [line for line in result.stdout.splitlines() if "are incomplete" in line]
+    assert "1 file (1000 bytes) is not durable yet" in result.stdout, result.stdout
+    (incomplete,) = [line for line in result.stdout.splitlines() if " incomplete (" in line]
     # the bytes its data file holds: passthrough wrote them past the journal, which said 0
-    assert incomplete.startswith("1 files (100 bytes)") and "will not drain" in incomplete, result.stdout
+    assert incomplete.startswith("1 file (100 bytes)") and "will not drain" in incomplete, result.stdout
 
 
 def test_a_slow_start_up_names_the_step_it_waits_in(caplog: pytest.LogCaptureFixture) -> None:
@@ -860,7 +863,7 @@ def test_admin_wait_and_status_are_bounded_by_a_daemon_that_stopped_answering(mo
             [str(BIN / "burstfs-admin"), "status", str(fs.cache)], capture_output=True, text=True, timeout=120
         )
         assert status.returncode == 0 and "showing the journal" in status.stderr, status.stderr
-        assert "undrained: 1 files" in status.stdout, status.stdout
+        assert "undrained: 1 file" in status.stdout, status.stdout
     finally:
         os.kill(pid, signal.SIGCONT)
 

@@ -123,6 +123,22 @@ def test_not_a_mount_and_daemon_gone(fs: MountedFS, tmp_path: Path) -> None:
         client.wait_durable(fs.cache)
 
 
+def test_misuses_are_client_errors_never_an_answer(fs: MountedFS) -> None:
+    """An empty list of paths raised IndexError; a mount's path with remote= answered None
+    ("start from scratch") for a run whose checkpoint was there."""
+    for call in (client.wait_durable, client.is_durable, client.prefetch):
+        with pytest.raises(client.ClientError, match="no path given"):
+            call([])
+    (fs.path / "run/step_1").mkdir(parents=True)
+    (fs.path / "run/step_1/__0_0.distcp").write_bytes(b"shard")
+    (fs.path / "run/step_1/.metadata").write_bytes(b"metadata")
+    client.wait_durable(fs.path / "run")
+    wait_for(lambda: client.latest(fs.path / "run") == fs.path / "run/step_1", what="step 1 published")
+    assert client.latest("run", remote=fs.remote_url) == Path("run/step_1")
+    with pytest.raises(client.ClientError, match="is a local path"):
+        client.latest(fs.path / "run", remote=fs.remote_url)
+
+
 def test_checkpoints_are_ordered_by_the_numbers_in_their_names(tmp_path: Path) -> None:
     """Not by mtime: a directory's mtime is one node's and moves when a listing merges in or
     drops what other nodes wrote or deleted there."""

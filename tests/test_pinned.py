@@ -275,7 +275,7 @@ def test_write_error_raises_from_wait_and_pool_recovers(
     real_save = torch.save
 
     def failing_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        Path(f).write_bytes(b"partial")
+        f.write(b"partial")
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", failing_save)
@@ -313,6 +313,65 @@ def test_a_save_whose_file_system_went_away_reports_only_through_wait(
     monkeypatch.undo()
     time.sleep(0.1)  # the writer thread's last steps after it set the handle done
     assert stray == []
+
+
+def test_a_relative_path_is_where_the_call_was_made_not_where_the_writer_runs(
+    tmp_path: Path, gated_save: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The script changed directory after async_save returned: the writer resolved the
+    relative path again, and wrote the checkpoint into the other directory."""
+    for name in ("job", "other"):
+        (tmp_path / name / "ckpt").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "job")
+    handle = async_save({"x": torch.ones(2)}, "ckpt/a.pt", pool=PinnedPool())
+    monkeypatch.chdir(tmp_path / "other")
+    gated_save.set()
+    handle.wait(30)
+    assert handle.path == tmp_path / "job" / "ckpt" / "a.pt"
+    assert torch.equal(_load(tmp_path / "job" / "ckpt" / "a.pt")["x"], torch.ones(2))
+    assert sorted(p.name for p in (tmp_path / "other").rglob("*")) == ["ckpt"]
+
+
+def test_the_last_call_wins_across_pools(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two pools' saves of one path (docs: a pool per save keeps writes in flight together):
+    the older one finished last and its rename left the older state in the file."""
+    first_may_end = threading.Event()
+    real_save = torch.save
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if obj["step"] == 1:
+            assert first_may_end.wait(30)
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    target = tmp_path / "last.pt"
+    older = async_save({"step": 1, "x": torch.ones(2)}, target, pool=PinnedPool())
+    newer = async_save({"step": 2, "x": torch.ones(2)}, target, pool=PinnedPool())
+    newer.wait(30)
+    first_may_end.set()
+    older.wait(30)
+    assert _load(target)["step"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]  # the older one's temp file went
+    third = async_save({"step": 3, "x": torch.ones(2)}, target, pool=PinnedPool())  # in order: it lands
+    third.wait(30)
+    assert _load(target)["step"] == 3
+
+
+def test_a_full_file_system_raises_enospc_from_wait(tmp_path: Path) -> None:
+    """torch's own file writer turned ENOSPC into RuntimeError('basic_ios::clear: iostream
+    error'); docs/PINNED.md promises the OSError."""
+    small = tmp_path / "small"
+    small.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)]).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        handle = async_save({"x": torch.zeros(1 << 20)}, small / "a.pt", pool=PinnedPool())
+        with pytest.raises(OSError) as raised:
+            handle.wait(30)
+        assert raised.value.errno == errno.ENOSPC
+        assert list(small.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
 
 
 def test_bad_paths_fail_before_snapshot(tmp_path: Path) -> None:

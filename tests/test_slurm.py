@@ -298,7 +298,7 @@ def test_epilog_reports_what_is_staged_and_drains_it_after_the_job(cluster: Clus
     cache = cluster.cache_root / f"job-{job}"
     wait_for(lambda: not cache.exists(), timeout=60, what="the background drain to finish and remove the cache")
     assert (cluster.remote / "root" / "run" / "step_1" / "shard0").stat().st_size == 300_000
-    assert "drained 1 files" in log.read_text()
+    assert "drained 1 file" in log.read_text()
     assert cluster.slurm("sinfo", "-h", "-o", "%T").strip() == "idle"
 
 

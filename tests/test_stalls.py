@@ -314,7 +314,7 @@ def test_unmount_does_not_wait_for_a_pass_stuck_on_a_hung_remote(
     assert time.monotonic() - started < 15, "unmount waited for the hung remote"
     # Drained without a mount while the remote is a black hole: --timeout bounds it (exit 3).
     drained = burstfs("drain", "--cache", str(fs.cache), "--now", "--timeout", "3", check=False, timeout=BOUND_S)
-    assert drained.returncode == 3 and "after 3s: 1 files are not durable" in drained.stderr, drained.stderr
+    assert drained.returncode == 3 and "after 3s: 1 file is not durable" in drained.stderr, drained.stderr
     proxy.resume()
     fs.mount()
     _bounded([str(BIN / "burstfs-admin"), "wait", "--timeout", "25", str(fs.path / "ck")], "the drain after the heal")

@@ -113,6 +113,14 @@ def latest_checkpoint(
         if remote_url is not None:
             url, s3 = parse_remote_url(remote_url), S3Options(endpoint_url=endpoint_url, region=region)
             subdir, root, daemon = str(path or "").strip("/"), None, None
+            if path is not None and os.path.isabs(path) and os.path.exists(path):
+                # A mount's (or any local) directory: its name on the remote is not that path, and
+                # "none" from looking there would tell a restart script to start from scratch.
+                raise AdminError(
+                    f"{path} is a local path: with --remote, PATH is a subdirectory of the remote (like ckpt/run1); "
+                    "or leave --remote out to ask the mount it is in",
+                    EXIT_USAGE,
+                )
             if any(part in (".", "..") for part in subdir.split("/")) or "//" in subdir:
                 raise AdminError(
                     f"{path}: with --remote, PATH is a subdirectory of the remote (like ckpt/run1)", EXIT_USAGE

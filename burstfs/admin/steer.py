@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ..errors import BurstfsError
-from ..progress import Progress, fmt_bytes
+from ..progress import Progress, count, fmt_bytes
 from ..verify import verify_stopped
 from .common import (
     EXIT_ERROR,
@@ -98,7 +98,7 @@ def prefetch(paths: tuple[Path, ...], cache: Path | None, as_json: bool) -> None
     else:
         failed = sum(not f["ok"] for f in doc["files"])
         click.echo(
-            f"fetched {fmt_bytes(doc['bytes'])} in {len(doc['files']) - failed} files"
+            f"fetched {fmt_bytes(doc['bytes'])} in {count(len(doc['files']) - failed, 'file')}"
             + (f"; {failed} failed" if failed else "")
         )
     evicted = doc.get("evicted_again", [])  # absent from an older daemon's answer

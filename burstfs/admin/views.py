@@ -14,7 +14,7 @@ import click
 
 from ..cachelock import CacheLock
 from ..journal import FILE_STATES, QUEUED
-from ..progress import Progress, fmt_bytes, fmt_duration
+from ..progress import Progress, count, fmt_bytes, fmt_duration
 from ..status import (
     SCHEMA,
     Durability,
@@ -77,7 +77,7 @@ def _print_status(doc: dict[str, Any]) -> None:
     click.echo(table(["STATE", "FILES", "BYTES"], rows, right=(1, 2)))
     undrained = doc["undrained"]
     oldest = f"; oldest closed {fmt_duration(undrained['oldest_age_s'])} ago" if undrained["files"] else ""
-    click.echo(f"undrained: {undrained['files']} files, {fmt_bytes(undrained['bytes'])}{oldest}")
+    click.echo(f"undrained: {count(undrained['files'], 'file')}, {fmt_bytes(undrained['bytes'])}{oldest}")
     work = doc.get("remote_work")  # absent from an older daemon's document
     if work and (work["moving"] or work["deletes"]):
         click.echo(f"remote: {work['moving']} objects to move after renames, {work['deletes']} deletes queued")
@@ -90,7 +90,7 @@ def _print_status(doc: dict[str, Any]) -> None:
         eta = "nothing to drain" if drain["eta_s"] == 0 and not queued else f"ETA {fmt_duration(drain['eta_s'])}"
         click.echo(
             f"drain: {fmt_bytes(drain['throughput_bps'])}/s, {eta}; "
-            f"{drain['files_drained']} files ({fmt_bytes(drain['bytes_drained'])}) drained since mount"
+            f"{count(drain['files_drained'], 'file')} ({fmt_bytes(drain['bytes_drained'])}) drained since mount"
         )
     if doc.get("node_id"):
         click.echo(f"node id: {doc['node_id']}")
@@ -159,9 +159,9 @@ def _held_line(held: dict[str, Any]) -> str:
         others.append("this node's own files")
     unrecorded = held.get("unrecorded")  # absent from an older daemon's document
     if unrecorded:
-        count = held.get("unrecorded_count", len(unrecorded))
+        unrecorded_count = held.get("unrecorded_count", len(unrecorded))
         others.append(
-            f"{'1 file' if count == 1 else f'{count} files'} its index names, not in any node's done record yet "
+            f"{count(unrecorded_count, 'file')} its index names, not in any node's done record yet "
             f"(first: {shown(unrecorded[0])})"
         )
     line = f"checkpoint {where} waiting for " + ", ".join(others)
