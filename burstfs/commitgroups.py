@@ -365,7 +365,7 @@ class CommitGroups:
         self.carried: dict[str, dict[str, float]] = {}
         # (marker ino, generation) -> the directory its gate looked at, and what it found there
         self._approved: dict[tuple[int, int], tuple[str, Verdict]] = {}
-        # (index marker ino, generation) -> the paths of the files it names (``index_holds``)
+        # (index marker ino, generation) -> the names (relative to its directory) of the files it names
         self._named: dict[tuple[int, int], list[str]] = {}
         # gate dir -> the files the index waiting there names that no done lists yet (status)
         self._unrecorded: dict[str, list[str]] = {}
@@ -883,10 +883,13 @@ class CommitGroups:
                 log.warning("event=index_unreadable key=%s error=%s", marker_key, exc)
             if len(self._named) >= 1024:  # generations never published (rewritten, removed)
                 self._named.clear()
-            dir_key = dir_of(marker_key)
-            self._named[ident] = [f"{dir_key}/{os.fsdecode(n)}" if dir_key else os.fsdecode(n) for n in names]
+            self._named[ident] = [os.fsdecode(n) for n in names]
+        # Paths under the marker's directory as it is named now: a directory renamed while its
+        # index waited (tmp-checkpoint-N -> checkpoint-N) has its files there.
+        dir_key = dir_of(marker_key)
+        named = [f"{dir_key}/{n}" if dir_key else n for n in self._named[ident]]
         verdict = self.verdicts.get(gate)
-        unrecorded = [path for path in self._named[ident] if verdict is None or path not in verdict.recorded]
+        unrecorded = [path for path in named if verdict is None or path not in verdict.recorded]
         if unrecorded:
             durable_here = await self._db(self._durable_here, unrecorded)
             unrecorded = [path for path in unrecorded if path not in durable_here]
@@ -939,6 +942,7 @@ class CommitGroups:
                 if now - asked > GATE_FORGET_S:
                     del self._wanted[dir_key]
                     self.verdicts.pop(dir_key, None)
+                    self._unrecorded.pop(dir_key, None)
             opened = False
             for dir_key in list(self._wanted):
                 try:

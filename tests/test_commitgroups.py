@@ -1169,3 +1169,26 @@ def test_the_rounds_of_a_removed_directory_go_from_the_remote_the_journal_and_me
         assert [key for key, _ in rows] == ["group:run/step_2"]
 
     run_nodes([node], scenario)
+
+
+def test_an_index_waiting_in_a_directory_renamed_meanwhile_waits_for_the_files_at_its_new_path(
+    tmp_path: Path,
+) -> None:
+    """The index went in before its shards (``cp -r``), then the directory was renamed
+    (tmp-checkpoint-N -> checkpoint-N): it kept waiting for the shards under the old path,
+    for good (found by an acceptance pass)."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    node = Node(tmp_path, "a", remote_dir)
+
+    async def scenario() -> None:
+        meta = node.write("hf/tmp-10/.metadata", _dcp_metadata("__0_0.distcp"))
+        await until(lambda: any(w["unrecorded"] for w in node.mover.groups.waiting_markers()), "the index waiting")
+        node.front.rename(node.dirs.pop("hf/tmp-10"), "checkpoint-10", node.dirs["hf"])
+        node.dirs["hf/checkpoint-10"] = node.front.journal.child(node.dirs["hf"], b"checkpoint-10").ino
+        node.mover.namespace_changed()
+        node.write("hf/checkpoint-10/__0_0.distcp", b"shard")
+        await until(lambda: node.durable(meta), "the index published at the new path")
+        assert {"hf/checkpoint-10/.metadata", "hf/checkpoint-10/__0_0.distcp"} <= keys(remote_dir)
+
+    run_nodes([node], scenario)
