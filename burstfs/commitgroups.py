@@ -49,6 +49,7 @@ from .journal.states import state_marks
 from .journal.thread import JournalCall
 from .objects import RequestHealth, reported_call
 from .remote import INTERNAL_DIR, Remote, RetryPolicy
+from .remote.base import manifest_key
 from .status import lookup
 
 log = logging.getLogger("burstfs.groups")
@@ -78,6 +79,10 @@ GATE_WAIT_LOG_S = 60.0
 # A failed record publication is retried after this (doubling, capped).
 PUBLISH_BACKOFF_S = 0.5
 PUBLISH_BACKOFF_MAX_S = 30.0
+#: A file an index waits for and no done lists is looked for on the remote (object and
+#: manifest) at most this often per directory, the first this many of them.
+UNRECORDED_CHECK_S = 1.0
+UNRECORDED_CHECK_MAX = 16
 #: How often the rounds of directories removed here are looked for (``_forget_removed``); a
 #: directory is forgotten once two looks in a row found it gone.
 FORGET_REMOVED_S = 60.0
@@ -257,11 +262,14 @@ class Verdict:
     files: list[dict[str, Any]]
     abandoned: list[float]  # when each intent without its done that an operator gave up was (the remote's clock)
     intent_times: dict[tuple[str, str, str], float]  # (dir, node, round) -> its intent's time (the remote's clock)
+    # Files an index waiting here names that no done lists, found whole on the remote (object
+    # and manifest): their node's records may never come (it stopped before it sent them).
+    on_remote: frozenset[str] = frozenset()
 
     @functools.cached_property
     def recorded(self) -> frozenset[str]:
-        """The paths the done records of the complete rounds list."""
-        return frozenset(entry["path"] for entry in self.files)
+        """The paths the done records of the complete rounds list, and ``on_remote``."""
+        return frozenset(entry["path"] for entry in self.files) | self.on_remote
 
     def open_for(self, closed_at: float) -> bool:
         """True if a marker closed at ``closed_at`` (this node's clock) may go: no other node's
@@ -370,6 +378,7 @@ class CommitGroups:
         # gate dir -> the files the index waiting there names that no done lists yet (status)
         self._unrecorded: dict[str, list[str]] = {}
         self._unrecorded_logged: dict[str, float] = {}  # gate dir -> when that wait was last logged
+        self._whole_checked: dict[str, tuple[float, frozenset[str]]] = {}  # gate dir -> (when, found whole)
         self._commits: list[tuple[InodeRow, str, dict[str, Any]]] = []  # markers durable, commit record due
         self._poke: asyncio.Event | None = None
         self._next_forget = time.monotonic() + FORGET_REMOVED_S
@@ -943,6 +952,7 @@ class CommitGroups:
                     del self._wanted[dir_key]
                     self.verdicts.pop(dir_key, None)
                     self._unrecorded.pop(dir_key, None)
+                    self._whole_checked.pop(dir_key, None)
             opened = False
             for dir_key in list(self._wanted):
                 try:
@@ -960,8 +970,10 @@ class CommitGroups:
                     if before is None or before.waiting:
                         opened = True
                         log.info("event=gate_open dir=%s rounds=%d", dir_key, len(verdict.rounds))
-                    elif dir_key in self._unrecorded and verdict.rounds != before.rounds:
-                        opened = True  # a new done may list what an index waiting here names
+                    elif dir_key in self._unrecorded and (
+                        verdict.rounds != before.rounds or verdict.on_remote != before.on_remote
+                    ):
+                        opened = True  # a new done (or a drained file) may be what an index here waits for
             if opened:
                 self._wake()
             delay = GATE_POLL_MIN_S if opened else min(GATE_POLL_MAX_S, delay * 2)
@@ -1032,10 +1044,40 @@ class CommitGroups:
         ]
         abandoned = [given_up[ident] for ident, _ in unfinished if ident in given_up]
         files: list[dict[str, Any]] = []
+        on_remote: frozenset[str] = frozenset()
         if not waiting:
             for ident in rounds:
                 files.extend(await self._read_done(remote, dones[ident]))
-        return Verdict(listed_at, waiting, own_pending, rounds, files, abandoned, intents)
+            listed = {entry["path"] for entry in files}
+            on_remote = await self._whole_on_remote(
+                remote, dir_key, [p for p in self._unrecorded.get(dir_key, ()) if p not in listed]
+            )
+        return Verdict(listed_at, waiting, own_pending, rounds, files, abandoned, intents, on_remote)
+
+    async def _whole_on_remote(self, remote: Remote, dir_key: str, paths: list[str]) -> frozenset[str]:
+        """Of ``paths`` (files an index waiting in ``dir_key`` names and no done lists), those
+        whose object and manifest are both on the remote: drained, though their node's records
+        are not out (its remote refused them, then it unmounted: the index waited for good).
+        Asked at most every UNRECORDED_CHECK_S per directory, for the first few."""
+        if not paths:
+            return frozenset()
+        checked_at, found = self._whole_checked.get(dir_key, (-math.inf, frozenset()))
+        if time.monotonic() - checked_at < UNRECORDED_CHECK_S:
+            return found
+        present = set()
+        for path in paths[:UNRECORDED_CHECK_MAX]:
+            try:
+                for key in (path, manifest_key(path)):
+                    if await self.retry.call(remote, remote.head, key, what=f"head {key}") is None:
+                        break
+                else:
+                    present.add(path)
+            except RemoteError as exc:
+                log.info("event=gate_head_failed path=%s error=%s", path, exc)
+                break
+        found = frozenset(present)
+        self._whole_checked[dir_key] = (time.monotonic(), found)
+        return found
 
     async def _read_done(self, remote: Remote, key: str) -> list[dict[str, Any]]:
         if key not in self._done_files:

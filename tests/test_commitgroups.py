@@ -1192,3 +1192,25 @@ def test_an_index_waiting_in_a_directory_renamed_meanwhile_waits_for_the_files_a
         assert {"hf/checkpoint-10/.metadata", "hf/checkpoint-10/__0_0.distcp"} <= keys(remote_dir)
 
     run_nodes([node], scenario)
+
+
+def test_an_index_goes_once_a_file_it_names_is_whole_on_the_remote_though_its_nodes_records_never_come(
+    tmp_path: Path,
+) -> None:
+    """n1's remote refused its records (503) and its shard drained after the heal; its
+    `unmount --wait` returned before the records went out, and n0's index waited for good.
+    A file the index names that is whole on the remote (object and manifest) counts."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    a, b = Node(tmp_path, "a", remote_dir), Node(tmp_path, "b", remote_dir)
+    refuse_records(b, lambda key: RemoteError(f"{key}: 503 SlowDown", kind="throttled"))
+
+    async def scenario() -> None:
+        shard_b = b.write("ck/s1/__1_0.distcp", b"B" * 1000)
+        a.write("ck/s1/__0_0.distcp", b"A" * 1000)
+        meta = a.write("ck/s1/.metadata", _dcp_metadata("__0_0.distcp", "__1_0.distcp"))
+        await until(lambda: b.durable(shard_b), "b's shard drained (its records refused)")
+        await until(lambda: a.durable(meta), "a's index, once b's shard is whole on the remote")
+        assert not keys(remote_dir, GROUPS_PREFIX + "ck/s1/b@")
+
+    run_nodes([a, b], scenario)

@@ -161,6 +161,7 @@ class FileDrain:
             log.info("event=upload_superseded ino=%d key=%s generation=%d", row.ino, key, row.generation)
             return False
         self._mismatches.pop((row.ino, row.generation), None)
+        self.mover.groups.retry_now()  # the remote takes requests again: records backing off are due
         if path != key:  # renamed during the upload: move the object
             self.mover.key_moves.want(row.ino)
         latency = time.time() - started
