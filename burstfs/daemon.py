@@ -46,6 +46,7 @@ from .log import reopen_log_file, setup_logging
 from .metrics import start_metrics
 from .mountinfo import FSNAME_PREFIX, device_of, find_burstfs_mount, mounts
 from .mover import Mover
+from .progress import fmt_bytes
 from .recovery import stamp_alive
 from .remote import open_remote
 from .sdnotify import SystemdNotifier
@@ -98,6 +99,23 @@ def preflight(config: MountConfig) -> None:
     else:
         check_cache_dir(cache)  # another user's, or no cache (--cache /tmp): secure_cache_dir() refuses it too
         _check_cache_owner(config)
+    _check_min_free(config)
+
+
+def _check_min_free(config: MountConfig) -> None:
+    """Refuse a --min-free that the tier's file system cannot keep: every write would wait
+    --full-timeout and fail with ENOSPC, however empty the tier."""
+    if not config.tier.min_free:
+        return
+    where = config.cache_dir if config.cache_dir.exists() else config.cache_dir.parent
+    st = os.statvfs(where)
+    total = st.f_blocks * st.f_frsize
+    if config.tier.min_free >= total:
+        raise ConfigError(
+            f"--min-free {fmt_bytes(config.tier.min_free)} is not less than the size of the file system "
+            f"of the cache dir ({fmt_bytes(total)} at {where}): nothing could ever be written",
+            "min-free",
+        )
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -549,17 +567,17 @@ def mount(config: MountConfig, *, foreground: bool) -> int:
     """``burstfs mount``: returns the process exit code once the mount is live (or failed)."""
     os.umask(PRIVATE_UMASK)  # before the first file in the cache (or a temp file on the remote) exists
     preflight(config)
-    unavailable = check_remote(config)
     log_file = config.cache_dir / "burstfs.log"
 
-    def log_unavailable() -> None:
+    def log_unavailable(unavailable: str | None) -> None:
         if unavailable is not None:
             log.warning("event=remote_unavailable_at_mount remote=%s error=%s", config.remote, unavailable)
 
     if foreground:
+        unavailable = check_remote(config)
         secure_cache_dir(config.cache_dir)
         setup_logging(config.log_level, log_file=log_file, stderr=True)
-        log_unavailable()
+        log_unavailable(unavailable)
         run_mount(config, on_ready=lambda: None)
         return 0
     read_fd, write_fd = os.pipe()
@@ -576,28 +594,39 @@ def mount(config: MountConfig, *, foreground: bool) -> int:
         os.waitpid(pid, 0)
         return 2 if kind == "error 2" else 1
     os.close(read_fd)
-    _become_daemon()
     status = os.fdopen(write_fd, "w")
 
     def ready() -> None:
         status.write("ready\n")
         status.close()
 
-    code = 0
-    try:
-        secure_cache_dir(config.cache_dir)
-        setup_logging(config.log_level, log_file=log_file, stderr=False)
-        log_unavailable()
-        run_mount(config, on_ready=ready)
-    except BaseException as exc:  # the parent prints it; the log keeps the details
-        code = 1
+    def tell_parent(exc: BaseException) -> None:
         # A refusal says all in its message; anything else (a nursery's sub-exceptions) needs its traceback.
         refusal = refusal_in(exc)
-        log.error("event=daemon_failed error=%s", exc, exc_info=None if refusal is not None else exc)
         if not status.closed:
             message = str(refusal) if refusal is not None else "".join(traceback.format_exception(exc))
             status.write(f"error {2 if isinstance(refusal, ConfigError) else 1}: burstfs: {message}\n")
             status.close()
+
+    # The remote is probed here in the child, not before the fork: a process that forks after
+    # its first S3 client (OpenSSL's and the resolver's state) has been seen to hang its
+    # daemon's next SSL context for good.  Its warning still reaches the user's terminal.
+    try:
+        unavailable = check_remote(config)
+    except BaseException as exc:
+        tell_parent(exc)
+        os._exit(1)
+    _become_daemon()
+    code = 0
+    try:
+        secure_cache_dir(config.cache_dir)
+        setup_logging(config.log_level, log_file=log_file, stderr=False)
+        log_unavailable(unavailable)
+        run_mount(config, on_ready=ready)
+    except BaseException as exc:  # the parent prints it; the log keeps the details
+        code = 1
+        log.error("event=daemon_failed error=%s", exc, exc_info=None if refusal_in(exc) is not None else exc)
+        tell_parent(exc)
     os._exit(code)
 
 

@@ -310,6 +310,16 @@ def test_a_metrics_port_in_use_is_refused_before_the_cache_is_made(dirs: tuple[P
     assert not cache.exists()  # README: a refused mount creates nothing
 
 
+def test_a_min_free_the_tier_cannot_keep_is_refused(dirs: tuple[Path, Path, str]) -> None:
+    """Every write would wait --full-timeout and fail with ENOSPC: say so at mount instead."""
+    mnt, cache, remote = dirs
+    total = os.statvfs(cache.parent).f_blocks * os.statvfs(cache.parent).f_frsize
+    base = ("mount", str(mnt), "--cache", str(cache), "--remote", remote, "--min-free")
+    err = one_line(refused(*base, str(total)))
+    assert "--min-free" in err and f"at {cache.parent}" in err and "nothing could ever be written" in err
+    assert not cache.exists()
+
+
 def test_admin_latest_of_a_missing_remote_says_it_is_missing(tmp_path: Path) -> None:
     """Exit 5, not 1 ("no complete checkpoint"): a restart script that starts over on 1 must
     not do so when it could not look."""
