@@ -264,7 +264,7 @@ def _wait_durable(point: Path, timeout: float | None) -> None:
     so they are left out (unmount reports them).  So are other nodes' files known here from
     listings: none of their bytes is lost with this mount, and a move of one renamed here is
     its owner's to make (it may never come: an epilog waited for it for good)."""
-    from .admin.common import AdminError, outage_note, resolve, wait_durable
+    from .admin.common import AdminError, outage_note, remote_left_note, resolve, wait_durable
     from .journal import INCOMPLETE, REMOTE
     from .status import Durability, wait_state
 
@@ -278,8 +278,10 @@ def _wait_durable(point: Path, timeout: float | None) -> None:
         if outcome.pending:
             path, row = outcome.pending[0]
             what = f"{count(len(outcome.pending), 'file')} to be durable (first: {path}, {wait_state(path, row)})"
-        else:
+        elif outcome.deletes:
             what = f"{outcome.deletes} remote deletes"
+        else:
+            what = f"{count(outcome.records, 'record')} of this node to go out (dones, commits)"
         click.echo(
             f"burstfs: waiting for {what}{outage_note(outcome)}; burstfs-admin status {point} says why", err=True
         )
@@ -309,9 +311,8 @@ def _wait_durable(point: Path, timeout: float | None) -> None:
     if outcome.result == "waiting":
         _fail(
             BurstfsError(
-                f"{count(len(outcome.pending), 'file')} still not durable"
-                + (f" and {outcome.deletes} remote deletes queued" if outcome.deletes else "")
-                + f" after {timeout:.0f}s{outage_note(outcome)}; "
+                (f"{count(len(outcome.pending), 'file')} still not durable" if outcome.pending else "still waiting")
+                + f" after {timeout:.0f}s{remote_left_note(outcome)}{outage_note(outcome)}; "
                 f"not unmounting (see: burstfs-admin status {point})"
             )
         )

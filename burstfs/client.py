@@ -24,7 +24,16 @@ from pathlib import Path
 from typing import Any
 
 from .admin.checkpoints import latest_checkpoint
-from .admin.common import EXIT_USAGE, AccessDenied, AdminError, DaemonLost, Target, outage_note, resolve
+from .admin.common import (
+    EXIT_USAGE,
+    AccessDenied,
+    AdminError,
+    DaemonLost,
+    Target,
+    outage_note,
+    remote_left_note,
+    resolve,
+)
 from .admin.common import wait_durable as _wait_durable
 from .journal import BROKEN, DONE, MOVING, FileState
 from .status import wait_state
@@ -234,9 +243,9 @@ def wait_durable(path: PathLike | Sequence[PathLike], timeout: float | None = No
             reasons.append(f"the drain is halted: {outcome.halted}")
         raise DrainFailedError("not durable: " + "; ".join(reasons), failed, outcome.halted)
     pending = [PendingFile(p, wait_state(p, r), r.error) for p, r in outcome.pending]
-    deletes = f" ({outcome.deletes} remote deletes queued)" if outcome.deletes else ""
     raise DurableTimeoutError(
-        f"{len(pending)} of {len(outcome.files)} files not durable after {timeout:g}s{deletes}{outage_note(outcome)}",
+        f"{len(pending)} of {len(outcome.files)} files not durable after {timeout:g}s"
+        f"{remote_left_note(outcome)}{outage_note(outcome)}",
         pending,
     )
 

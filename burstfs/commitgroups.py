@@ -61,6 +61,7 @@ INTENT, DONE_RECORD, ABANDONED = "intent", "done", "abandoned"
 _META_GROUP = "group:"
 _META_ABANDONED = "abandoned:"
 _META_CARRIED = "carried:"  # a marker moved here from another directory: the nodes it still waits for
+_META_COMMIT = "commit:"  # a commit record due (its key -> its document): a stop or a crash keeps it
 #: Markers that name a step directory beside them rather than close a checkpoint of their own
 #: directory: DeepSpeed's ``latest`` (the tag of the newest step) and Megatron's tracker file.
 POINTER_MARKERS = frozenset({"latest", "latest_checkpointed_iteration.txt"})
@@ -207,6 +208,9 @@ class OwnGroup:
     intent: bool = False  # published
     sealed: bool = False  # its done is written (or being written): a later open starts a new round
     done: bool = False  # published
+    # Its records cannot exist on the remote (their keys too long, say): not announced, and
+    # nothing waits for them (a drain until idle ends); tried again after a restart.
+    unrecordable: bool = False
     # This node's earlier rounds here: their records go once this round's done is out, and this
     # done lists their files still here as they were (a marker written after a done of the
     # node's shards, in a round of its own, kept no record of them).
@@ -236,9 +240,20 @@ def unfinished_rounds(journal: Journal) -> list[str]:
     for _, value in journal.meta_items(_META_GROUP):
         with contextlib.suppress(ValueError, TypeError):
             group = OwnGroup.from_json(value)
-            if group.members and not group.done:
+            if group.members and not group.done and not group.unrecordable:
                 unfinished.append(group.dir_key)
     return sorted(unfinished)
+
+
+def records_due(journal: Journal, rels: list[str]) -> int:
+    """How many of this node's records for directories at or under ``rels`` still have to go
+    out (blocking: the journal's meta): the done of each round with files (other nodes'
+    markers wait for it) and the commit record of each marker durable here (``latest`` reads
+    it).  ``unmount --wait`` waits for them: a cache removed after it would lose them."""
+    places = unfinished_rounds(journal)  # a round's directory; a commit's marker (a wait on it counts it)
+    for key, _ in journal.meta_items(_META_COMMIT):
+        places.append(key[len(_META_COMMIT) :].removeprefix(COMMITS_PREFIX).rsplit("@", 2)[0])
+    return sum(1 for place in places if any(_under(place, rel.strip("/")) for rel in rels))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,9 +363,6 @@ class CommitGroups:
         # runs while files keep coming in (a quarter of the time at most).
         self._full_check_after: dict[str, float] = {}
         self._retry_at: dict[str, float] = {}  # what -> earliest retry of its record
-        # Directories whose records no remote can hold (a key too long, say): their rounds are
-        # not announced; retried only after a restart, so a drain that runs until idle ends.
-        self._unrecordable: set[str] = set()
         self._failures: dict[str, int] = {}
         self._intent_events: dict[str, asyncio.Event] = {}
         self._wanted: dict[str, float] = {}  # marker dir -> last asked
@@ -379,7 +391,7 @@ class CommitGroups:
         self._unrecorded: dict[str, list[str]] = {}
         self._unrecorded_logged: dict[str, float] = {}  # gate dir -> when that wait was last logged
         self._whole_checked: dict[str, tuple[float, frozenset[str]]] = {}  # gate dir -> (when, found whole)
-        self._commits: list[tuple[InodeRow, str, dict[str, Any]]] = []  # markers durable, commit record due
+        self._commits: dict[str, dict[str, Any]] = {}  # commit record key -> its document (journaled, due)
         self._poke: asyncio.Event | None = None
         self._next_forget = time.monotonic() + FORGET_REMOVED_S
         self._gone: set[str] = set()  # directories of complete rounds the last look found removed
@@ -457,6 +469,7 @@ class CommitGroups:
         own = await self._db(self.journal.meta_items, _META_GROUP)
         abandoned = await self._db(self.journal.meta_items, _META_ABANDONED)
         carried = await self._db(self.journal.meta_items, _META_CARRIED)
+        commits = await self._db(self.journal.meta_items, _META_COMMIT)
         with self._lock:
             for key, value in own:
                 try:
@@ -464,6 +477,7 @@ class CommitGroups:
                 except (ValueError, TypeError) as exc:
                     log.error("event=group_unreadable key=%s error=%r", key, exc)
                     continue
+                group.unrecordable = False  # tried again
                 self.groups.setdefault(group.dir_key, group)
             for key, value in abandoned:
                 self.abandoned[key[len(_META_ABANDONED) :]] = float(value)
@@ -472,6 +486,11 @@ class CommitGroups:
                 nodes = {str(node): float(since) for node, since in json.loads(value).items()}
                 if nodes:
                     self.carried[key[len(_META_CARRIED) :]] = nodes
+        for key, value in commits:
+            try:
+                self._commits[key[len(_META_COMMIT) :]] = json.loads(value)
+            except ValueError as exc:
+                log.error("event=commit_unreadable key=%s error=%r", key, exc)
         # Rounds are journaled by the mover's passes: closes since the last one (a pass stuck on
         # a silent remote, then an unmount or a crash) were in no journaled round.  Every file
         # closed here and not drained yet is in one: its directory's open round, or a new one.
@@ -505,12 +524,10 @@ class CommitGroups:
         """Records that can be published now (a drain that runs until idle waits for them;
         a round with a file that never becomes durable is not one)."""
         with self._lock:
-            groups = [(g.intent, g.done, set(g.members), g.dir_key) for g in self.groups.values()]
+            groups = [(g.intent, g.done, set(g.members), g.dir_key) for g in self.groups.values() if not g.unrecordable]
         if self._commits:
             return True
         for intent, done, members, dir_key in groups:
-            if dir_key in self._unrecordable:
-                continue
             if not intent or (not done and await self._db(self._members, members, dir_key) is not None):
                 return True
         return False
@@ -521,12 +538,9 @@ class CommitGroups:
         now = time.time()
         with self._lock:  # the FUSE thread adds members under it (joined_announced)
             pending = [g for g in self.groups.values() if not (g.intent and g.done)]
-            dirty = [(f"{_META_GROUP}{key}", self.groups[key].to_json()) for key in self._dirty if key in self.groups]
-            self._dirty.clear()
-        if dirty:
-            await self._db(self.journal.set_metas, dirty)
+        await self._journal_dirty()
         for group in pending:
-            if self._retry_at.get(group.dir_key, 0.0) > now or group.dir_key in self._unrecordable:
+            if self._retry_at.get(group.dir_key, 0.0) > now or group.unrecordable:
                 continue
             try:
                 if not group.intent:
@@ -535,22 +549,38 @@ class CommitGroups:
                     await self._maybe_done(remote, group)
             except RemoteError as exc:
                 if error_scope(exc) == OBJECT:  # never, whatever the retries: the directory's files fail alike
-                    self._unrecordable.add(group.dir_key)
+                    with self._lock:
+                        group.unrecordable = True
+                        self._dirty.add(group.dir_key)
                     log.error("event=group_record_impossible dir=%s error=%s", group.dir_key, exc)
                 else:
                     self._publish_failed(group.dir_key, exc)
-        for commit in list(self._commits):
+        for commit_key, doc in list(self._commits.items()):
+            if self._retry_at.get(commit_key, 0.0) > now:
+                continue
             try:
-                await self._publish_commit(remote, *commit)
+                await self._publish_commit(remote, commit_key, doc)
             except RemoteError as exc:
                 if error_scope(exc) != OBJECT:
-                    self._publish_failed(f"commit {commit[1]}", exc)
+                    self._publish_failed(commit_key, exc)
                     break
-                log.error("event=commit_record_impossible marker=%s error=%s", commit[1], exc)
-            self._commits.remove(commit)
+                log.error("event=commit_record_impossible key=%s error=%s", commit_key, exc)
+            del self._commits[commit_key]
+            self._retry_at.pop(commit_key, None)
+            self._failures.pop(commit_key, None)
+            await self._db(self.journal.drop_metas, [f"{_META_COMMIT}{commit_key}"])
+        await self._journal_dirty()  # what this pass published (an intent, a done) is journaled before it ends
         if time.monotonic() >= self._next_forget:
             self._next_forget = time.monotonic() + FORGET_REMOVED_S
             await self._forget_removed(remote)
+
+    async def _journal_dirty(self) -> None:
+        """Journal the groups changed since they were last journaled."""
+        with self._lock:
+            dirty = [(f"{_META_GROUP}{key}", self.groups[key].to_json()) for key in self._dirty if key in self.groups]
+            self._dirty.clear()
+        if dirty:
+            await self._db(self.journal.set_metas, dirty)
 
     async def _forget_removed(self, remote: Remote) -> None:
         """Rounds of directories removed here (keep-last-N, ``rm -r``) go: their records on the
@@ -1085,15 +1115,18 @@ class CommitGroups:
             self._done_files[key] = record_files(parse_record(data))
         return self._done_files[key]
 
-    def marker_durable(self, marker: InodeRow, key: str, size: int, digest: str) -> None:
-        """The marker is published: its commit record (what ``latest`` checks) is due."""
+    def commit_due(self, marker: InodeRow, key: str, size: int, digest: str) -> tuple[str, dict[str, Any]] | None:
+        """The commit record (its key and document: what ``latest`` checks) that the marker's
+        upload makes due, if its gate approved it.  The upload journals it with the marker's
+        durable state (``journal_commit``), then queues it (``commit_recorded``): a stop or a
+        crash before it is out keeps it, and the marker is not uploaded again to redo it."""
         gate = self._pointed.pop((marker.ino, marker.generation), None)
         if gate is not None:
             self._rewritten.pop(gate, None)
         self._named.pop((marker.ino, marker.generation), None)
         approved = self._approved.pop((marker.ino, marker.generation), None)
         if approved is None:
-            return
+            return None
         gate, verdict = approved
         files: dict[str, dict[str, Any]] = {}
         for entry in verdict.files:  # a path two nodes wrote: the later done's entry (the last drain won)
@@ -1107,7 +1140,22 @@ class CommitGroups:
             "rounds": [list(r) for r in verdict.rounds],
             "files": list(files.values()),
         }
-        self._commits.append((marker, key, doc))
+        # Named by when the marker was closed here (the journal's time, as the gate judges it),
+        # not when it got out: ``latest`` orders checkpoints by it (an older step whose node came
+        # back late is not the newest; the remote's modification times have one-second
+        # resolution).  Not by the marker's mtime: ``cp -a``, ``rsync -a``, ``tar`` or ``touch``
+        # set that to any time, and an older one made a newer step look older.
+        return f"{self._commits_of(key)}{record_id(int(marker.updated * 1e9))}.commit", doc
+
+    def journal_commit(self, commit: tuple[str, dict[str, Any]]) -> None:
+        """Journal a commit record due (blocking: on the journal thread)."""
+        commit_key, doc = commit
+        self.journal.set_meta(f"{_META_COMMIT}{commit_key}", json.dumps(doc, separators=(",", ":")))
+
+    def commit_recorded(self, commit: tuple[str, dict[str, Any]]) -> None:
+        """A journaled commit record is due: the next pass publishes it."""
+        commit_key, doc = commit
+        self._commits[commit_key] = doc
         self._wake()
 
     def _commits_of(self, key: str) -> str:
@@ -1115,14 +1163,8 @@ class CommitGroups:
         dir_key, name = dir_of(key), key.rpartition("/")[2]
         return f"{COMMITS_PREFIX}{dir_key + '/' if dir_key else ''}{name}@{self.node_id}@"
 
-    async def _publish_commit(self, remote: Remote, marker: InodeRow, key: str, doc: dict[str, Any]) -> None:
-        prefix = self._commits_of(key)
-        # Named by when the marker was closed here (the journal's time, as the gate judges it),
-        # not when it got out: ``latest`` orders checkpoints by it (an older step whose node came
-        # back late is not the newest; the remote's modification times have one-second
-        # resolution).  Not by the marker's mtime: ``cp -a``, ``rsync -a``, ``tar`` or ``touch``
-        # set that to any time, and an older one made a newer step look older.
-        commit_key = f"{prefix}{record_id(int(marker.updated * 1e9))}.commit"
+    async def _publish_commit(self, remote: Remote, commit_key: str, doc: dict[str, Any]) -> None:
+        prefix = self._commits_of(doc["marker"]["path"])
         await self._create(remote, commit_key, doc)
         log.info("event=commit_published key=%s files=%d", commit_key, len(doc["files"]))
         await self._drop_carried(doc["dir"])
@@ -1132,7 +1174,13 @@ class CommitGroups:
         """The marker object at ``key`` was deleted (no file of this node has that name any
         more): this node's commit records of it name a checkpoint that is gone.  Without this a
         long run's records pile up under ``.burstfs/commits/`` and ``latest`` lists them all."""
-        await self._delete_commits(remote, self._commits_of(key), keep=None)
+        prefix = self._commits_of(key)
+        due = [commit_key for commit_key in self._commits if commit_key.startswith(prefix)]
+        for commit_key in due:  # not published yet: never, now
+            del self._commits[commit_key]
+        if due:
+            await self._db(self.journal.drop_metas, [f"{_META_COMMIT}{k}" for k in due])
+        await self._delete_commits(remote, prefix, keep=None)
 
     async def _delete_commits(self, remote: Remote, prefix: str, keep: str | None) -> None:
         """Delete the commit records under ``prefix`` but ``keep`` (best effort: a failure leaves

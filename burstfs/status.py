@@ -273,9 +273,16 @@ def journal_status(journal: Journal, cache_dir: Path) -> dict[str, Any]:
 
 def remote_work(journal: Journal) -> dict[str, int]:
     """Remote work beyond uploads: durable files whose object still has to follow a rename
-    (``moving``), and deletes of objects of removed or replaced files (``deletes``).  A cache
+    (``moving``), deletes of objects of removed or replaced files (``deletes``), and this
+    node's records not out yet (``records``: dones of its rounds, commits of its markers).  A cache
     removed before they are done leaves the remote behind the mount (``unmount --wait`` waits)."""
-    return {"moving": len(journal.keys.relocation_candidates()), "deletes": journal.keys.removals_queued()}
+    from .commitgroups import records_due  # commitgroups reads files through this module
+
+    return {
+        "moving": len(journal.keys.relocation_candidates()),
+        "deletes": journal.keys.removals_queued(),
+        "records": records_due(journal, [""]),
+    }
 
 
 def journal_events(journal: Journal, since: float, rel: str = "", limit: int = 1000) -> dict[str, Any]:
@@ -359,7 +366,8 @@ def wait_state(path: str, row: InodeRow) -> str:
 class Durability:
     """Where the files of a wait stand: all of them, those the remote holds at their path, the
     ones that will not drain by themselves, remote deletes still queued under the waited paths,
-    and why the drain is halted (None: it is not)."""
+    why the drain is halted (None: it is not), and this node's records still due there (the
+    dones other nodes' markers wait for, the commit records ``latest`` reads)."""
 
     files: list[tuple[str, InodeRow]]
     done: list[tuple[str, InodeRow]]
@@ -367,6 +375,7 @@ class Durability:
     halted: str | None = None
     deletes: int = 0
     outage: dict[str, Any] | None = None  # the daemon's (outage_of), when a wait asked it
+    records: int = 0
 
     @property
     def pending(self) -> list[tuple[str, InodeRow]]:
@@ -378,7 +387,7 @@ class Durability:
         will not help) or waiting."""
         if self.broken:
             return "failed"
-        if not self.pending and not self.deletes:
+        if not self.pending and not self.deletes and not self.records:
             return "durable"
         return "failed" if self.halted else "waiting"
 
@@ -393,7 +402,10 @@ def durability(
 ) -> Durability:
     """The files at or under ``rels`` (those in ``ignore`` states left out, and with
     ``skip_abandoned`` the markers of abandoned checkpoints) and how far they are; deletes of
-    objects at or under ``rels`` still queued count too (the remote should show what the mount does)."""
+    objects at or under ``rels`` still queued count too (the remote should show what the mount
+    does), and so do this node's records due for directories there."""
+    from .commitgroups import records_due  # commitgroups reads files through this module
+
     files = [
         (path, row)
         for path, row in files_at(journal, rels)
@@ -406,6 +418,7 @@ def durability(
         [(path, row) for path, row in files if stuck(path, row)],
         halted,
         len(set().union(*(journal.keys.deletes_queued_under(rel) for rel in rels))),
+        records=records_due(journal, rels),
     )
 
 

@@ -692,6 +692,37 @@ def test_unmount_wait_does_not_wait_for_another_nodes_file_it_may_not_move(
     assert "ck/step_1_old/sub/n0.bin" in bucket.keys() and "ck/step_1/sub/n1.bin" in bucket.keys()
 
 
+def test_a_checkpoints_commit_record_outlives_an_unmount_and_is_waited_for(
+    mounted_factory: type[MountedFS], bucket: Bucket
+) -> None:
+    """The commit record (what `latest` reads) of a marker durable here was kept in memory
+    only: a remote that refused it until the node unmounted lost the checkpoint for `latest`
+    for good, and `unmount --wait` (the Slurm epilog) returned before it was out.  Now both
+    `burstfs-admin wait` and `unmount --wait` wait for it, and a stop keeps it in the journal."""
+    from faultproxy import FaultProxy
+
+    with FaultProxy(bucket.endpoint) as proxy:
+        n0 = mounted_factory("n0", bucket.url, ("--endpoint-url", proxy.endpoint, "--node-id", "n0"))  # type: ignore[call-arg]
+        n0.mount()
+        n0.expect_log("event=group_record_retry")
+        proxy.fail_next(100_000, status=503, match=".commit ")
+        write(n0, "run/step_1/__0_0.distcp", shard(1, 0))
+        write(n0, "run/step_1/.metadata", b"metadata 1")
+        waited = admin("wait", "--timeout", "5", n0.path / "run/step_1", expect=3)
+        assert "1 record of this node not on the remote yet" in waited.stderr, waited.stderr
+        stopped = burstfs("unmount", "--wait", "--wait-timeout", "5", str(n0.path), check=False, timeout=90)
+        assert stopped.returncode == 1, stopped.stdout + stopped.stderr
+        assert "still waiting after 5s; 1 record of this node not on the remote yet" in stopped.stderr, stopped.stderr
+        n0.unmount()
+        assert "1 record of this node to go out" in admin("status", "--cache", n0.cache, n0.path).stdout
+        admin("latest", "--remote", bucket.url, "--endpoint-url", bucket.endpoint, "run", expect=1)
+        proxy.clear()
+        n0.mount()
+        admin("wait", n0.path / "run/step_1")
+        assert bucket.latest("run")["dir"] == "run/step_1"
+        n0.unmount("--wait")
+
+
 def test_a_cache_keeps_its_node_id_while_its_rounds_are_open(mounted_factory: type[MountedFS], bucket: Bucket) -> None:
     """n1's shard is staged and its intent is out; its cache is mounted again as another node
     (moved to another host: the default id is the host name).  The done went out under the

@@ -27,6 +27,7 @@ from ..errors import THROTTLED, BurstfsError, ConfigError
 from ..journal import FileState, Journal
 from ..log import escape_controls
 from ..mountinfo import FSNAME_PREFIX, UnexaminedPath, find_burstfs_mount, mounts
+from ..progress import count
 from ..status import LOCAL_TIER_KIND, RETRYING_KIND, Durability, lookup
 from ..status import wait_durable as wait_in_journal
 
@@ -329,6 +330,15 @@ def fmt_time(epoch: float) -> str:
     return datetime.datetime.fromtimestamp(epoch).isoformat(sep=" ", timespec="milliseconds")
 
 
+def remote_left_note(outcome: Durability) -> str:
+    """The remote work a wait still waits for besides files: queued deletes, and this node's
+    records not out yet (the dones other nodes' markers wait for, the commits ``latest`` reads)."""
+    note = f"; {outcome.deletes} remote deletes queued" if outcome.deletes else ""
+    if outcome.records:
+        note += f"; {count(outcome.records, 'record')} of this node not on the remote yet (dones, commits)"
+    return note
+
+
 def outage_note(outcome: Durability) -> str:
     """What a wait that has not ended adds to its message: the drain's outage, if it has one
     (a wait on an unreachable remote said only which files it waited for, "draining")."""
@@ -337,16 +347,16 @@ def outage_note(outcome: Durability) -> str:
 
 def outage_line(outage: dict[str, Any]) -> str:
     """The drain's outage (``status.outage_of``) as status shows it: what fails, since when, why."""
-    count = f"{outage['errors']} errors"
+    errors = f"{outage['errors']} errors"
     if outage.get("kind") == LOCAL_TIER_KIND:
         headline = "LOCAL TIER FAILING"  # the journal on the tier (full, damaged): not the remote
     elif outage.get("kind") == RETRYING_KIND:
-        headline, count = "REMOTE RETRYING", f"{outage['errors']} retries, no request succeeded since"
+        headline, errors = "REMOTE RETRYING", f"{outage['errors']} retries, no request succeeded since"
     elif outage.get("kind") == THROTTLED:
         headline = "REMOTE THROTTLING"  # it answers "slow down": the drain backs off
     else:
         headline = f"REMOTE {'UNREACHABLE' if outage['unreachable'] else 'FAILING'}"
-    return f"{headline} since {fmt_time(outage['since'])}: {outage['reason']}  (nothing drained since; {count})"
+    return f"{headline} since {fmt_time(outage['since'])}: {outage['reason']}  (nothing drained since; {errors})"
 
 
 def shown(text: str) -> str:

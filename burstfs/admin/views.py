@@ -36,6 +36,7 @@ from .common import (
     outage_line,
     outage_note,
     path_command,
+    remote_left_note,
     resolve,
     seconds_option,
     shown,
@@ -79,8 +80,9 @@ def _print_status(doc: dict[str, Any]) -> None:
     oldest = f"; oldest closed {fmt_duration(undrained['oldest_age_s'])} ago" if undrained["files"] else ""
     click.echo(f"undrained: {count(undrained['files'], 'file')}, {fmt_bytes(undrained['bytes'])}{oldest}")
     work = doc.get("remote_work")  # absent from an older daemon's document
-    if work and (work["moving"] or work["deletes"]):
-        click.echo(f"remote: {work['moving']} objects to move after renames, {work['deletes']} deletes queued")
+    if work and (work["moving"] or work["deletes"] or work.get("records")):
+        records = f", {count(work['records'], 'record')} of this node to go out" if work.get("records") else ""
+        click.echo(f"remote: {work['moving']} objects to move after renames, {work['deletes']} deletes queued{records}")
     drain = doc["drain"]
     outage = drain.get("outage")  # absent from an older daemon's document
     if outage:
@@ -234,6 +236,7 @@ def wait(paths: tuple[Path, ...], cache: Path | None, as_json: bool, timeout: fl
                 "halted": halted,
                 "pending": [{"path": p, "state": wait_state(p, r), "error": r.error} for p, r in pending],
                 "deletes": outcome.deletes,
+                "records": outcome.records,
                 "outage": outcome.outage,
             }
         )
@@ -244,10 +247,9 @@ def wait(paths: tuple[Path, ...], cache: Path | None, as_json: bool, timeout: fl
         raise AdminError("not durable: " + "; ".join(reasons), EXIT_FAILED)
     if result == "timeout":
         sample = ", ".join(f"{p} ({wait_state(p, r)})" for p, r in pending[:5]) + (" ..." if len(pending) > 5 else "")
-        deletes = f"; {outcome.deletes} remote deletes queued" if outcome.deletes else ""
         raise AdminError(
-            f"timeout after {timeout:g}s: {len(pending)} of {len(files)} files not durable: {sample}{deletes}"
-            f"{outage_note(outcome)}",
+            f"timeout after {timeout:g}s: {len(pending)} of {len(files)} files not durable: {sample}"
+            f"{remote_left_note(outcome)}{outage_note(outcome)}",
             EXIT_TIMEOUT,
         )
 

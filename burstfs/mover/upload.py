@@ -12,7 +12,7 @@ import functools
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import HALT, OBJECT, CorruptDataError, RemoteError, UploadCancelled, error_scope
 from ..journal import InodeRow
@@ -58,10 +58,10 @@ class FileDrain:
             if digests is None:
                 chunks = tuple(c.xxh3 for c in manifest.chunks)
                 taken = FileDigests(manifest.size, manifest.chunk_size, chunks, manifest.digest)
-            if await self._finish(row, key, manifest.size, started, intent, taken) and self.mover.is_marker_name(
-                os.fsdecode(row.name)
-            ):
-                self.mover.groups.marker_durable(row, key, manifest.size, manifest.digest)
+            commit = None
+            if self.mover.is_marker_name(os.fsdecode(row.name)):
+                commit = self.mover.groups.commit_due(row, key, manifest.size, manifest.digest)
+            await self._finish(row, key, manifest.size, started, intent, taken, commit)
         except (asyncio.CancelledError, UploadCancelled) as exc:
             await self._requeue(ino, generation, None)  # stopping, or the file changed: drains again
             if isinstance(exc, asyncio.CancelledError):
@@ -142,10 +142,18 @@ class FileDrain:
         return True
 
     async def _finish(
-        self, row: InodeRow, key: str, size: int, started: float, intent: int, taken: FileDigests | None
-    ) -> bool:
-        """Record the upload (True if it was), with the digests ``taken`` during it, in one journal
-        call; the ``intent`` row stays as a delete request if the file went away."""
+        self,
+        row: InodeRow,
+        key: str,
+        size: int,
+        started: float,
+        intent: int,
+        taken: FileDigests | None,
+        commit: tuple[str, dict[str, Any]] | None,
+    ) -> None:
+        """Record the upload, with the digests ``taken`` during it and the ``commit`` record a
+        marker's upload makes due, in one journal call; the ``intent`` row stays as a delete
+        request if the file went away."""
         detail = f"key={key} generation={row.generation} size={size}"
         journal = self.mover.journal
 
@@ -154,12 +162,16 @@ class FileDrain:
                 journal.drain.record_digests(row.ino, row.generation, taken.digest, taken.chunks, taken.chunk_size)
             if not journal.drain.finish_upload(row.ino, row.generation, key, intent, detail):
                 return False, None
+            if commit is not None:
+                self.mover.groups.journal_commit(commit)
             return True, journal.path_of(row.ino)
 
         recorded, path = await self.mover.db(record)
         if not recorded:
             log.info("event=upload_superseded ino=%d key=%s generation=%d", row.ino, key, row.generation)
-            return False
+            return
+        if commit is not None:
+            self.mover.groups.commit_recorded(commit)
         self._mismatches.pop((row.ino, row.generation), None)
         self.mover.groups.retry_now()  # the remote takes requests again: records backing off are due
         if path != key:  # renamed during the upload: move the object
@@ -174,7 +186,6 @@ class FileDrain:
             listener(size, latency)
         self.mover.not_before.pop(row.ino, None)
         log.info("event=durable key=%s generation=%d bytes=%d seconds=%.3f", key, row.generation, size, latency)
-        return True
 
     async def _requeue(self, ino: int, generation: int, exc: BaseException | None) -> None:
         attempts = 0
