@@ -221,7 +221,8 @@ def wait_durable(path: PathLike | Sequence[PathLike], timeout: float | None = No
     Raises DurableTimeoutError after ``timeout`` seconds, DrainFailedError at once
     when a file failed or is incomplete or the drain is halted, DaemonGoneError
     if the daemon goes away.  Files created under a directory while this waits
-    are waited for too.
+    are waited for too, and so are this node's records for them (a round's done,
+    a marker's commit record: ``latest`` finds a checkpoint by it).
     """
     started = time.monotonic()
     try:

@@ -1164,7 +1164,7 @@ class CommitGroups:
         return f"{COMMITS_PREFIX}{dir_key + '/' if dir_key else ''}{name}@{self.node_id}@"
 
     async def _publish_commit(self, remote: Remote, commit_key: str, doc: dict[str, Any]) -> None:
-        prefix = self._commits_of(doc["marker"]["path"])
+        prefix = commit_key.rpartition("@")[0] + "@"  # _commits_of its marker, by the node id it was made by
         await self._create(remote, commit_key, doc)
         log.info("event=commit_published key=%s files=%d", commit_key, len(doc["files"]))
         await self._drop_carried(doc["dir"])
