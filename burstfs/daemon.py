@@ -9,6 +9,7 @@ and changes nothing in an existing cache.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -241,7 +242,7 @@ def check_remote(config: MountConfig, timeout: float = 20.0) -> str | None:
     was mounted on this remote before mounts anyway, with a warning: a daemon restarted
     during an outage (a crash, the watchdog, an upgrade) must go on taking checkpoints, and
     its drain waits for the remote as it would have without the restart.  Returns the
-    warning then (the daemon logs it once its log is open), else None.
+    failure then (the daemon warns of it once), else None.
     """
 
     async def probe() -> None:
@@ -271,10 +272,6 @@ def check_remote(config: MountConfig, timeout: float = 20.0) -> str | None:
     except RemoteError as exc:
         if exc.kind not in TEMPORARY_KINDS or not _mounted_on(config):
             raise
-        sys.stderr.write(
-            f"burstfs: warning: {exc}; cache {config.cache_dir} was mounted on this remote before, so it "
-            "mounts anyway: closes are journaled as ever and drain once the remote answers\n"
-        )
         return str(exc)
     return None
 
@@ -571,7 +568,9 @@ def mount(config: MountConfig, *, foreground: bool) -> int:
 
     def log_unavailable(unavailable: str | None) -> None:
         if unavailable is not None:
-            log.warning("event=remote_unavailable_at_mount remote=%s error=%s", config.remote, unavailable)
+            log.warning(
+                "event=remote_unavailable_at_mount remote=%s action=mount_anyway error=%s", config.remote, unavailable
+            )
 
     if foreground:
         unavailable = check_remote(config)
@@ -581,6 +580,7 @@ def mount(config: MountConfig, *, foreground: bool) -> int:
         run_mount(config, on_ready=lambda: None)
         return 0
     read_fd, write_fd = os.pipe()
+    parent = os.getpid()
     pid = os.fork()
     if pid:  # the parent waits for the daemon's verdict
         os.close(write_fd)
@@ -597,24 +597,35 @@ def mount(config: MountConfig, *, foreground: bool) -> int:
     status = os.fdopen(write_fd, "w")
 
     def ready() -> None:
-        status.write("ready\n")
-        status.close()
+        try:
+            status.write("ready\n")
+            status.close()
+        except BrokenPipeError:  # nobody waits for the mount: it goes (``burstfs mount`` said it failed)
+            raise BurstfsError("the burstfs mount command went away before the mount was ready") from None
 
     def tell_parent(exc: BaseException) -> None:
         # A refusal says all in its message; anything else (a nursery's sub-exceptions) needs its traceback.
         refusal = refusal_in(exc)
         if not status.closed:
             message = str(refusal) if refusal is not None else "".join(traceback.format_exception(exc))
-            status.write(f"error {2 if isinstance(refusal, ConfigError) else 1}: burstfs: {message}\n")
-            status.close()
+            with contextlib.suppress(OSError):  # the parent is gone
+                status.write(f"error {2 if isinstance(refusal, ConfigError) else 1}: burstfs: {message}\n")
+                status.close()
 
-    # The remote is probed here in the child, not before the fork: a process that forks after
-    # its first S3 client (OpenSSL's and the resolver's state) has been seen to hang its
-    # daemon's next SSL context for good.  Its warning still reaches the user's terminal.
+    # The remote is probed here in the child, not before the fork: a daemon forked after its
+    # parent's S3 client ran (OpenSSL 3's state, the resolver's threads) was seen to sit 60 s
+    # in its own first SSL context.  Its warning still reaches the user's terminal.
     try:
         unavailable = check_remote(config)
     except BaseException as exc:
         tell_parent(exc)
+        os._exit(1)
+    if unavailable is not None:  # on the user's terminal (in the foreground, the log line says it there)
+        sys.stderr.write(
+            f"burstfs: warning: {unavailable}; cache {config.cache_dir} was mounted on this remote before, so "
+            "it mounts anyway: closes are journaled as ever and drain once the remote answers\n"
+        )
+    if os.getppid() != parent:  # the mount command went away during the probe (killed, Ctrl-C)
         os._exit(1)
     _become_daemon()
     code = 0

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import http.server
 import logging
 import os
+import threading
 import tracemalloc
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -300,6 +302,41 @@ def test_check_missing_bucket(s3_endpoint: str) -> None:
         assert info.value.kind == "no_bucket"
 
     run(remote, body)
+
+
+class _NotS3Handler(http.server.BaseHTTPRequestHandler):
+    """A web server that answers 200 with a page to everything (a proxy's login page, a wrong port)."""
+
+    def _page(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        self.rfile.read(length)
+        body = b"<html><body>Welcome</body></html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _page
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_check_of_a_web_server_that_is_not_s3_says_so() -> None:
+    """Every request answered 200 with HTML: the check passed and the mount came up."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotS3Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        remote = s3_remote(f"http://127.0.0.1:{server.server_address[1]}", "bkt")
+        with pytest.raises(RemoteError, match="does not answer as S3 does") as info:
+            run(remote, remote.check)
+        assert info.value.kind == "not_s3"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_check_missing_directory(tmp_path: Path) -> None:

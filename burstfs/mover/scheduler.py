@@ -36,6 +36,16 @@ from .upload import FileDrain
 
 log = logging.getLogger("burstfs.mover")
 
+
+def _task_error_left(loop: asyncio.AbstractEventLoop, context: dict[str, object]) -> None:
+    """A task's error nobody awaited (a read's listing that failed as the loop stopped): one
+    log line for the remote's errors, which say all in their message; a traceback for the rest."""
+    exc = context.get("exception")
+    if isinstance(exc, RemoteError):
+        log.warning("event=task_error_left context=%r error=%s", context.get("message"), exc)
+    else:
+        loop.default_exception_handler(context)
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -212,6 +222,7 @@ class Mover:
         May be called again after it returned or raised (the daemon restarts a dead mover).
         """
         self._loop = asyncio.get_running_loop()
+        self._loop.set_exception_handler(_task_error_left)
         self._main = asyncio.current_task()
         self._leaving = False
         self._wake_pending = False  # a wake for the loop before a restart never reached it

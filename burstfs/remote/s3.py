@@ -145,11 +145,18 @@ class S3Remote(Remote):
                 if exc.kind != "access_denied":
                     raise
                 raise await self.session.denial_detail(exc) from exc
-            await self.session.call("put_object", "write probe", Key=probe, Body=b"")
+            written = await self.session.call("put_object", "write probe", Key=probe, Body=b"")
+            if not written.get("ETag"):  # a web server that answers 200 to anything
+                raise RemoteError(
+                    f"{self.session.where()}: the write probe was answered without an ETag: "
+                    "that address does not answer as S3 does (is --endpoint-url an S3 endpoint?)",
+                    kind="not_s3",
+                )
             await self.session.call("delete_object", "delete probe", Key=probe)
         except RemoteNotFound as exc:  # HEAD has no body, so a missing bucket is a bare 404
+            other = " (or --endpoint-url is not an S3 endpoint)" if self.session.endpoint_url else ""
             raise RemoteError(
-                f"{self.session.where()}: bucket {self.session.bucket!r} does not exist", kind="no_bucket"
+                f"{self.session.where()}: bucket {self.session.bucket!r} does not exist{other}", kind="no_bucket"
             ) from exc
         except Exception as exc:
             if isinstance(exc, botocore.exceptions.BotoCoreError) and not self.is_temp_failure(exc):

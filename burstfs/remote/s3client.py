@@ -178,7 +178,7 @@ class S3Session:
             message = exc.response.get("Error", {}).get("Message", "")
             return RemoteError(f"{self.url}: {what}: {code}: {message}", kind=_OBJECT_CODES[code])
         if code in _DENIED_CODES or status == 403:
-            return RemoteError(f"{self.where()}: {what}: access denied ({code})", kind="access_denied")
+            return RemoteError(f"{self.where()}: {what}: access denied ({code or status})", kind="access_denied")
         message = exc.response.get("Error", {}).get("Message", "")
         return RemoteError(f"{self.url}: {what}: {code or status}: {message}", kind="remote")
 
