@@ -400,8 +400,8 @@ def unmount(
     files, _ = left.get("abandoned", (0, 0))
     if files:
         click.echo(
-            f"{files} markers of abandoned checkpoints (burstfs-admin abandon) stay in {cache_dir}: "
-            "they are never published"
+            f"{count(files, 'marker')} of abandoned checkpoints (burstfs-admin abandon) stay in {cache_dir}: "
+            f"{'they are' if files > 1 else 'it is'} never published"
         )
 
 

@@ -245,8 +245,8 @@ def wait_durable(path: PathLike | Sequence[PathLike], timeout: float | None = No
         raise DrainFailedError("not durable: " + "; ".join(reasons), failed, outcome.halted)
     pending = [PendingFile(p, wait_state(p, r), r.error) for p, r in outcome.pending]
     raise DurableTimeoutError(
-        f"{len(pending)} of {len(outcome.files)} files not durable after {timeout:g}s"
-        f"{remote_left_note(outcome)}{outage_note(outcome)}",
+        (f"{len(pending)} of {len(outcome.files)} files not durable" if pending else "files durable")
+        + f" after {timeout:g}s{remote_left_note(outcome)}{outage_note(outcome)}",
         pending,
     )
 

@@ -23,7 +23,7 @@ from test_mover import PART, Front, HookedRemote, until
 
 from burstfs import commitgroups
 from burstfs.admin.views import _held_line
-from burstfs.commitgroups import COMMITS_PREFIX, GROUPS_PREFIX, parse_record_key, record_key
+from burstfs.commitgroups import COMMITS_PREFIX, GROUPS_PREFIX, parse_record_key, record_key, records_due
 from burstfs.config import DrainOptions, S3Options, check_node_id, parse_remote_url
 from burstfs.errors import ConfigError, FsError, RemoteError
 from burstfs.journal import DURABLE, FAILED, WRITING, drop_unlinked_ops
@@ -230,6 +230,11 @@ def test_a_record_no_remote_can_hold_is_given_up_so_a_drain_until_idle_ends(tmp_
         await asyncio.sleep(0.3)
         assert len(refused) == 1  # given up, not retried
         assert not await node.mover.groups.has_work()
+        # Its marker is not held by the round that can never be done (an acceptance pass: it
+        # stayed staged for good, and every `unmount --wait` timed out on it).
+        marker = node.write("deep/latest", b"step")
+        await until(lambda: node.durable(marker), "the marker", timeout=10)
+        assert records_due(node.front.journal, [""]) == 0
 
     run_nodes([node], scenario)
 

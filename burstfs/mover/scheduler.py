@@ -46,6 +46,7 @@ def _task_error_left(loop: asyncio.AbstractEventLoop, context: dict[str, object]
     else:
         loop.default_exception_handler(context)
 
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
