@@ -350,6 +350,7 @@ class CommitGroups:
         self._lock = threading.Lock()
         self.groups: dict[str, OwnGroup] = {}
         self._dirty: set[str] = set()  # groups whose journaled copy is behind
+        self._published = False  # an intent or a done went out in this pass (journaled at its end)
         # dir -> (round, members seen closed and durable, or out of the round): a pass reads
         # only the others, so a directory of 10,000 small files costs a read per file
         # drained, not a scan per pass (the done itself is still decided on a full check).
@@ -569,7 +570,9 @@ class CommitGroups:
             self._retry_at.pop(commit_key, None)
             self._failures.pop(commit_key, None)
             await self._db(self.journal.drop_metas, [f"{_META_COMMIT}{commit_key}"])
-        await self._journal_dirty()  # what this pass published (an intent, a done) is journaled before it ends
+        if self._published:  # what this pass published (an intent, a done) is journaled before it ends
+            self._published = False
+            await self._journal_dirty()
         if time.monotonic() >= self._next_forget:
             self._next_forget = time.monotonic() + FORGET_REMOVED_S
             await self._forget_removed(remote)
@@ -642,6 +645,7 @@ class CommitGroups:
         with self._lock:
             group.intent = True
             self._dirty.add(group.dir_key)
+        self._published = True
         self._retry_at.pop(group.dir_key, None)
         self._failures.pop(group.dir_key, None)
         event = self._intent_events.pop(group.dir_key, None)
@@ -727,6 +731,7 @@ class CommitGroups:
         with self._lock:
             group.done = True
             self._dirty.add(group.dir_key)
+        self._published = True
         self._done_files[key] = files
         log.info("event=done_published key=%s files=%d", key, len(files))
         await self._drop_earlier(remote, group)
