@@ -266,7 +266,7 @@ def _wait_durable(point: Path, timeout: float | None) -> None:
     its owner's to make (it may never come: an epilog waited for it for good)."""
     from .admin.common import AdminError, outage_note, remote_left_note, resolve, wait_durable
     from .journal import INCOMPLETE, REMOTE
-    from .status import Durability, wait_state
+    from .status import Durability
 
     said = [time.monotonic()]
 
@@ -277,7 +277,7 @@ def _wait_durable(point: Path, timeout: float | None) -> None:
         said[0] = time.monotonic()
         if outcome.pending:
             path, row = outcome.pending[0]
-            what = f"{count(len(outcome.pending), 'file')} to be durable (first: {path}, {wait_state(path, row)})"
+            what = f"{count(len(outcome.pending), 'file')} to be durable (first: {path}, {outcome.state_of(path, row)})"
         elif outcome.deletes:
             what = f"{outcome.deletes} remote deletes"
         else:

@@ -376,6 +376,15 @@ class Durability:
     deletes: int = 0
     outage: dict[str, Any] | None = None  # the daemon's (outage_of), when a wait asked it
     records: int = 0
+    held: frozenset[int] = frozenset()  # files closed while a copy of their descriptor lives on
+
+    def state_of(self, path: str, row: InodeRow) -> str:
+        """``wait_state``, and why a closed file held open elsewhere does not drain yet (a wait
+        on it lasts until that process closes it: a forked worker may hold it for good)."""
+        state = wait_state(path, row)
+        if row.ino in self.held and row.state in QUEUED:
+            return f"{state}, still open in another process: drains once every copy is closed"
+        return state
 
     @property
     def pending(self) -> list[tuple[str, InodeRow]]:
@@ -419,6 +428,7 @@ def durability(
         halted,
         len(set().union(*(journal.keys.deletes_queued_under(rel) for rel in rels))),
         records=records_due(journal, rels),
+        held=frozenset(journal.held_closes()),
     )
 
 

@@ -747,6 +747,8 @@ def test_a_shard_a_forked_child_still_holds_open_holds_the_marker(
     time.sleep(3)
     assert "ckpt/step_1/.metadata" not in bucket.keys()
     admin("latest", "--remote", bucket.url, "--endpoint-url", bucket.endpoint, "ckpt", expect=1)
+    waited = admin("wait", "--timeout", "1", step / "__0_0.distcp", expect=3)
+    assert "(staged, still open in another process: drains once every copy is closed)" in waited.stderr
     os.write(write_end, b"x")
     os.close(write_end)
     os.waitpid(child, 0)

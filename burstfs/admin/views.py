@@ -246,7 +246,9 @@ def wait(paths: tuple[Path, ...], cache: Path | None, as_json: bool, timeout: fl
             reasons.append(f"the drain is halted: {halted}")
         raise AdminError("not durable: " + "; ".join(reasons), EXIT_FAILED)
     if result == "timeout":
-        sample = ", ".join(f"{p} ({wait_state(p, r)})" for p, r in pending[:5]) + (" ..." if len(pending) > 5 else "")
+        sample = ", ".join(f"{p} ({outcome.state_of(p, r)})" for p, r in pending[:5]) + (
+            " ..." if len(pending) > 5 else ""
+        )
         what = f"{len(pending)} of {len(files)} files not durable: {sample}" if pending else "files durable"
         raise AdminError(
             f"timeout after {timeout:g}s: {what}{remote_left_note(outcome)}{outage_note(outcome)}",
