@@ -22,6 +22,10 @@ warm (file remote only; the files are on the local tier after the cold read)
     read again through the mount, vs the same read of a plain copy on tmpfs.  Target <= 1.1x.
   - the same read again without remount: the kernel page cache of the mount is hot
     (labelled as such; no target).
+one by one (moto, through the fault proxy adding ``--rtt-ms`` to every request, as a far
+store answers): ``--small-files`` files of ``--small-kib`` read one after another by one
+process through a fresh mount, vs boto3 listing the directory then GETting each (no target:
+round trips per file decide it).
 Also the reader daemons' peak RSS (target <= 300 MiB).
 
 This process keeps the memory it frees (glibc mallopt) and warms up once, so that
@@ -52,6 +56,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
+    TESTS,
     BenchMount,
     drop_page_cache,
     make_bucket,
@@ -176,6 +181,59 @@ class RawS3Reader:
             await asyncio.to_thread(sink.put, i, offset, data)
 
         await asyncio.gather(*(one(i, off) for i, (_, size) in enumerate(keys) for off in range(0, size, RANGE)))
+
+
+def one_by_one(endpoint: str, bucket: str, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Cold reads of many small files one after another (a tokenizer, configs, a DCP rank's
+    small files), each request ``--rtt-ms`` late (the fault proxy, as a far object store
+    answers): round trips per file decide it.  burstfs through a fresh mount vs boto3: a
+    listing, then one GET per file."""
+    import boto3
+
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
+    from faultproxy import FaultProxy
+
+    root = fresh_base()
+    names = [f"f{i:04d}.bin" for i in range(args.small_files)]
+    times: dict[str, list[float]] = {"fs": [], "raw": []}
+    try:
+        writer = BenchMount(root / "writer", f"s3://{bucket}/small", ("--endpoint-url", endpoint))
+        writer.mount()
+        try:
+            (writer.mnt / "d").mkdir()
+            for name in names:
+                (writer.mnt / "d" / name).write_bytes(os.urandom(args.small_kib * 1024))
+            wait_durable(writer.cache, names)
+        finally:
+            writer.unmount()
+        with FaultProxy(endpoint) as proxy:
+            proxy.delay_next(10**9, seconds=args.rtt_ms / 1000)
+            client = boto3.client("s3", endpoint_url=proxy.endpoint, region_name="us-east-1")
+            for i in range(args.repeat):
+                for who in ("fs", "raw") if i % 2 == 0 else ("raw", "fs"):
+                    drop_page_cache()
+                    if who == "raw":
+                        start = time.perf_counter()
+                        client.list_objects_v2(Bucket=bucket, Prefix="small/d/", Delimiter="/")
+                        for name in names:
+                            client.get_object(Bucket=bucket, Key=f"small/d/{name}")["Body"].read()
+                        times["raw"].append(time.perf_counter() - start)
+                        continue
+                    reader = BenchMount(root / f"reader{i}", f"s3://{bucket}/small", ("--endpoint-url", proxy.endpoint))
+                    reader.mount()
+                    try:
+                        os.listdir(reader.mnt)  # the mount's own first listing, as in the raw case's
+                        start = time.perf_counter()
+                        for name in names:
+                            (reader.mnt / "d" / name).read_bytes()
+                        times["fs"].append(time.perf_counter() - start)
+                    finally:
+                        reader.unmount()
+                        shutil.rmtree(root / f"reader{i}", ignore_errors=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return times
 
 
 # -- the benchmark ---------------------------------------------------------------------------
@@ -307,6 +365,9 @@ def main() -> None:
     parser.add_argument("--s3-size-mib", type=int, default=64, help="checkpoint on moto (ranged GETs read it all)")
     parser.add_argument("--s3-shard-mib", type=int, default=8, help="each shard on moto")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--small-files", type=int, default=100, help="files read one by one on moto (0: skip)")
+    parser.add_argument("--small-kib", type=int, default=256)
+    parser.add_argument("--rtt-ms", type=float, default=20.0, help="added to every request of the one-by-one case")
     parser.add_argument("--skip-s3", action="store_true")
     parser.add_argument(
         "--read-ahead-kb",
@@ -354,6 +415,10 @@ def main() -> None:
 
                 remote = Remote(f"s3://{bucket}/ckpt", ("--endpoint-url", endpoint), raw_s3, sizes_of)
                 results["s3"] = run_remote("s3", remote, sd, args, args.ranks, args.s3_shard_mib, warm=False)
+                if args.small_files:
+                    results["s3"]["times"].update(
+                        {f"small_{k}": v for k, v in one_by_one(endpoint, bucket, args).items()}
+                    )
             finally:
                 reader.close()
 
@@ -375,6 +440,15 @@ def main() -> None:
             ),
             (f"cold {s3_shards} (moto)", median(s["cold_shards_fs"]), median(s["cold_shards_raw"]), 1.3),
         ]
+        if args.small_files:
+            rows.append(
+                (
+                    f"cold {args.small_files} x {args.small_kib} KiB one by one, +{args.rtt_ms:g} ms/request (moto)",
+                    median(s["small_fs"]),
+                    median(s["small_raw"]),
+                    None,
+                )
+            )
     rows += [
         (
             f"warm torch.load {args.size_mib} MiB (remount)",

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 
@@ -121,20 +122,34 @@ class Remote(abc.ABC):
     async def get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)``, shorter at the end of the object; RemoteNotFound if missing."""
 
-    async def stream_range(self, key: str, start: int, end: int, piece: int) -> AsyncGenerator[bytes, None]:
+    async def stream_range(
+        self, key: str, start: int, end: int, piece: int, opened: Awaitable[Any] | None = None
+    ) -> AsyncGenerator[bytes, None]:
         """Bytes ``[start, end)`` in pieces of ``piece`` bytes (the last one shorter), as they arrive.
 
         Fewer bytes than asked for (the object is shorter, or the connection ended
         early) is not an error here: the caller sees where the pieces stopped and
-        resumes from there.  This fallback reads one ranged piece after another;
-        remotes with a streaming read (S3: one GET) override it.
+        resumes from there.  ``opened``: an :meth:`open_range` of the same bytes, sent
+        earlier (remotes with a streaming read only).  This fallback reads one ranged
+        piece after another; remotes with a streaming read (S3: one GET) override it.
         """
+        if opened is not None:
+            raise NotImplementedError(f"{type(self).__name__} sends no GET ahead of its stream")
         while start < end:
             data = await self.get_range(key, start, min(start + piece, end))
             if not data:
                 return
             yield data
             start += len(data)
+
+    async def open_range(self, key: str, start: int, end: int) -> Any:
+        """Send the GET of bytes ``[start, end)`` that :meth:`stream_range` would send, and
+        return it unread: for ``stream_range(..., opened=)``, or :meth:`close_range`.  Only
+        remotes that prefer streams send one."""
+        raise NotImplementedError(f"{type(self).__name__} sends no GET ahead of its stream")
+
+    def close_range(self, opened: Any) -> None:  # noqa: B027 (nothing to release without open_range)
+        """Release a GET :meth:`open_range` sent whose body nobody will read."""
 
     def expect_established(self) -> None:  # noqa: B027 (an object store has no such marks)
         """This cache drained here before: a remote lacking the marks burstfs leaves in it is

@@ -259,13 +259,23 @@ class S3Remote(Remote):
             return data[start:end]
         return data
 
-    async def stream_range(self, key: str, start: int, end: int, piece: int) -> AsyncGenerator[bytes, None]:
-        """Bytes ``[start, end)`` as ONE GET, its body handed on in ``piece``-byte pieces as it arrives.
+    async def open_range(self, key: str, start: int, end: int) -> dict[str, Any] | None:
+        return await self._ranged_get(key, start, end) if end > start else None
+
+    def close_range(self, opened: dict[str, Any] | None) -> None:
+        if opened is not None:
+            opened["Body"].close()
+
+    async def stream_range(
+        self, key: str, start: int, end: int, piece: int, opened: Awaitable[dict[str, Any] | None] | None = None
+    ) -> AsyncGenerator[bytes, None]:
+        """Bytes ``[start, end)`` as ONE GET (``opened``: that GET, sent earlier by
+        :meth:`open_range`), its body handed on in ``piece``-byte pieces as it arrives.
 
         A body that ends early (a reset connection) raises a temporary error after
         the pieces that did arrive; the caller resumes from there.
         """
-        if end <= start or (response := await self._ranged_get(key, start, end)) is None:
+        if (response := await (opened if opened is not None else self.open_range(key, start, end))) is None:
             return
         what = f"get {key} bytes {start}-{end}"
         ranged = "ContentRange" in response  # a store that ignored Range sends the whole object

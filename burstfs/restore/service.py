@@ -15,7 +15,7 @@ from typing import ParamSpec, TypeVar
 
 from ..errors import CorruptDataError, FsError, ManifestError, RemoteError
 from ..hooks import ListedFile, Listing
-from ..journal import Journal
+from ..journal import InodeRow, Journal
 from ..journal.thread import JournalCall
 from ..localtier import LocalTier
 from ..objects import RANGED_RUN_BYTES, ObjectStore
@@ -23,6 +23,7 @@ from .datafiles import DataFiles
 from .state import (
     FETCH_CONCURRENCY,
     LAYOUT_KEY,
+    LAYOUT_RECHECK_S,
     LISTING_ATTEMPT_TIMEOUT_S,
     LISTING_RETRY,
     MAX_OPEN_FDS,
@@ -33,7 +34,7 @@ from .state import (
     FileFetch,
     OwnedTasks,
 )
-from .stream import Streams
+from .stream import EarlyGet, Streams
 from .verify import check_journal_chunk, note_refetch, verify_whole, without_manifest
 
 log = logging.getLogger("burstfs.restore")
@@ -87,6 +88,7 @@ class RestoreService:
         self._completed: dict[int, tuple[int, asyncio.Future[None]]] = {}
         self._creating: dict[int, asyncio.Future[None]] = {}
         self._compressed: bool | None = None
+        self._layout_checked_at = -LAYOUT_RECHECK_S
         self.listing_retry = LISTING_RETRY
         self._tasks = OwnedTasks()  # every chunk fetch, prefetches included: aclose() ends them
         self.listing_timeout = LISTING_ATTEMPT_TIMEOUT_S
@@ -137,10 +139,13 @@ class RestoreService:
     async def _list_dir_once(self, dir_key: str) -> Listing:
         """list_dir's tries (``listing_retry``), without a bound of its own."""
         remote = self.store.remote
-        files, subdirs = await self.listing_retry.call(remote, remote.list_dir, dir_key, what=f"list {dir_key or '/'}")
+        (files, subdirs), compressed = await asyncio.gather(
+            self.listing_retry.call(remote, remote.list_dir, dir_key, what=f"list {dir_key or '/'}"),
+            self._compressed_layout(),
+        )
         prefix = f"{dir_key}/" if dir_key else ""
         sizes = {info.key: info.size for info in files}
-        if await self._compressed_layout():
+        if compressed:
 
             async def logical_size(key: str) -> None:
                 async with self._slots:
@@ -152,11 +157,15 @@ class RestoreService:
         return [ListedFile(info.key[len(prefix) :], sizes[info.key], info.mtime, info.etag) for info in files], subdirs
 
     async def _compressed_layout(self) -> bool:
-        if self._compressed is None:
+        """Whether a drain that compresses wrote to this prefix (its mark is never removed).  A
+        "no" is asked again after LAYOUT_RECHECK_S: a node may start compressing on a prefix this
+        mount listed before (its listings then gave stored sizes for good, every read EIO)."""
+        now = asyncio.get_running_loop().time()
+        if not self._compressed and now >= self._layout_checked_at + LAYOUT_RECHECK_S:
             remote = self.store.remote
             head = await self.listing_retry.call(remote, remote.head, LAYOUT_KEY, what="head layout")
-            self._compressed = head is not None
-        return self._compressed
+            self._compressed, self._layout_checked_at = head is not None, now
+        return bool(self._compressed)
 
     async def ensure_local(self, ino: int, offset: int, length: int) -> int:
         """Make bytes [offset, offset+length) local.
@@ -174,7 +183,7 @@ class RestoreService:
                 return size
             del self._completed[ino]  # its record failed: fetch it again
         opened = asyncio.get_running_loop().time()
-        fetch = await self._opened(ino)
+        fetch = await self._opened(ino, offset)
         if fetch.size == 0:
             return await self._complete(fetch)
         end = min(offset + length, fetch.size)
@@ -208,6 +217,9 @@ class RestoreService:
             # Prefetch (not awaited; it can outlive the reader): half of what this run has read.
             fetch.window = min(ahead // 2, MAX_WINDOW_BYTES) // fetch.chunk_size
             self._chunks(fetch, last + 1, min(last + 1 + fetch.window, fetch.chunks))
+        if fetch.early is not None and fetch.stream is None:  # no stream of this file wants its GET
+            fetch.early.drop()
+            fetch.early = None
         outcomes = await self._landed(ino, fetch, needed, READ_STALL_S - (asyncio.get_running_loop().time() - opened))
         failed = [o for o in outcomes if isinstance(o, BaseException)]
         # A ranged GET serves several chunks: another chunk's failure does not fail this read.
@@ -215,12 +227,12 @@ class RestoreService:
             raise failed[0]
         return await self._complete(fetch)
 
-    async def _opened(self, ino: int) -> FileFetch:
+    async def _opened(self, ino: int, offset: int) -> FileFetch:
         """``_fetch_state`` within READ_STALL_S (its manifest's GET retries on its own; the open
-        goes on for the next reader)."""
+        goes on for the next reader).  ``offset``: where the read that opens it starts."""
         if ino in self._files:
             return self._files[ino]
-        opening = asyncio.ensure_future(self._fetch_state(ino))
+        opening = asyncio.ensure_future(self._fetch_state(ino, offset))
         try:
             return await asyncio.wait_for(asyncio.shield(opening), READ_STALL_S)
         except TimeoutError:
@@ -276,7 +288,7 @@ class RestoreService:
             fetch.contiguous += 1
         return min(fetch.contiguous * fetch.chunk_size, fetch.size)
 
-    async def _fetch_state(self, ino: int) -> FileFetch:
+    async def _fetch_state(self, ino: int, offset: int) -> FileFetch:
         if ino in self._files:
             return self._files[ino]
         if ino in self._opening:
@@ -286,7 +298,7 @@ class RestoreService:
         future: asyncio.Future[FileFetch] = loop.create_future()
         self._opening[ino] = future
         try:
-            fetch = await self._open(ino)
+            fetch = await self._open(ino, offset)
             self._unanswered.clear()  # the remote answers again: no file's read fails for its silence
             self._files[ino] = fetch
             future.set_result(fetch)
@@ -300,10 +312,10 @@ class RestoreService:
         finally:
             del self._opening[ino]
 
-    async def _open(self, ino: int) -> FileFetch:
+    async def _open(self, ino: int, offset: int) -> FileFetch:
         token = self._open_tokens[ino] = object()
         try:
-            return await self._open_checked(ino, token)
+            return await self._open_checked(ino, token, offset)
         finally:
             if self._open_tokens.get(ino) is token:
                 del self._open_tokens[ino]
@@ -312,35 +324,59 @@ class RestoreService:
         if self._open_tokens.get(ino) is not token:
             raise FsError(errno.ESTALE, f"inode {ino} went away or was replaced during its fetch")
 
-    async def _open_checked(self, ino: int, token: object) -> FileFetch:
+    async def _open_checked(self, ino: int, token: object, offset: int) -> FileFetch:
         row = await self._db(self.journal.fetch_row, ino)
         if row is None or not row.remote_key:
             raise FsError(errno.EIO, f"inode {ino} has no remote object to fetch")
-        manifest = await self.store.fetch_manifest(row.remote_key)
+        early = self._early_get(row.remote_key, row.size, offset)
+        try:
+            fetch = await self._fetch_for(ino, token, row, row.remote_key)
+        except BaseException:
+            if early is not None:
+                early.drop()
+            raise
+        fetch.early = early
+        return fetch
+
+    def _early_get(self, key: str, size: int, offset: int) -> EarlyGet | None:
+        """A read from the start of a file that a stream will fetch: its GET goes out now, beside
+        the manifest's (an object of an uncompressed layout: its stored bytes are the file's)."""
+        if offset != 0 or size == 0 or self._compressed is not False:
+            return None
+        return self.streams.early_get(key, size)
+
+    async def _fetch_for(self, ino: int, token: object, row: InodeRow, key: str) -> FileFetch:
+        """The fetch state of ``row``'s file (at ``key``), its manifest checked and its data file created."""
+        manifest = await self.store.fetch_manifest(key)
         if manifest is None:
             fetch = without_manifest(row)
         else:
             if row.digest and manifest.digest != row.digest:
                 log.error(
                     "event=corrupt_data key=%s ino=%d problem=%r",
-                    row.remote_key,
+                    key,
                     ino,
                     f"manifest digest {manifest.digest}, journal {row.digest}",
                 )
                 raise CorruptDataError(
-                    f"remote object {row.remote_key} changed since it was drained "
-                    f"(digest {manifest.digest}, journal {row.digest})"
+                    f"remote object {key} changed since it was drained (digest {manifest.digest}, journal {row.digest})"
                 )
+            if manifest.size != row.size and row.size == sum(c.stored_size for c in manifest.chunks):
+                # Listed before the prefix held compressed objects: the next listing knows better.
+                self._compressed = True
+                problem = f"{key} was listed at its compressed size {row.size}; it is {manifest.size} bytes"
+                log.warning("event=listed_size_stale key=%s ino=%d problem=%r", key, ino, problem)
+                raise FsError(errno.EIO, f"{problem}: list its directory again (after --list-ttl)")
             if manifest.size != row.size:
                 # A listing's size is the object's: an object cut short at a chunk boundary
                 # would read as a shorter file whose every chunk checks out.
-                problem = f"remote object {row.remote_key} is {row.size} bytes, its manifest says {manifest.size}"
-                log.error("event=corrupt_data key=%s ino=%d problem=%r", row.remote_key, ino, problem)
+                problem = f"remote object {key} is {row.size} bytes, its manifest says {manifest.size}"
+                log.error("event=corrupt_data key=%s ino=%d problem=%r", key, ino, problem)
                 raise CorruptDataError(problem)
             # Verified (and fetched) by block where the manifest lists blocks: a random read
             # costs a 1 MiB block, not a whole part-sized chunk.
             by_blocks = manifest.by_blocks()
-            fetch = FileFetch(ino, row.remote_key, by_blocks.size, by_blocks.chunk_size, by_blocks)
+            fetch = FileFetch(ino, key, by_blocks.size, by_blocks.chunk_size, by_blocks)
         self._still_wanted(ino, token)
         creating = asyncio.ensure_future(asyncio.to_thread(self.data_files.create, ino, fetch.size))
         self._creating[ino] = creating
@@ -519,6 +555,9 @@ class RestoreService:
         if fetch is None:
             return
         fetch.closed = True
+        if fetch.early is not None:
+            fetch.early.drop()
+            fetch.early = None
         for task in list(fetch.in_flight.values()):
             task.cancel()
         if fetch.stream is not None and fetch.stream.task is not None:

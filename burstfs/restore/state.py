@@ -11,13 +11,16 @@ import asyncio
 import dataclasses
 import errno
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from ..errors import FsError
 from ..objects import Manifest
 from ..remote.retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from .stream import EarlyGet
 
 # Chunk size for objects without a manifest (written by other tools): large
 # enough to amortize a GET, small enough that a random read stays cheap.
@@ -43,6 +46,8 @@ VERIFY_READ_SIZE = 8 << 20
 # Written by a drain that compresses: its presence tells readers that listed
 # object sizes are stored sizes, not file sizes.
 LAYOUT_KEY = ".burstfs/layout.json"
+#: A prefix found without that mark is looked at again, at a listing, after this long.
+LAYOUT_RECHECK_S = 5.0
 #: Listings answer requests (a lookup miss, an opendir): a few quick tries (~3 s of backoff
 #: in all: one 503 SlowDown on a fresh node's first listing of a checkpoint failed its whole
 #: restore with EIO), within LISTING_ATTEMPT_TIMEOUT_S, never the drain's retry budget
@@ -90,6 +95,7 @@ class FileFetch:
     closed: bool = False  # forgotten or finished: the fd goes once its users are done
     verifying: asyncio.Future[None] | None = None
     recorded: asyncio.Future[None] | None = None  # the journal record of the finished fetch
+    early: EarlyGet | None = None  # the first stream's GET, sent beside the manifest's (stream.py)
 
     @property
     def chunks(self) -> int:

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from ..errors import CorruptDataError, RemoteError
 from ..objects import ObjectStore
@@ -35,6 +36,47 @@ from .verify import check_digest, note_refetch
 log = logging.getLogger("burstfs.restore")
 
 
+class EarlyGet:
+    """The GET a cold file's first stream sends, sent beside the file's manifest GET: a
+    sequential read from the start then waits one round trip for its first byte, not two.
+    Taken by that stream (its errors are the stream's, retried as its own GET's), else dropped."""
+
+    def __init__(self, streams: Streams, key: str, end: int) -> None:
+        self.streams, self.remote, self.end = streams, streams.store.remote, end
+        self._dropped = self._released = self._settled_slot = False
+        streams.early += 1  # holds a stream slot (and a connection) until taken or dropped
+        self.task: asyncio.Task[Any] = asyncio.ensure_future(self.remote.open_range(key, 0, end))
+        self.task.add_done_callback(self._settled)
+
+    def _settled(self, task: asyncio.Task[Any]) -> None:
+        if not task.cancelled() and task.exception() is None and self._dropped:  # else retrieved: the taker raises it
+            self._release()
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.remote.close_range(self.task.result())
+
+    def take(self) -> asyncio.Task[Any]:
+        """The GET, now its stream's (awaited and closed by ``stream_range``)."""
+        self._give_back_slot()
+        return self.task
+
+    def _give_back_slot(self) -> None:
+        if not self._settled_slot:
+            self._settled_slot = True
+            self.streams.early -= 1
+
+    def drop(self) -> None:
+        """Nobody will read it: cancel it, or close its connection."""
+        self._give_back_slot()
+        self._dropped = True
+        if not self.task.done():
+            self.task.cancel()
+        elif not self.task.cancelled() and self.task.exception() is None:
+            self._release()
+
+
 class Streams:
     """The file streams of one restore service, at most ``max_streams`` at once (one connection each)."""
 
@@ -51,12 +93,19 @@ class Streams:
         self._chunk = chunk  # the service's future for a chunk: a ranged fetch once no stream passes it
         self.max_streams = MAX_STREAMS
         self.active = 0
+        self.early = 0  # EarlyGets sent and not yet taken or dropped: they count against max_streams
         self.idle_s = STREAM_IDLE_S
         self.piece = STREAM_PIECE
         self.fetched_bytes = 0
 
     def streaming(self, fetch: FileFetch) -> bool:
         return self.store.remote.prefers_streams and fetch.streamable
+
+    def early_get(self, key: str, size: int) -> EarlyGet | None:
+        """A cold file's stream GET sent ahead (its manifest's GET on its way), if a slot is free."""
+        if not self.store.remote.prefers_streams or self.active + self.early >= self.max_streams:
+            return None
+        return EarlyGet(self, key, size)
 
     def stream_to(self, fetch: FileFetch, first: int, limit: int) -> bool:
         """Have a stream land the chunks from ``first`` on, up to the chunk starting below ``limit``.
@@ -158,7 +207,13 @@ class Streams:
         that is already present, or being fetched by a ranged GET, is read past.
         """
         end = fetch.chunk_start(stream.end_chunk)
-        pieces = self.store.remote.stream_range(fetch.key, position, end, self.piece)
+        early, fetch.early = fetch.early, None
+        opened = None
+        if early is not None and position == 0 and end == early.end:
+            opened = early.take()
+        elif early is not None:
+            early.drop()
+        pieces = self.store.remote.stream_range(fetch.key, position, end, self.piece, opened)
         async with contextlib.aclosing(pieces):
             async for piece in pieces:
                 view = memoryview(piece)
