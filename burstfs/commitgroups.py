@@ -369,6 +369,7 @@ class CommitGroups:
         self._wanted: dict[str, float] = {}  # marker dir -> last asked
         self._given_up: dict[str, float] = {}  # marker dir abandoned -> last asked (for status)
         self._wait_logged: dict[str, float] = {}  # marker dir -> when its wait was last logged (monotonic)
+        self._failure_logged: dict[str, float] = {}  # marker dir -> when a failed look there was last logged
         self._waiting_since: dict[str, float] = {}  # marker dir -> when the poller first found it held
         self.verdicts: dict[str, Verdict] = {}
         self._done_files: dict[str, list[dict[str, Any]]] = {}  # done key -> its files (keys are write-once)
@@ -988,16 +989,18 @@ class CommitGroups:
                     self.verdicts.pop(dir_key, None)
                     self._unrecorded.pop(dir_key, None)
                     self._whole_checked.pop(dir_key, None)
+                    self._failure_logged.pop(dir_key, None)
             opened = False
             for dir_key in list(self._wanted):
                 try:
                     verdict = await self.look(remote, dir_key)
                 except (RemoteError, CorruptDataError) as exc:
-                    log.warning("event=gate_list_failed dir=%s error=%s", dir_key, exc)
+                    self._log_failure(dir_key, exc)
                     continue
                 except Exception:  # a bug must not stop every later marker: log, look again later
                     log.exception("event=gate_bug dir=%s", dir_key)
                     continue
+                self._failure_logged.pop(dir_key, None)
                 before = self.verdicts.get(dir_key)
                 self.verdicts[dir_key] = verdict
                 self._log_waiting(dir_key, verdict)
@@ -1017,6 +1020,14 @@ class CommitGroups:
                 await asyncio.wait_for(self._poke.wait(), delay if self._wanted else 3600)
             if self._poke.is_set():
                 delay = GATE_POLL_MIN_S
+
+    def _log_failure(self, dir_key: str, exc: BaseException) -> None:
+        """One line per GATE_WAIT_LOG_S for a marker directory the remote cannot be asked about
+        (looked at every 0.4 s: an outage of an hour wrote 9,000 lines per directory)."""
+        now = time.monotonic()
+        if now - self._failure_logged.get(dir_key, -math.inf) >= GATE_WAIT_LOG_S:
+            self._failure_logged[dir_key] = now
+            log.warning("event=gate_list_failed dir=%s error=%s", dir_key, exc)
 
     def _log_waiting(self, dir_key: str, verdict: Verdict) -> None:
         """One line per GATE_WAIT_LOG_S for a marker directory held by other nodes' intents."""

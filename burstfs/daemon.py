@@ -225,6 +225,9 @@ def _refuse_data_without_journal(cache: Path) -> None:
 CHECK_RETRY_PAUSES_S = (0.5, 2.0)
 #: Failures that say nothing about the configuration: the remote may answer in a moment.
 TEMPORARY_KINDS = frozenset({"unavailable", "unreachable", THROTTLED})
+#: A cache mounted on its remote before mounts anyway when the remote fails so: the
+#: drain waits for it as it would have without the restart.
+OUTAGE_KINDS = TEMPORARY_KINDS | {"no_space"}
 
 
 def _other_remote(config: MountConfig, recorded: str) -> ConfigError:
@@ -270,7 +273,7 @@ def check_remote(config: MountConfig, timeout: float = 20.0) -> str | None:
     try:
         asyncio.run(probe())
     except RemoteError as exc:
-        if exc.kind not in TEMPORARY_KINDS or not _mounted_on(config):
+        if exc.kind not in OUTAGE_KINDS or not _mounted_on(config):
             raise
         return str(exc)
     return None

@@ -74,15 +74,16 @@ RETRY, OBJECT, HALT = "retry", "object", "halt"
 def error_scope(exc: BaseException) -> str:
     """Decide, in one place, whether ``exc`` concerns one object or the whole remote.
 
-    RETRY: temporary (unavailable after retries) or the upload vanished (aborted
-    elsewhere): the file is requeued with backoff.  OBJECT: the key or the object
-    itself is unacceptable (name too long, invalid argument, a file/directory
-    clash): only that file fails.  HALT: the remote as a whole refuses (missing
-    bucket, access denied, full): the drain stops until a probe succeeds.
+    RETRY: temporary (unavailable after retries), the upload vanished (aborted
+    elsewhere), or a full remote file system (which may still take smaller files, and
+    takes this one once room is made): the file is requeued with backoff.  OBJECT: the
+    key or the object itself is unacceptable (name too long, invalid argument, a
+    file/directory clash): only that file fails.  HALT: the remote as a whole refuses
+    (missing bucket, access denied): the drain stops until a probe succeeds.
     """
     if not isinstance(exc, RemoteError):
         return OBJECT
-    if exc.kind in ("unavailable", THROTTLED, "not_found"):
+    if exc.kind in ("unavailable", THROTTLED, "not_found", "no_space"):
         return RETRY
     if exc.kind in OBJECT_ERROR_KINDS:
         return OBJECT

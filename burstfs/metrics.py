@@ -83,7 +83,7 @@ class BurstCollector(Collector):
         stats = self.drain.mover.stats
         yield CounterMetricFamily(
             "burstfs_fetched_bytes",
-            "Bytes fetched from the remote since the mount started.",
+            "File bytes fetched from the remote since the mount started (compressed objects: once decompressed).",
             value=self.drain.fetched_bytes,
         )
         yield CounterMetricFamily(

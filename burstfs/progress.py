@@ -115,6 +115,14 @@ class Progress:
             self.stream.flush()
         self.last = counts
 
+    def note(self, text: str) -> None:
+        """A line about the work, not its counts (an outage): above the bar, or a line of its own."""
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        else:
+            self.stream.write(f"{text}\n")
+            self.stream.flush()
+
     def counts(self, done_files: int, total_files: int, done_bytes: int, total_bytes: int) -> str:
         """'3/10 files, 1.2 GiB of 4.0 GiB, 250.0 MiB/s, ETA 11s' (:meth:`speed_and_eta`)."""
         speed, eta = self.speed_and_eta(done_files, total_files, done_bytes, total_bytes)

@@ -525,3 +525,63 @@ def test_sigterm_fails_a_write_waiting_for_room_and_the_daemon_stops_at_once(
     subprocess.run(["fusermount3", "-u", str(fs.path)], capture_output=True, check=False)
     fs.mount()
     assert (fs.path / "closed.bin").read_bytes() == closed
+
+
+def _drain_state(fs: MountedFS) -> dict[str, object]:
+    result = subprocess.run(
+        [str(BIN / "burstfs-admin"), "status", str(fs.path), "--json"], capture_output=True, text=True, check=True
+    )
+    return json.loads(result.stdout)["drain"]  # type: ignore[no-any-return]
+
+
+def test_a_full_file_remote_is_an_outage_the_drain_outlasts_not_a_halt(
+    mounted_factory: type[MountedFS], tmp_path: Path
+) -> None:
+    """A remote file system with room for small files but not for a large one: the large one
+    backs off and the others drain; once room is made, it drains too.  The drain halted on
+    ENOSPC, resumed at every probe (the probe made an empty file) and halted again at the next
+    upload, so `burstfs-admin wait` exited 4 ("waiting will not help") or waited in silence,
+    depending on when it looked."""
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(remote)], check=True)
+    try:
+        fs = mounted_factory("full", f"file://{remote}")  # type: ignore[call-arg]
+        fs.mount()
+        big, small = os.urandom(12 * MiB), os.urandom(4096)
+        (fs.path / "big.pt").write_bytes(big)
+        wait_for(lambda: "no_space" in _drain_state(fs)["errors_by_kind"], what="the upload of big.pt failing")
+        (fs.path / "small.json").write_bytes(small)
+        result = subprocess.run(
+            [str(BIN / "burstfs-admin"), "wait", str(fs.path / "small.json"), "--timeout", "30"],
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert _drain_state(fs)["halted"] is None  # the large file backs off meanwhile
+        assert "event=drain_halted" not in fs.log_text()
+        wait_for(lambda: _drain_state(fs)["outage"], what="status to show the outage")  # big.pt tried again
+        result = subprocess.run(
+            [str(BIN / "burstfs-admin"), "wait", str(fs.path), "--timeout", "2"], capture_output=True, text=True
+        )
+        assert result.returncode == 3 and "big.pt" in result.stderr, result.stdout + result.stderr
+        told = [line for line in result.stderr.splitlines() if line.startswith("burstfs-admin wait: REMOTE FAILING")]
+        assert len(told) == 1 and "remote file system full" in told[0], result.stderr
+        subprocess.run(["mount", "-o", "remount,size=64m", str(remote)], check=True)
+        subprocess.run([str(BIN / "burstfs-admin"), "drain", str(fs.path), "--now"], check=True, capture_output=True)
+        _wait_durable(fs)
+        assert (remote / "big.pt").read_bytes() == big and (remote / "small.json").read_bytes() == small
+        fs.unmount()
+        with contextlib.suppress(OSError), open(remote / "filler", "wb") as filler:  # the remote full to the brim
+            while True:
+                filler.write(bytes(MiB))
+        fs.mount()  # this cache drained there: it mounts, as after a restart during any outage
+        assert (fs.path / "small.json").read_bytes() == small
+        fs.unmount()
+        fresh = mounted_factory("fresh", f"file://{remote}")  # type: ignore[call-arg]
+        refused = burstfs(
+            "mount", str(fresh.path), "--cache", str(fresh.cache), "--remote", fresh.remote_url, check=False
+        )
+        assert refused.returncode != 0 and "remote file system full" in refused.stderr, refused.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(remote)], check=False)

@@ -99,7 +99,8 @@ def _print_status(doc: dict[str, Any]) -> None:
     for held in doc.get("checkpoints_waiting", ()):
         click.echo(_held_line(held))
     if drain["halted"]:
-        click.echo(f"HALTED: {drain['halted']}  (fix the remote; then: burstfs-admin retry PATH)")
+        hint = "fix the remote: the drain looks again every 15 s, burstfs-admin retry PATH at once"
+        click.echo(f"HALTED: {drain['halted']}  ({hint})")
     if drain["mover_crashed"]:
         click.echo(f"MOVER CRASHED: {drain['mover_crashed']}  (see {doc['cache_dir']}/burstfs.log)")
     if drain["errors_by_kind"]:
@@ -208,15 +209,23 @@ def wait(paths: tuple[Path, ...], cache: Path | None, as_json: bool, timeout: fl
     timeout = seconds_option(timeout, "timeout")
     target = resolve(paths, cache)
     bar = None if as_json else Progress("durable")
+    told: list[tuple[Any, ...] | None] = [None]  # the outage last told of
 
     def progress(outcome: Durability) -> None:
-        if bar is not None:
-            bar.update(
-                len(outcome.done),
-                len(outcome.files),
-                sum(r.size for _, r in outcome.done),
-                sum(r.size for _, r in outcome.files),
-            )
+        if bar is None:
+            return
+        bar.update(
+            len(outcome.done),
+            len(outcome.files),
+            sum(r.size for _, r in outcome.done),
+            sum(r.size for _, r in outcome.files),
+        )
+        # Why the counts stand still, once per outage (a wait on a full remote said nothing for minutes).
+        outage = outcome.outage
+        what = None if outage is None else (outage.get("kind"), outage["unreachable"], outage["reason"])
+        if outage is not None and what != told[0]:
+            bar.note(f"burstfs-admin wait: {outage_line(outage)}")
+        told[0] = what
 
     try:
         outcome = wait_durable(target, timeout, progress)

@@ -43,6 +43,8 @@ T = TypeVar("T")
 
 log = logging.getLogger("burstfs.remote.file")
 
+#: What check() writes (and removes): a remote that cannot take this much is full.
+CHECK_BYTES = 64 * 1024
 #: OSError numbers that a network/parallel file system returns transiently.
 _TEMP_ERRNOS = frozenset({errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT, errno.ESTALE, errno.ECONNRESET})
 
@@ -96,8 +98,11 @@ class FileRemote(Remote):
             if not self.root.is_dir():
                 raise RemoteError(f"remote path {self.root} is not a directory", kind="not_a_directory")
             try:
-                with self.tree.temp():  # makes INTERNAL_DIR in a new remote directory
-                    pass
+                with self.tree.temp() as (_, _, fd):  # makes INTERNAL_DIR in a new remote directory
+                    # Bytes, not an empty file: a full file system still makes empty files, and a
+                    # drain halted by ENOSPC resumed at every probe, then halted at its next upload.
+                    pwrite_full(fd, bytes(CHECK_BYTES), 0)
+                    os.fsync(fd)
                 self.tree.established = True
             except OSError as exc:
                 if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
