@@ -443,7 +443,7 @@ def main() -> None:
         if args.small_files:
             rows.append(
                 (
-                    f"cold {args.small_files} x {args.small_kib} KiB one by one, +{args.rtt_ms:g} ms/request (moto)",
+                    f"{args.small_files} x {args.small_kib} KiB one by one +{args.rtt_ms:g}ms (moto)",
                     median(s["small_fs"]),
                     median(s["small_raw"]),
                     None,

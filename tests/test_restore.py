@@ -875,6 +875,37 @@ def test_a_cold_read_from_the_start_sends_its_get_beside_the_manifest_get(
     run_async(body)
 
 
+def test_a_get_sent_ahead_for_a_reader_that_went_away_gives_its_slot_back(
+    tmp_path: Path, s3_env: str, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader cancelled while its file's manifest was on its way (the open goes on without
+    it): the GET sent ahead holds a stream slot and a connection until the stall bound, then
+    is closed; the next read of the file opens a GET of its own."""
+    from burstfs.restore import stream as restore_stream
+
+    monkeypatch.setattr(restore_stream, "READ_STALL_S", 0.6)
+    journal = FakeJournal()
+    content = os.urandom(8 * S3_CHUNK)
+
+    async def body() -> None:
+        async with s3_service(s3_env, proxy, journal, tmp_path) as svc:
+            await put_with_manifest(svc.store, "gone.pt", content, S3_CHUNK)
+            journal.add(1, "gone.pt", len(content))
+            proxy.delay_next(1, seconds=0.3, match="manifests/gone.pt")
+            reader = asyncio.ensure_future(svc.ensure_local(1, 0, len(content)))
+            await asyncio.sleep(0.1)
+            reader.cancel()
+            await asyncio.sleep(0.3)
+            assert 1 in svc._files and svc.streams.early == 1  # opened, its GET sent, no reader planned
+            await asyncio.sleep(0.5)
+            assert svc.streams.early == 0
+            assert await svc.ensure_local(1, 0, len(content)) == len(content)
+            assert gets_of(proxy, "gone.pt") == 2
+        assert svc.tier.path(1).read_bytes() == content
+
+    run_async(body)
+
+
 def test_a_streamed_chunk_that_does_not_match_is_a_clear_error_and_never_served(
     tmp_path: Path, s3_env: str, proxy: FaultProxy, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -39,42 +39,50 @@ log = logging.getLogger("burstfs.restore")
 class EarlyGet:
     """The GET a cold file's first stream sends, sent beside the file's manifest GET: a
     sequential read from the start then waits one round trip for its first byte, not two.
-    Taken by that stream (its errors are the stream's, retried as its own GET's), else dropped."""
+    Taken by that stream (its errors are the stream's, retried as its own GET's), else dropped:
+    by the read that planned otherwise, or after READ_STALL_S (its reader went away before
+    planning; it held a stream slot and a connection)."""
 
     def __init__(self, streams: Streams, key: str, end: int) -> None:
         self.streams, self.remote, self.end = streams, streams.store.remote, end
-        self._dropped = self._released = self._settled_slot = False
-        streams.early += 1  # holds a stream slot (and a connection) until taken or dropped
+        self._state = "sent"  # then "taken" or "dropped"
+        self._released = False
+        streams.early += 1  # a stream slot until taken or dropped
         self.task: asyncio.Task[Any] = asyncio.ensure_future(self.remote.open_range(key, 0, end))
         self.task.add_done_callback(self._settled)
+        self._expiry = asyncio.get_running_loop().call_later(READ_STALL_S, self.drop)
+
+    def take(self) -> asyncio.Task[Any] | None:
+        """The GET, now its stream's (awaited and closed by ``stream_range``); None if dropped."""
+        if self._state != "sent":
+            return None
+        self._state = "taken"
+        self._ended()
+        return self.task
+
+    def drop(self) -> None:
+        """Nobody will read it: cancel it, or close its connection."""
+        if self._state != "sent":
+            return
+        self._state = "dropped"
+        self._ended()
+        if not self.task.done():
+            self.task.cancel()
+        elif not self.task.cancelled() and self.task.exception() is None:
+            self._release()
+
+    def _ended(self) -> None:
+        self._expiry.cancel()
+        self.streams.early -= 1
 
     def _settled(self, task: asyncio.Task[Any]) -> None:
-        if not task.cancelled() and task.exception() is None and self._dropped:  # else retrieved: the taker raises it
+        if not task.cancelled() and task.exception() is None and self._state == "dropped":  # else retrieved
             self._release()
 
     def _release(self) -> None:
         if not self._released:
             self._released = True
             self.remote.close_range(self.task.result())
-
-    def take(self) -> asyncio.Task[Any]:
-        """The GET, now its stream's (awaited and closed by ``stream_range``)."""
-        self._give_back_slot()
-        return self.task
-
-    def _give_back_slot(self) -> None:
-        if not self._settled_slot:
-            self._settled_slot = True
-            self.streams.early -= 1
-
-    def drop(self) -> None:
-        """Nobody will read it: cancel it, or close its connection."""
-        self._give_back_slot()
-        self._dropped = True
-        if not self.task.done():
-            self.task.cancel()
-        elif not self.task.cancelled() and self.task.exception() is None:
-            self._release()
 
 
 class Streams:
