@@ -150,7 +150,9 @@ class RestoreService:
             async def logical_size(key: str) -> None:
                 async with self._slots:
                     manifest = await self.store.fetch_manifest(key)
-                if manifest is not None:
+                # An object of another length than its manifest stores keeps its own size: its
+                # read fails as an uncompressed one's does (bytes appended were served unseen).
+                if manifest is not None and sum(c.stored_size for c in manifest.chunks) == sizes[key]:
                     sizes[key] = manifest.size
 
             await asyncio.gather(*(logical_size(info.key) for info in files))
