@@ -192,7 +192,7 @@ class RemoteListings:
         done, merged, _, _ = pending
         try:
             with trio.move_on_after(self.timeout) as scope:
-                merged[0] = await self.refresh(directory, force=force)
+                merged[0] = await self._refresh_now(directory, force=force)
             if scope.cancelled_caught:
                 log.warning(
                     "event=list_failed dir_ino=%d error=no answer within %.0fs note=retried after the TTL",
@@ -216,6 +216,26 @@ class RemoteListings:
         return await self.refresh(directory)
 
     async def refresh(self, directory: Inode, *, force: bool = False) -> bool:
+        """:meth:`_refresh_now`, as a listing in flight that requests wait for as for their own
+        (an admin walk's: a lookup beside ``burstfs-admin prefetch DIR`` found the directory
+        neither due nor being listed, and failed EIO at once).  A listing of ``directory``
+        already in flight is waited for (``force``: then this call lists afresh)."""
+        while (pending := self._in_flight.get(directory.ino)) is not None:
+            await pending[0].wait()
+            if not force:
+                return pending[1][0]
+        wait = max(self.wait, self.first_wait) if directory.listed_at == NEVER_LISTED else self.wait
+        pending = (trio.Event(), [False], trio.current_time(), wait)
+        self._in_flight[directory.ino] = pending
+        try:
+            pending[1][0] = await self._refresh_now(directory, force=force)
+            return pending[1][0]
+        finally:
+            if self._in_flight.get(directory.ino) is pending:
+                del self._in_flight[directory.ino]
+            pending[0].set()
+
+    async def _refresh_now(self, directory: Inode, *, force: bool = False) -> bool:
         """Merge the remote listing of ``directory`` if it is older than the TTL (``force``: now).
 
         Returns True if a listing was merged.  A remote that cannot be listed

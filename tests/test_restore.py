@@ -344,6 +344,38 @@ def test_admin_prefetch_warms_a_checkpoint(mounted_factory: type[MountedFS], rem
 
 
 @fuse
+def test_a_file_opened_while_prefetch_lists_its_directory_waits_for_that_listing(
+    mounted_factory: type[MountedFS], remote: RemoteTarget
+) -> None:
+    """A lookup beside ``burstfs-admin prefetch DIR`` found DIR neither due for a listing
+    (prefetch's was under way) nor being listed (prefetch's was not one requests wait for):
+    the open failed EIO at once ("the remote could not be listed here yet")."""
+    if remote.proxy is None:
+        pytest.skip("needs the fault proxy to hold the listing")
+    files = {f"big/f{i}.bin": os.urandom(300_000) for i in range(4)}
+    writer = mounted_factory("w", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    writer.mount()
+    (writer.path / "big").mkdir()
+    for name, content in files.items():
+        (writer.path / name).write_bytes(content)
+    wait_for(lambda: drained(writer, *(name.split("/")[1] for name in files)), what="drain")
+    writer.unmount()
+    reader = mounted_factory("r", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    reader.mount()
+    assert os.listdir(reader.path) == ["big"]
+    remote.proxy.delay_next(1, seconds=1.5, match=lambda line: "list-type=2" in line and "big%2F" in line)
+    prefetch = subprocess.Popen(
+        [str(BIN / "burstfs-admin"), "prefetch", str(reader.path / "big")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        wait_for(lambda: any("big%2F" in line for line in remote.proxy.requests), what="prefetch's listing")
+        assert (reader.path / "big/f0.bin").read_bytes() == files["big/f0.bin"]
+    finally:
+        assert prefetch.wait(timeout=60) == 0
+    remote.proxy.clear()
+
+
+@fuse
 def test_large_prefix_lists_lazily_and_completely(mounted_factory: type[MountedFS], tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A directory of 20,000 objects written by another node (or tool) lists in full."""
     fs = mounted_factory("big")  # type: ignore[call-arg]
