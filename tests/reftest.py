@@ -48,7 +48,17 @@ from burstfs.remote import FileRemote, RetryPolicy
 # Calls that only read the remote pass the gate: restores and listings are the
 # request path, which must work whatever the drain is doing.
 READ_CALLS = frozenset(
-    {"check", "get_object", "get_range", "head", "list_dir", "list_all", "list_multipart_uploads", "is_temp_failure"}
+    {
+        "check",
+        "get_object",
+        "get_range",
+        "open_range",
+        "head",
+        "list_dir",
+        "list_all",
+        "list_multipart_uploads",
+        "is_temp_failure",
+    }
 )
 # The mover's waits, shortened so that a sequence of drains takes milliseconds.
 FAST_MOVER_TIMING = {
