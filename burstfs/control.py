@@ -213,12 +213,17 @@ class ControlServer:
     async def _list(self, directory: Inode, path: str, *, fresh: bool) -> None:
         """Merge the remote listing of ``directory`` (at ``path``): if older than the TTL, a
         failure logged and passed over (none tried while the remote is down: it would wait
-        again for each directory); ``fresh``: now, and a failure raised (EIO), since what the
-        directory holds on the remote is then not known."""
+        again for each directory) unless nothing of it is known here (a directory never
+        listed: prefetch said "fetched 0 B in 0 files", exit 0, for a checkpoint it could not
+        list); ``fresh``: now, and a failure raised, since what the directory holds on the
+        remote is then not known (EIO either way)."""
         listings = self.core.listings
         if not fresh:
             await listings.refresh_unless_down(directory)
-        elif listings.links.fetcher is not None and not await listings.refresh(directory, force=True):
+            listed = not listings.unseen(directory)
+        else:
+            listed = listings.links.fetcher is None or await listings.refresh(directory, force=True)
+        if not listed:
             raise FsError(
                 errno.EIO,
                 f"/{path}: could not list this directory on the remote (the daemon's log says why); "

@@ -218,6 +218,30 @@ def test_a_compressed_object_of_another_length_than_its_manifest_says_gives_eio(
 
 
 @fuse
+def test_a_file_its_owner_rewrote_since_it_was_listed_is_not_called_corrupt(
+    mounted_factory: type[MountedFS], remote: RemoteTarget
+) -> None:
+    """Listed at 300,000 bytes, rewritten by its owner at 400,000 since: the read fails (the
+    listing is stale until --list-ttl), but it was logged as corrupt data (an ERROR)."""
+    owner = mounted_factory("w", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    owner.mount()
+    (owner.path / "a.pt").write_bytes(os.urandom(300_000))
+    wait_for(lambda: drained(owner, "a.pt"), what="drain")
+    reader = mounted_factory("r", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    reader.mount()
+    assert os.stat(reader.path / "a.pt").st_size == 300_000
+    (owner.path / "a.pt").write_bytes(os.urandom(400_000))
+    wait_for(lambda: len(remote.read("a.pt") or b"") == 400_000 and drained(owner, "a.pt"), what="the rewrite")
+    reader.expect_log("event=listed_size_stale")
+    with pytest.raises(OSError) as err:
+        (reader.path / "a.pt").read_bytes()
+    assert err.value.errno == errno.EIO
+    log = reader.log_text()
+    assert "rewritten on the remote since it was listed (300000 bytes, now 400000)" in log
+    assert "event=corrupt_data" not in log
+
+
+@fuse
 def test_an_object_deleted_after_it_was_listed_gives_eio_and_a_log_line(
     mounted_factory: type[MountedFS], remote: RemoteTarget
 ) -> None:
@@ -372,6 +396,29 @@ def test_a_file_opened_while_prefetch_lists_its_directory_waits_for_that_listing
         assert (reader.path / "big/f0.bin").read_bytes() == files["big/f0.bin"]
     finally:
         assert prefetch.wait(timeout=60) == 0
+    remote.proxy.clear()
+
+
+@fuse
+def test_prefetch_of_a_directory_it_cannot_list_fails(mounted_factory: type[MountedFS], remote: RemoteTarget) -> None:
+    """It said "fetched 0 B in 0 files" and exited 0 for a checkpoint directory the remote
+    would not list: a restart script was told the checkpoint was warm."""
+    if remote.proxy is None:
+        pytest.skip("needs the fault proxy to refuse the listing")
+    writer = mounted_factory("w", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    writer.mount()
+    (writer.path / "ck").mkdir()
+    (writer.path / "ck/a.bin").write_bytes(os.urandom(100_000))
+    wait_for(lambda: drained(writer, "a.bin"), what="drain")
+    writer.unmount()
+    reader = mounted_factory("r", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    reader.mount()
+    assert os.listdir(reader.path) == ["ck"]
+    remote.proxy.fail_next(100, status=403, match=lambda line: "list-type=2" in line and "ck%2F" in line)
+    result = subprocess.run(
+        [str(BIN / "burstfs-admin"), "prefetch", str(reader.path / "ck")], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1 and "could not list this directory" in result.stderr, result.stdout + result.stderr
     remote.proxy.clear()
 
 
@@ -748,6 +795,26 @@ def gated_service(tmp_path: Path, holds: Callable[[str, int], bool]) -> tuple[Re
     journal = FakeJournal()
     svc = RestoreService(ObjectStore(remote, FAST_RETRY), journal, LocalTier(tmp_path / "cache"))  # type: ignore[arg-type]
     return svc, remote, journal
+
+
+def test_a_read_whose_file_is_forgotten_during_its_fetch_says_so(tmp_path: Path) -> None:
+    """A file removed (or evicted) while a read waited for its chunks: the read failed "the
+    mover stopped" (its chunk fetches were cancelled), which it had not (a prefetch beside rm -r)."""
+    svc, remote, journal = gated_service(tmp_path, lambda key, start: not key.startswith(".burstfs/"))
+    content = os.urandom(4 * CHUNK)
+
+    async def body() -> None:
+        await put_with_manifest(svc.store, "rm.pt", content)
+        journal.add(6, "rm.pt", len(content))
+        reader = asyncio.ensure_future(svc.ensure_local(6, 0, len(content)))
+        await remote.entered.wait()
+        svc.forget(6)
+        with pytest.raises(FsError) as info:
+            await reader
+        assert info.value.errno == errno.ESTALE and "went away" in str(info.value)
+        await svc.aclose()
+
+    run_async(body)
 
 
 def test_aclose_ends_the_prefetches_and_closes_the_descriptors(tmp_path: Path) -> None:

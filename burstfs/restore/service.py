@@ -18,7 +18,7 @@ from ..hooks import ListedFile, Listing
 from ..journal import InodeRow, Journal
 from ..journal.thread import JournalCall
 from ..localtier import LocalTier
-from ..objects import RANGED_RUN_BYTES, ObjectStore
+from ..objects import RANGED_RUN_BYTES, Manifest, ObjectStore
 from .datafiles import DataFiles
 from .state import (
     FETCH_CONCURRENCY,
@@ -226,6 +226,9 @@ class RestoreService:
         failed = [o for o in outcomes if isinstance(o, BaseException)]
         # A ranged GET serves several chunks: another chunk's failure does not fail this read.
         if failed and not all(i in fetch.present for i in wanted):
+            if isinstance(failed[0], asyncio.CancelledError) and self._files.get(ino) is not fetch:
+                # forget()'s: removed or evicted meanwhile (a prefetch said "the mover stopped")
+                raise FsError(errno.ESTALE, f"inode {ino} went away or was replaced during its fetch")
             raise failed[0]
         return await self._complete(fetch)
 
@@ -363,12 +366,8 @@ class RestoreService:
                 raise CorruptDataError(
                     f"remote object {key} changed since it was drained (digest {manifest.digest}, journal {row.digest})"
                 )
-            if manifest.size != row.size and row.size == sum(c.stored_size for c in manifest.chunks):
-                # Listed before the prefix held compressed objects: the next listing knows better.
-                self._compressed = True
-                problem = f"{key} was listed at its compressed size {row.size}; it is {manifest.size} bytes"
-                log.warning("event=listed_size_stale key=%s ino=%d problem=%r", key, ino, problem)
-                raise FsError(errno.EIO, f"{problem}: list its directory again (after --list-ttl)")
+            if manifest.size != row.size:
+                await self._raise_if_listed_before(key, ino, row.size, manifest)
             if manifest.size != row.size:
                 # A listing's size is the object's: an object cut short at a chunk boundary
                 # would read as a shorter file whose every chunk checks out.
@@ -386,6 +385,22 @@ class RestoreService:
         await asyncio.shield(creating)  # a cancelled opener leaves the thread to let_go()'s wait
         self._still_wanted(ino, token)
         return fetch
+
+    async def _raise_if_listed_before(self, key: str, ino: int, listed: int, manifest: Manifest) -> None:
+        """EIO, logged as what it is, for a file whose listing predates its object: listed at its
+        stored size before the prefix held compressed objects, or rewritten by its owner since
+        (the object now matches its manifest; an ERROR "corrupt_data" was a false alarm).  The
+        next listing knows better.  Anything else is for the caller to call corrupt."""
+        stored = sum(c.stored_size for c in manifest.chunks)
+        if listed == stored:
+            self._compressed = True
+            problem = f"{key} was listed at its compressed size {listed}; it is {manifest.size} bytes"
+        elif (head := await self.store.head(key)) is not None and head.size == stored:
+            problem = f"{key} was rewritten on the remote since it was listed ({listed} bytes, now {manifest.size})"
+        else:
+            return
+        log.warning("event=listed_size_stale key=%s ino=%d problem=%r", key, ino, problem)
+        raise FsError(errno.EIO, f"{problem}: list its directory again (after --list-ttl)")
 
     # -- chunks -----------------------------------------------------------------------
 
