@@ -66,6 +66,24 @@ def drained_then_reader(
     return reader
 
 
+def reader_of_a_drained_dir(
+    factory: type[MountedFS], remote: RemoteTarget, directory: str, files: dict[str, bytes]
+) -> MountedFS:
+    """``files`` drained into ``directory`` by a writer mount that then unmounts; a reader
+    mount (a cache of its own) that listed the root only: ``directory`` known, never listed."""
+    writer = factory("w", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    writer.mount()
+    (writer.path / directory).mkdir()
+    for name, content in files.items():
+        (writer.path / directory / name).write_bytes(content)
+    wait_for(lambda: drained(writer, *files), what="drain")
+    writer.unmount()
+    reader = factory("r", remote.url, remote.extra_args)  # type: ignore[call-arg]
+    reader.mount()
+    assert os.listdir(reader.path) == [directory]
+    return reader
+
+
 def write_checkpoint(fs: MountedFS) -> dict[str, bytes]:
     files = {
         "run/step10/model.pt": os.urandom(13 * MiB),
@@ -376,24 +394,15 @@ def test_a_file_opened_while_prefetch_lists_its_directory_waits_for_that_listing
     the open failed EIO at once ("the remote could not be listed here yet")."""
     if remote.proxy is None:
         pytest.skip("needs the fault proxy to hold the listing")
-    files = {f"big/f{i}.bin": os.urandom(300_000) for i in range(4)}
-    writer = mounted_factory("w", remote.url, remote.extra_args)  # type: ignore[call-arg]
-    writer.mount()
-    (writer.path / "big").mkdir()
-    for name, content in files.items():
-        (writer.path / name).write_bytes(content)
-    wait_for(lambda: drained(writer, *(name.split("/")[1] for name in files)), what="drain")
-    writer.unmount()
-    reader = mounted_factory("r", remote.url, remote.extra_args)  # type: ignore[call-arg]
-    reader.mount()
-    assert os.listdir(reader.path) == ["big"]
+    files = {f"f{i}.bin": os.urandom(300_000) for i in range(4)}
+    reader = reader_of_a_drained_dir(mounted_factory, remote, "big", files)
     remote.proxy.delay_next(1, seconds=1.5, match=lambda line: "list-type=2" in line and "big%2F" in line)
     prefetch = subprocess.Popen(
         [str(BIN / "burstfs-admin"), "prefetch", str(reader.path / "big")], stdout=subprocess.PIPE, text=True
     )
     try:
         wait_for(lambda: any("big%2F" in line for line in remote.proxy.requests), what="prefetch's listing")
-        assert (reader.path / "big/f0.bin").read_bytes() == files["big/f0.bin"]
+        assert (reader.path / "big/f0.bin").read_bytes() == files["f0.bin"]
     finally:
         assert prefetch.wait(timeout=60) == 0
     remote.proxy.clear()
@@ -405,15 +414,7 @@ def test_prefetch_of_a_directory_it_cannot_list_fails(mounted_factory: type[Moun
     would not list: a restart script was told the checkpoint was warm."""
     if remote.proxy is None:
         pytest.skip("needs the fault proxy to refuse the listing")
-    writer = mounted_factory("w", remote.url, remote.extra_args)  # type: ignore[call-arg]
-    writer.mount()
-    (writer.path / "ck").mkdir()
-    (writer.path / "ck/a.bin").write_bytes(os.urandom(100_000))
-    wait_for(lambda: drained(writer, "a.bin"), what="drain")
-    writer.unmount()
-    reader = mounted_factory("r", remote.url, remote.extra_args)  # type: ignore[call-arg]
-    reader.mount()
-    assert os.listdir(reader.path) == ["ck"]
+    reader = reader_of_a_drained_dir(mounted_factory, remote, "ck", {"a.bin": os.urandom(100_000)})
     remote.proxy.fail_next(100, status=403, match=lambda line: "list-type=2" in line and "ck%2F" in line)
     result = subprocess.run(
         [str(BIN / "burstfs-admin"), "prefetch", str(reader.path / "ck")], capture_output=True, text=True, timeout=120
