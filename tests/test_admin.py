@@ -571,12 +571,13 @@ def test_metrics_endpoint(mounted_factory: Any) -> None:
         listening = [line.split()[1] for line in tcp if line.split()[3] == "0A"]
     assert f"0100007F:{port:04X}" in listening and f"00000000:{port:04X}" not in listening
 
+    full_port = free_port()  # port + 1 was taken once in CI (another test's server)
     full = mounted_factory(
-        "full", extra_args=("--metrics-addr", f"127.0.0.1:{port + 1}", "--cache-size", "16M", "--drain-delay", "3600")
+        "full", extra_args=("--metrics-addr", f"127.0.0.1:{full_port}", "--cache-size", "16M", "--drain-delay", "3600")
     )
     full.mount()
     (full.path / "staged.bin").write_bytes(os.urandom(12 << 20))
-    with urllib.request.urlopen(f"http://127.0.0.1:{port + 1}/metrics", timeout=10) as response:
+    with urllib.request.urlopen(f"http://127.0.0.1:{full_port}/metrics", timeout=10) as response:
         tier = _samples(response.read().decode())
     # What the mount reports (df), within --cache-size: it read the host's file system (the
     # runbook's "tier will fill" alert never fired).
