@@ -6,6 +6,7 @@ Exit codes: 0 success, 1 runtime failure, 2 bad input (click's usage errors too)
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sqlite3
 import subprocess
@@ -24,6 +25,8 @@ from .config import DEFAULT_COMMIT_MARKERS, check_seconds, config_from_meta
 from .errors import BurstfsError, ConfigError
 from .mountinfo import UnexaminedPath, find_burstfs_mount
 from .progress import be, count
+
+log = logging.getLogger("burstfs.cli")
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -206,6 +209,32 @@ def config_check(file: Path) -> None:
         click.echo(line)
 
 
+def _flag_incomplete_after_crash(cache_dir: Path) -> None:
+    """Flag the files a dead daemon had open for writing ``incomplete`` in its journal, as the
+    next start would (recovery.flag_incomplete): ``burstfs-admin`` reading the stopped cache
+    then says so, rather than "writing" for a file nobody writes.  Skipped if a new daemon
+    took the cache meanwhile (it recovers the cache itself)."""
+    from .journal import Journal
+    from .localtier import LocalTier
+    from .recovery import flag_incomplete
+
+    lock = CacheLock(cache_dir)
+    try:
+        lock.acquire()
+    except (BurstfsError, OSError):
+        return
+    try:
+        journal = Journal(cache_dir)
+        try:
+            flag_incomplete(journal, LocalTier(cache_dir))
+        finally:
+            journal.close()
+    except (OSError, sqlite3.Error) as exc:  # said; the next start does it
+        click.echo(f"burstfs: note: could not update the journal in {cache_dir} after the crash: {exc}", err=True)
+    finally:
+        lock.release()
+
+
 def _left_behind(cache_dir: Path) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
     """What a stopped mount leaves undrained, by fate (status.left_behind), and its remote
     work beyond uploads (status.remote_work)."""
@@ -370,6 +399,8 @@ def unmount(
             _fail(BurstfsError(f"daemon pid {pid} did not exit within {timeout:.0f}s after unmount"))
         time.sleep(0.05)
     click.echo(f"unmounted {point} (cache {cache_dir})")
+    if pid is None:  # a dead mount: its crash is recovered as the next start would
+        _flag_incomplete_after_crash(cache_dir)
     try:
         left, work = _left_behind(cache_dir)
     except (OSError, sqlite3.Error) as exc:  # the cache dir was removed or damaged under the mount
@@ -435,8 +466,10 @@ def drain(cache_dir: Path, endpoint_url: str | None, now: bool, timeout: float |
     from .config import check_cache_store, recorded_store
     from .heap import keep_freed_buffers
     from .journal import Journal
+    from .localtier import LocalTier
     from .log import setup_logging
     from .mover import Mover
+    from .recovery import flag_incomplete
 
     os.umask(PRIVATE_UMASK)  # the journal's WAL, the log, temp files: private to this user
     keep_freed_buffers()
@@ -462,6 +495,9 @@ def drain(cache_dir: Path, endpoint_url: str | None, now: bool, timeout: float |
         try:
             config = config_from_meta(journal.get_meta, cache_dir)
             store = recorded_store(journal.get_meta)
+            if config is not None:  # a crash's files open for writing never drain as closed versions
+                for row, _, why in flag_incomplete(journal, LocalTier(cache_dir)):
+                    log.warning("event=recover_incomplete ino=%d name=%s reason=%r", row.ino, row.name, why)
         finally:
             journal.close()
         if config is None:

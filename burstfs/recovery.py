@@ -197,20 +197,36 @@ def _incomplete_reason(
     return None
 
 
-def incomplete_at_next_start(journal: Journal, tier: LocalTier) -> list[tuple[InodeRow, int]]:
+def incomplete_at_next_start(journal: Journal, tier: LocalTier) -> list[tuple[InodeRow, int, str]]:
     """The named files of a stopped daemon's cache that its next start flags ``incomplete``
-    (as :func:`recover` does), each with the length of its data file: all there is of it
-    (with passthrough the journal never saw the bytes written)."""
+    (as :func:`recover` does), each with the length of its data file (all there is of it: with
+    passthrough the journal never saw the bytes written) and why."""
     held = journal.held_closes()
     last_alive = _last_alive(tier.cache_dir)
-    return [
-        (row, tier.data_size(row.ino))
-        for row in journal.inodes()
-        if row.link_of is None
-        and row.parent != 0
-        and row.kind == "file"
-        and _incomplete_reason(row, held, last_alive, tier) is not None
-    ]
+    found = []
+    for row in journal.inodes():
+        if row.link_of is None and row.parent != 0 and row.kind == "file":
+            why = _incomplete_reason(row, held, last_alive, tier)
+            if why is not None:
+                found.append((row, tier.data_size(row.ino), why))
+    return found
+
+
+def flag_incomplete(journal: Journal, tier: LocalTier) -> list[tuple[InodeRow, int, str]]:
+    """What a start does first to a stopped daemon's cache, for the tools that take over a cache
+    without mounting it (``burstfs drain``; ``burstfs unmount`` of a dead mount): a file that may
+    lack bytes of its last version (open for writing, or written after its close, when the
+    daemon died) becomes ``incomplete``, so that no drain publishes it as a closed version.
+    The caller holds the cache lock.  Returns the files it flagged (incomplete_at_next_start)."""
+    found = incomplete_at_next_start(journal, tier)
+    ops: list[Op] = []
+    for row, size, why in found:
+        ops.extend(recovered_incomplete_ops(row.ino, size, why))
+    if journal.held_closes():
+        ops.append(("DELETE FROM held_closes", ()))
+    if ops:
+        journal.apply(ops)
+    return found
 
 
 def _written_after_close(tier: LocalTier, row: InodeRow) -> bool:

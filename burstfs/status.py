@@ -315,7 +315,7 @@ def left_behind(journal: Journal, tier: LocalTier | None = None) -> dict[str, tu
     counts = journal.state_counts()
     if tier is not None:
         counts = dict(counts)
-        for row, size in incomplete_at_next_start(journal, tier):
+        for row, size, _ in incomplete_at_next_start(journal, tier):
             files, nbytes = counts[row.state]
             counts[row.state] = (files - 1, nbytes - row.size)
             files, nbytes = counts.get(INCOMPLETE, (0, 0))

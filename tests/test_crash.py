@@ -149,14 +149,9 @@ def test_kill_9_loses_nothing_closed(burst: MountedFS) -> None:
     assert p.read_bytes() == b"complete now"
 
 
-@pytest.mark.parametrize("publish", ["a dup closed", "fsync"])
-def test_kill_9_of_a_file_still_written_after_a_close_or_fsync_is_incomplete(burst: MountedFS, publish: str) -> None:
-    """A close of one descriptor (a forked child's exec, ``cmd > file``) or an fsync journals
-    the file while it stays open; bytes written after that are no closed version: after a
-    crash the file is incomplete (with every byte that reached the tier), never drained as
-    a mix of the journaled size and later bytes (with passthrough the kernel writes them to
-    the tier without the daemon)."""
-    p = burst.path / "ckpt.pt"
+def _killed_while_written_after_a_close(burst: MountedFS, p: Path, publish: str) -> bytes:
+    """Write ``part1-`` to ``p``, journal it (``publish``: a dup closed or an fsync), write on,
+    and kill -9 the daemon once those later bytes reached the tier; returns them."""
     fd = os.open(p, os.O_CREAT | os.O_WRONLY, 0o644)
     os.write(fd, b"part1-")
     if publish == "fsync":
@@ -173,6 +168,18 @@ def test_kill_9_of_a_file_still_written_after_a_close_or_fsync_is_incomplete(bur
         os.close(fd)
     except OSError:
         pass  # the connection is gone
+    return later
+
+
+@pytest.mark.parametrize("publish", ["a dup closed", "fsync"])
+def test_kill_9_of_a_file_still_written_after_a_close_or_fsync_is_incomplete(burst: MountedFS, publish: str) -> None:
+    """A close of one descriptor (a forked child's exec, ``cmd > file``) or an fsync journals
+    the file while it stays open; bytes written after that are no closed version: after a
+    crash the file is incomplete (with every byte that reached the tier), never drained as
+    a mix of the journaled size and later bytes (with passthrough the kernel writes them to
+    the tier without the daemon)."""
+    p = burst.path / "ckpt.pt"
+    later = _killed_while_written_after_a_close(burst, p, publish)
     burst.mount()
     assert journal_state(burst.cache, "ckpt.pt") == ["incomplete"]
     assert os.getxattr(p, "user.burstfs.state") == b"incomplete"
@@ -181,6 +188,60 @@ def test_kill_9_of_a_file_still_written_after_a_close_or_fsync_is_incomplete(bur
     time.sleep(0.5)  # the drain had its chance
     published = burst.remote_dir / "ckpt.pt"
     assert not published.exists() or published.read_bytes() == b"part1-"  # at most the fsync'd version
+
+
+@pytest.mark.parametrize("publish", ["a dup closed", "fsync"])
+def test_burstfs_drain_after_a_kill_9_does_not_publish_a_file_still_written(burst: MountedFS, publish: str) -> None:
+    """``burstfs drain --cache`` after a crash flags what the next start would flag before it
+    drains: a file written after a journaled close or fsync was drained (200000 bytes, a mix of
+    the closed version and later writes, published as durable) while the command said it was
+    incomplete and would never drain."""
+    p = burst.path / "ckpt.pt"
+    later = _killed_while_written_after_a_close(burst, p, publish)
+    drained = burstfs("drain", "--cache", str(burst.cache), "--now", timeout=60)
+    assert "1 file (18006 bytes) is incomplete" in drained.stderr
+    assert journal_state(burst.cache, "ckpt.pt") == ["incomplete"]
+    published = burst.remote_dir / "ckpt.pt"
+    assert not published.exists() or published.read_bytes() == b"part1-"  # at most the fsync'd version
+    burst.mount()  # the next start agrees
+    assert journal_state(burst.cache, "ckpt.pt") == ["incomplete"]
+    assert p.read_bytes() == b"part1-" + later
+
+
+def test_unmount_of_a_dead_mount_shows_its_open_files_incomplete(burst: MountedFS) -> None:
+    """After kill -9 and the documented cleanup (``burstfs unmount MNT``), ``burstfs-admin``
+    reading the stopped cache says a file that was open for writing is incomplete, with the
+    bytes its data file holds; it said "writing 0 B" until the next mount."""
+    p = burst.path / "open.bin"
+    fd = os.open(p, os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, b"x" * 100000)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # through the daemon: start writeback
+        wait_for_tier_size(burst.cache, os.fstat(fd).st_ino, 100000)
+        wait_for(lambda: journal_state(burst.cache, "open.bin") == ["writing"], what="its create journaled")
+        pid = burst.daemon_pid()
+        os.kill(pid, signal.SIGKILL)
+        _wait_gone(pid)
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass  # the connection is gone
+    result = burstfs("unmount", str(burst.path))
+    assert "1 file (100000 bytes) is incomplete" in result.stdout
+    import json
+    import subprocess
+    import sys
+
+    admin = Path(sys.executable).with_name("burstfs-admin")
+    listed = subprocess.run(
+        [str(admin), "ls", "--json", "--cache", str(burst.cache), str(burst.cache)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    (entry,) = [f for f in json.loads(listed.stdout)["files"] if f["path"] == "open.bin"]
+    assert (entry["state"], entry["size"]) == ("incomplete", 100000)
 
 
 def test_kill_9_while_a_forked_child_closed_the_writers_descriptor_keeps_the_previous_version(
