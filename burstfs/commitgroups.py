@@ -1075,8 +1075,14 @@ class CommitGroups:
         with self._lock:
             own = [g for g in self.groups.values() if _under(g.dir_key, dir_key)]
             own_rounds = {(g.dir_key, self.node_id, g.round) for g in own}
+            # A round whose done went out after the listing above was taken is pending too: its
+            # files are not in this verdict (a pointer's commit record went out naming none).
             own_pending = [
-                (g.dir_key, g.started) for g in own if g.members and not (g.intent and g.done) and not g.unrecordable
+                (g.dir_key, g.started)
+                for g in own
+                if g.members
+                and not g.unrecordable
+                and not (g.intent and g.done and (g.dir_key, self.node_id, g.round) in dones)
             ]
         rounds = sorted(ident for ident in intents if ident in dones)
         # This node's current rounds are judged from what it knows (own_pending), not from the remote.

@@ -1077,6 +1077,46 @@ def test_latest_of_steps_without_markers_names_only_the_pointed_step(tmp_path: P
     run_nodes([node], scenario)
 
 
+def test_a_pointers_commit_lists_the_step_files_whose_done_went_out_during_the_gates_listing(tmp_path: Path) -> None:
+    """The gate listed the step's records, the node's own done went out meanwhile, and the
+    verdict took the round as done (its own state) with none of its files (the listing's): the
+    pointer's commit record named no file, and ``latest`` answered the run directory as the
+    step (a long run saw it about once in 30 steps)."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    node = Node(tmp_path, "a", remote_dir)
+    remote = FileRemote(parse_remote_url(f"file://{remote_dir}"))
+    list_all = node.remote.list_all
+    raced = []
+
+    def done_out() -> bool:
+        return any(k.endswith(".done") for k in keys(remote_dir, f"{GROUPS_PREFIX}run/step_1"))
+
+    async def listing_overtaken_by_the_done(prefix: str):  # type: ignore[no-untyped-def]
+        listed = [info async for info in list_all(prefix)]
+        if "step_1" in prefix and not done_out():
+            raced.append(prefix)
+            await until(done_out, "the done record")  # the round's done goes out meanwhile
+        for info in listed:
+            yield info
+
+    node.remote.list_all = listing_overtaken_by_the_done  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        for rank in (0, 1):
+            node.write(f"run/step_1/shard{rank}.pt", b"x" * 100)
+        pointer = node.write("run/latest", b"step_1")
+        await until(lambda: node.durable(pointer), "the pointer")
+        await until(lambda: keys(remote_dir, COMMITS_PREFIX), "its commit record")
+        found, skipped = await find_latest(remote, "run")
+        assert found is not None and found.step == "run/step_1", (found, skipped)
+        record = json.loads((remote_dir / found.commit_key).read_bytes())
+        assert sorted(f["path"] for f in record["files"]) == ["run/step_1/shard0.pt", "run/step_1/shard1.pt"]
+
+    run_nodes([node], scenario)
+    assert raced, "no gate listing raced the done record"
+
+
 def _dcp_metadata(*files: str) -> bytes:
     """A pickle shaped like DCP's ``.metadata``: its storage data names each shard file."""
     return pickle.dumps({"storage_data": {f"t{i}": (name, 0, 1000) for i, name in enumerate(files)}})
