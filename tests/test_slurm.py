@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,6 +72,7 @@ class Cluster:
         self.processes: list[subprocess.Popen[bytes]] = []
 
     def write_config(self) -> None:
+        self.remote.mkdir()  # the operator makes it once (the prolog makes each user's directory in it)
         munge = self.root / "munge"
         munge.mkdir(mode=0o700)
         (munge / "munge.key").write_bytes(os.urandom(1024))
@@ -357,3 +359,120 @@ def test_train_example_resumes_from_latest_and_never_starts_over_blind(
     assert "not starting from scratch" in failed.stderr, failed.stderr
     assert "starting from scratch" not in failed.stdout and "saved" not in failed.stdout
     assert sorted(p.name for p in (third.path / "run").iterdir()) == before
+
+
+class Hooks:
+    """The packaged prolog and epilog run as slurmd runs them (root, a bare environment and the
+    job's SLURM_* variables), without a cluster: the cases a real one cannot stage here."""
+
+    def __init__(self, root: Path, remote: str, epilog_timeout: int = 60, env: dict[str, str] | None = None) -> None:
+        self.cluster = Cluster(root, mount_options="", epilog_timeout=epilog_timeout)
+        self.cluster.write_config()
+        text = self.cluster.site_env.read_text()
+        text = "\n".join(
+            f'BURSTFS_REMOTE="{remote}"' if line.startswith("BURSTFS_REMOTE=") else line for line in text.splitlines()
+        )
+        self.cluster.site_env.write_text(text + "\n" + "".join(f"export {k}={v}\n" for k, v in (env or {}).items()))
+        self.log = self.cluster.cache_root / "slurm.log"
+
+    def run(self, hook: str, job: int, uid: int = 4242) -> subprocess.CompletedProcess[str]:
+        env = {
+            "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+            "SLURM_JOB_ID": str(job),
+            "SLURM_JOB_USER": "trainer",
+            "SLURM_JOB_UID": str(uid),
+            "SLURM_JOB_GID": str(uid),
+        }
+        return subprocess.run(
+            [str(self.cluster.root / f"{hook}.sh")], env=env, capture_output=True, text=True, timeout=120
+        )
+
+    def mnt(self, job: int) -> Path:
+        return self.cluster.mount_root / str(job)
+
+    def cleanup(self) -> None:
+        if self.cluster.mount_root.exists():
+            for mnt in self.cluster.mount_root.iterdir():
+                force_unmount(mnt)
+
+
+def test_a_later_jobs_user_owns_the_earlier_runs_the_mount_lists_at_start(tmp_path: Path) -> None:
+    """The prolog chowned the mount after `burstfs mount` returned: the runs of earlier jobs,
+    listed from the remote at mount time, took root as owner, and resuming one (a new step
+    directory in it) failed with EACCES as the job's user."""
+    hooks = Hooks(tmp_path, f"file://{tmp_path / 'remote'}/{{user}}")
+    try:
+        assert hooks.run("prolog", 201).returncode == 0, hooks.log.read_text()
+        (hooks.mnt(201) / "run-201" / "step_4").mkdir(parents=True)
+        (hooks.mnt(201) / "run-201" / "step_4" / "shard.pt").write_bytes(b"w" * 1000)
+        assert hooks.run("epilog", 201).returncode == 0
+        assert "event=durable" in hooks.log.read_text()
+        assert hooks.run("prolog", 202).returncode == 0, hooks.log.read_text()
+        run = hooks.mnt(202) / "run-201"
+        assert (os.stat(run).st_uid, os.stat(run).st_gid) == (4242, 4242)
+        # The job resumes it (started in the directory: the test's temp dir is private to root).
+        subprocess.run(["mkdir", "step_8"], cwd=run, user=4242, group=4242, check=True)
+        assert os.stat(run / "step_4").st_uid == 4242  # listed later: the owner of its directory
+        assert hooks.run("epilog", 202).returncode == 0
+    finally:
+        hooks.cleanup()
+
+
+def test_a_file_remote_whose_file_system_is_not_mounted_fails_the_prolog(tmp_path: Path) -> None:
+    """The prolog made the remote directory with ``mkdir -p``: with the parallel file system
+    not mounted on the node, the job's checkpoints went to the node's own disk under the empty
+    mount point, were called durable, and the epilog removed the cache."""
+    pfs = tmp_path / "pfs"
+    pfs.mkdir()  # its mount point; nothing mounted there
+    hooks = Hooks(tmp_path, f"file://{pfs}/checkpoints/{{user}}")
+    try:
+        result = hooks.run("prolog", 401)
+        assert result.returncode == 1
+        assert f"remote directory {pfs}/checkpoints does not exist" in hooks.log.read_text()
+        assert not (pfs / "checkpoints").exists() and not hooks.mnt(401).exists()
+        (pfs / "checkpoints").mkdir()  # the file system is there: the user's directory is made
+        assert hooks.run("prolog", 402).returncode == 0, hooks.log.read_text()
+        assert (pfs / "checkpoints" / "trainer").is_dir()
+        assert hooks.run("epilog", 402).returncode == 0
+    finally:
+        hooks.cleanup()
+
+
+def test_a_requeued_job_takes_its_cache_over_from_the_epilogs_background_drain(tmp_path: Path, s3_env: str) -> None:
+    """The epilog of a job whose remote was down kept draining its cache in the background;
+    the job, requeued on the same node, failed its prolog ("cache dir ... is in use by another
+    burstfs process"), which drains the node.  The prolog now stops that drain and its mount
+    drains the rest; the background drain's removal of the cache never takes a live one."""
+    from faultproxy import FaultProxy
+    from s3server import fresh_bucket
+
+    bucket = fresh_bucket(s3_env)
+    with FaultProxy(s3_env) as proxy:
+        env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+        hooks = Hooks(
+            tmp_path, f"s3://{bucket}/{{user}}", epilog_timeout=2, env={**env, "AWS_ENDPOINT_URL": proxy.endpoint}
+        )
+        try:
+            assert hooks.run("prolog", 503).returncode == 0, hooks.log.read_text()
+            (hooks.mnt(503) / "ckpt.pt").write_bytes(b"c" * 10000)
+            proxy.blackhole()  # the remote goes down before the drain
+            assert hooks.run("epilog", 503).returncode == 0
+            assert "event=draining_in_background" in hooks.log.read_text()
+            cache = hooks.cluster.cache_root / "job-503"
+            wait_for(lambda: "event=drain_budget" in hooks.log.read_text(), what="the background drain")
+            drainer = int((cache / "lock").read_text())
+            time.sleep(1.0)  # its first requests are out, and held
+            proxy.resume(silently=True)  # the remote is back; the drain's requests stay unanswered
+            result = hooks.run("prolog", 503)  # requeued on this node
+            assert result.returncode == 0, hooks.log.read_text()
+            assert f"event=background_drain_stopped pid={drainer}" in hooks.log.read_text()
+            assert (hooks.mnt(503) / "ckpt.pt").read_bytes() == b"c" * 10000
+            assert hooks.run("epilog", 503).returncode == 0
+            assert hooks.log.read_text().count("event=durable") == 1, hooks.log.read_text()
+            assert not cache.exists()
+            import boto3
+
+            s3 = boto3.client("s3", endpoint_url=s3_env)
+            assert s3.get_object(Bucket=bucket, Key="trainer/ckpt.pt")["Body"].read() == b"c" * 10000
+        finally:
+            hooks.cleanup()

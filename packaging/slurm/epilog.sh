@@ -25,6 +25,7 @@ if ! mountpoint -q "$mnt"; then
     rmdir "$mnt" 2>/dev/null || true
     exit 0
 fi
+started=$SECONDS
 if out=$("$BURSTFS" unmount --wait --wait-timeout "$timeout" "$mnt" 2>&1); then
     log "event=durable mountpoint=$mnt"
     echo "$out" | indent
@@ -32,7 +33,7 @@ if out=$("$BURSTFS" unmount --wait --wait-timeout "$timeout" "$mnt" 2>&1); then
     rmdir "$mnt"
     exit 0
 fi
-log "event=not_durable mountpoint=$mnt waited_s=$timeout reason=\"$out\""
+log "event=not_durable mountpoint=$mnt waited_s=$((SECONDS - started)) reason=\"$out\""
 "$BURSTFS_ADMIN" status "$mnt" 2>&1 | indent
 if ! "$BURSTFS" unmount "$mnt" 2>&1 | indent; then
     fusermount3 -u -z "$mnt" 2>&1 | indent
@@ -43,7 +44,10 @@ if mountpoint -q "$mnt"; then
 fi
 rmdir "$mnt" 2>/dev/null || true
 log "event=draining_in_background cache=$cache (burstfs-admin status $cache)"
-setsid bash -c '"$1" drain --cache "$2" --now >> "$3" 2>&1 && rm -rf "$2"' drain "$BURSTFS" "$cache" \
+# Removed under its lock, renamed aside first: a requeued job's prolog that took the
+# cache meanwhile keeps it, and never finds it half removed.
+setsid bash -c '"$1" drain --cache "$2" --now >> "$3" 2>&1 \
+    && flock -n "$2/lock" mv "$2" "$2.removed.$$" && rm -rf "$2.removed.$$"' drain "$BURSTFS" "$cache" \
     "$BURSTFS_CACHE_ROOT/slurm.log" < /dev/null > /dev/null 2>&1 &
 drainer=$!
 # slurmd kills the epilog's process group as soon as the epilog exits: leave only
