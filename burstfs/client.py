@@ -37,6 +37,7 @@ from .admin.common import (
 from .admin.common import wait_durable as _wait_durable
 from .journal import BROKEN, DONE, MOVING, FileState
 from .status import wait_state
+from .xattrs import LISTED_XATTR
 
 STATE_XATTR = "user.burstfs.state"  # every file's drain state, readable by anyone who may read the file
 XATTR_POLL_S = 0.1
@@ -59,8 +60,8 @@ class DaemonGoneError(ClientError):
 class AccessDeniedError(ClientError):
     """Only the daemon's user and root may use the mount's control socket (a job's user
     under a mount that root made).  ``wait_durable`` and ``is_durable`` then read each
-    file's ``user.burstfs.state`` through the mount instead; ``status`` and ``prefetch``
-    cannot."""
+    file's ``user.burstfs.state`` through the mount instead, and ``refresh_listings`` a
+    directory's ``user.burstfs.listed``; ``status`` and ``prefetch`` cannot."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,8 +291,16 @@ def refresh_listings(path: PathLike | Sequence[PathLike]) -> None:
     """List the directories at or below ``path`` from the remote now, whatever ``--list-ttl``:
     what other nodes drained there since this node last listed them shows up (before a
     checkpoint is deleted, see ``retention.prune_checkpoints``)."""
-    target = _live(_paths(path))
-    _call(target, "refresh_listings", paths=target.rels, timeout=None)
+    paths = _paths(path)
+    try:
+        target = _live(paths)
+        _call(target, "refresh_listings", paths=target.rels, timeout=None)
+    except AccessDeniedError:  # a job's user under a mount root made: ask through the mount
+        for top in paths:
+            try:
+                os.getxattr(top, LISTED_XATTR.decode())
+            except OSError as exc:  # EIO: the remote could not be listed
+                raise ClientError(f"{top}: listing it afresh failed: {exc.strerror}") from None
 
 
 def is_durable(path: PathLike | Sequence[PathLike]) -> bool:

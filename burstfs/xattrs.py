@@ -23,6 +23,11 @@ XATTR_RESERVED = b"user.burstfs."  # computed, read-only attributes (drain state
 #: daemon (client.latest for a user without the cache's journal).  Not listed: ``cp -a``
 #: and ``rsync -X`` would read the remote for every directory they copy.
 LATEST_XATTR = XATTR_RESERVED + b"latest"
+#: Of a directory: reading it lists the directory and every one below it afresh from the
+#: remote, whatever ``--list-ttl`` (what the control socket's ``refresh_listings`` does, for
+#: a user who may not use the socket: a job's user under a mount root made); the value is
+#: how many directories were listed.  Not listed either.
+LISTED_XATTR = XATTR_RESERVED + b"listed"
 #: One answer serves a directory's getxattr calls this long: a caller asks for the size,
 #: then the value, and the two must agree.
 LATEST_MEMO_S = 1.0
@@ -37,14 +42,15 @@ class ExtendedAttributes:
         committer: GroupCommitter,
         links: DrainLinks,
         path_of: Callable[[Inode], str | None],
-        show: Callable[[str], Awaitable[object]],
+        show: Callable[[str], Awaitable[tuple[Inode, int]]],
     ) -> None:
         self.journal = journal
         self.committer = committer
         self.links = links  # user.burstfs.latest asks the drain side
         self.path_of = path_of
         self.show = show  # lists a path afresh (RemoteListings.refresh_path)
-        self._latest: dict[int, tuple[float, bytes]] = {}  # directory -> (monotonic time, answer)
+        # (directory, name) -> (monotonic time, answer): latest and listed
+        self._memo: dict[tuple[int, bytes], tuple[float, bytes]] = {}
 
     async def get(self, inode: Inode, name: bytes) -> bytes:
         if name.startswith(XATTR_RESERVED):
@@ -57,8 +63,8 @@ class ExtendedAttributes:
     async def reserved(self, inode: Inode, name: bytes) -> bytes:
         """``user.burstfs.*``: the file's drain state, read from the journal; a directory's
         newest complete checkpoint (``latest``), read from the remote."""
-        if inode.kind == "dir" and name == LATEST_XATTR:
-            return await self.latest(inode)
+        if inode.kind == "dir" and name in (LATEST_XATTR, LISTED_XATTR):
+            return await self._memoized(inode, name)
         await self.committer.settle()  # a new file's row may still be deferred
         row, moving = await trio.to_thread.run_sync(self._state_of, inode.ino)
         if row is None or inode.kind != "file":
@@ -81,13 +87,21 @@ class ExtendedAttributes:
         row = self.journal.state_row(ino)
         return row, row is not None and row.state in DONE and self.journal.moving(ino)
 
-    async def latest(self, directory: Inode) -> bytes:
+    async def _memoized(self, directory: Inode, name: bytes) -> bytes:
         now = time.monotonic()
-        memo = self._latest.get(directory.ino)
+        memo = self._memo.get((directory.ino, name))
         if memo is not None and now - memo[0] < LATEST_MEMO_S:
             return memo[1]
         dir_key = self.path_of(directory)
-        if self.links.drain is None or dir_key is None:
+        if dir_key is None:
+            raise FsError(errno.ENODATA)
+        answer = await (self.latest(dir_key) if name == LATEST_XATTR else self.listed(dir_key))
+        self._memo = {key: m for key, m in self._memo.items() if now - m[0] < LATEST_MEMO_S}
+        self._memo[(directory.ino, name)] = (time.monotonic(), answer)
+        return answer
+
+    async def latest(self, dir_key: str) -> bytes:
+        if self.links.drain is None:
             raise FsError(errno.ENODATA)
         document = await self.links.drain.latest_under(dir_key)
         found = json.loads(document)["step"]
@@ -96,10 +110,11 @@ class ExtendedAttributes:
             # the loader's open right after this answer must find it.
             with contextlib.suppress(FsError):  # removed meanwhile: the answer stands
                 await self.show(found)
-        answer = document.encode()
-        self._latest = {ino: m for ino, m in self._latest.items() if now - m[0] < LATEST_MEMO_S}
-        self._latest[directory.ino] = (time.monotonic(), answer)
-        return answer
+        return document.encode()
+
+    async def listed(self, dir_key: str) -> bytes:
+        _, listed = await self.show(dir_key)
+        return str(listed).encode()
 
     def names(self, inode: Inode) -> list[bytes]:
         names = list(inode.xattrs)

@@ -263,3 +263,49 @@ def test_latest_for_a_user_without_the_control_socket_asks_the_daemon_through_th
     finally:
         remote.with_name("moved").rename(remote)
     assert answer.get("error") == "ClientError", answer
+
+
+_REFRESH_AS_NOBODY = """
+import encodings.idna, encodings.latin_1, encodings.unicode_escape, json, os, sys
+from burstfs import client
+os.chdir(sys.argv[1])  # entered as root: the directories above the mount point are private
+os.setegid(65534)
+os.seteuid(65534)
+try:
+    client.refresh_listings("ck/step_1")
+    print(json.dumps({"listed": sorted(os.listdir("ck/step_1"))}))
+except client.ClientError as exc:
+    print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+"""
+
+
+def test_refresh_listings_for_a_user_without_the_control_socket_lists_through_the_mount(
+    mounted_factory: type[MountedFS], tmp_path: Path
+) -> None:
+    """A Slurm job's user pruning a step (retention.prune_checkpoints): "permission denied on
+    control.sock", so the step was never listed afresh and the shards other nodes drained
+    since stayed on the remote (the step came back).  The directory's user.burstfs.listed
+    lists it through the mount."""
+    import json
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    n0 = mounted_factory("n0", f"file://{shared}", ("--allow-other", "--list-ttl", "3600"))  # type: ignore[call-arg]
+    n1 = mounted_factory("n1", f"file://{shared}", ("--node-id", "n1"))  # type: ignore[call-arg]
+    n0.mount()
+    os.chmod(n0.path, 0o755)
+    (n0.path / "ck/step_1").mkdir(parents=True)
+    os.chmod(n0.path / "ck", 0o777)
+    os.chmod(n0.path / "ck/step_1", 0o777)
+    (n0.path / "ck/step_1/__0_0.distcp").write_bytes(b"zero")
+    client.wait_durable(n0.path / "ck")
+    n1.mount()
+    (n1.path / "ck/step_1/__1_0.distcp").write_bytes(b"one")  # n1 lists ck/step_1 here, then adds its shard
+    client.wait_durable(n1.path / "ck")
+    assert os.listdir(n0.path / "ck/step_1") == ["__0_0.distcp"]  # n0 listed it before (TTL: an hour)
+
+    result = subprocess.run(
+        [sys.executable, "-c", _REFRESH_AS_NOBODY, str(n0.path)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"listed": ["__0_0.distcp", "__1_0.distcp"]}
