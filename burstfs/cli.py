@@ -113,7 +113,10 @@ def _mountpoint_command(config_help: str) -> Callable[[Callable[..., Any]], clic
 )
 @click.option("--list-ttl", default=30.0, show_default=True, help="Seconds a directory's remote listing stays fresh.")
 @click.option(
-    "--endpoint-url", default=None, help="S3 endpoint (MinIO, Ceph RGW...); default $AWS_ENDPOINT_URL or AWS."
+    "--endpoint-url",
+    default=None,
+    help="S3 endpoint (MinIO, Ceph RGW...); default $AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL, "
+    "the AWS config file's endpoint_url, or AWS.",
 )
 @click.option("--region", default=None, help="S3 region.")
 @click.option("--part-size", default="8M", show_default=True, help="Multipart part and checksum chunk size.")

@@ -25,7 +25,7 @@ from .core import BurstCore
 from .drainservice import DrainService
 from .errors import ConfigError
 from .journal import FILE_STATES, QUEUED, Journal
-from .status import drain_rate, outage_of
+from .status import READ_KINDS, drain_rate, outage_of
 
 log = logging.getLogger("burstfs.metrics")
 
@@ -104,9 +104,13 @@ class BurstCollector(Collector):
             value=max(0.0, time.time() - outage["since"]) if outage else 0.0,
         )
         errors = CounterMetricFamily("burstfs_drain_errors", "Drain errors by kind.", labels=["kind"])
+        reads = CounterMetricFamily(
+            "burstfs_read_errors", "Reads and listings the remote failed (not the drain), by kind.", labels=["kind"]
+        )
         for kind, count in dict(stats.errors_by_kind).items():
-            errors.add_metric([kind], count)
+            (reads if kind in READ_KINDS else errors).add_metric([kind], count)
         yield errors
+        yield reads
         yield GaugeMetricFamily(
             "burstfs_drain_halted",
             "1 while a permanent remote error stops the drain.",

@@ -74,8 +74,9 @@ READS_IN_FLIGHT = 2
 class RequestHealth(Protocol):
     """Hears how the remote answers an ObjectStore's requests (MoverStats)."""
 
-    def retried(self, reason: str, first_attempt: float) -> None:
-        """A request failed for now and is tried again (``first_attempt``: epoch seconds)."""
+    def retried(self, reason: str, first_attempt: float, throttled: bool) -> None:
+        """A request failed for now and is tried again (``first_attempt``: epoch seconds;
+        ``throttled``: the store asked for fewer requests)."""
 
     def answered(self) -> None:
         """A request succeeded (possibly after retries)."""

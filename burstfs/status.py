@@ -189,7 +189,7 @@ def _retrying(stats: Any, last_progress: float, now: float) -> dict[str, Any] | 
         "reason": short_reason(last[1]),
         "kind": RETRYING_KIND,
         "errors": stats.retries,
-        "unreachable": False,
+        "unreachable": not last[2],  # no answer, or 5xx (as "unavailable" once retries run out); not a throttle
     }
 
 

@@ -56,7 +56,7 @@ def check_local(cache_dir: Path, journal: Journal, row: InodeRow) -> Verdict:
     expected = row.chunk_digests()
     bad = next((i for i, (a, b) in enumerate(zip(digests.chunks, expected, strict=False)) if a != b), None)
     where = f"bytes {bad * row.chunk_size}-{min((bad + 1) * row.chunk_size, row.size)}" if bad is not None else "data"
-    return "mismatch", f"{where} differ from the checksum taken at close (generation {row.generation})"
+    return "mismatch", f"{where} differ from the checksum journaled for generation {row.generation}"
 
 
 async def check_remote(store: ObjectStore, row: InodeRow) -> Verdict:

@@ -566,6 +566,17 @@ def test_metrics_endpoint(mounted_factory: Any) -> None:
     assert os.getxattr(fs.path / "ck" / "a", "user.burstfs.state") == b"durable"  # user.* reaches the daemon
     if importlib.util.find_spec("burstfs._passthrough") is not None:
         assert scrape()["burstfs_fuse_xattr_answered_in_shim_total"] == answered + 3
+    # A read refused on a corrupt object is a read error, not the drain's (its alert stays quiet).
+    admin_json("evict", fs.path / "ck" / "a")
+    corrupt = bytearray((fs.remote_dir / "ck" / "a").read_bytes())
+    corrupt[100] ^= 1
+    (fs.remote_dir / "ck" / "a").write_bytes(bytes(corrupt))
+    with pytest.raises(OSError) as exc:
+        (fs.path / "ck" / "a").read_bytes()
+    assert exc.value.errno == errno.EIO
+    after = scrape()
+    assert after['burstfs_read_errors_total{kind="corrupt_read"}'] == 1
+    assert not [name for name in after if name.startswith("burstfs_drain_errors_total")]
     # Bound to the address given, not to every interface.
     with open("/proc/net/tcp") as tcp:
         listening = [line.split()[1] for line in tcp if line.split()[3] == "0A"]

@@ -483,6 +483,8 @@ def test_outage_headline_uses_the_error_kind_and_the_first_failed_attempt() -> N
     stats.bytes_drained_recent.append((time.time() - 100, 1 << 20))
     first = time.time() - 40  # the request's first attempt; its retries ran until now
     stats.retried("put ckpt/a.pt: EndpointError", first)
+    retrying = outage_of(stats)  # no answer yet: unreachable while the retries go on, too
+    assert retrying is not None and retrying["kind"] == "retrying" and retrying["unreachable"], retrying
     stats.error("unavailable", "put ckpt/a.pt: remote s3://b unavailable after 8 attempts: EndpointError")
     outage = outage_of(stats)
     assert outage is not None and outage["unreachable"] and outage["kind"] == "unavailable", outage
@@ -554,6 +556,7 @@ def test_an_outage_that_turns_from_retrying_to_throttled_keeps_its_start() -> No
     assert failed.value.kind == "throttled"
     retrying = outage_of(stats)
     assert retrying is not None and retrying["since"] <= started + 0.01, retrying
+    assert retrying["kind"] == "retrying" and not retrying["unreachable"], retrying  # it answers: "slow down"
     stats.error(failed.value.kind, str(failed.value))
     outage = outage_of(stats)
     assert outage is not None and outage["kind"] == "throttled" and not outage["unreachable"], outage

@@ -44,7 +44,11 @@ LATEST_TIMEOUT_S = 60.0
     default=None,
     help="Look at s3://BUCKET/PREFIX or file:///DIR directly (no mount); PATH is then a subdirectory.",
 )
-@click.option("--endpoint-url", default=None, help="S3 endpoint (with --remote); default $AWS_ENDPOINT_URL or AWS.")
+@click.option(
+    "--endpoint-url",
+    default=None,
+    help="S3 endpoint (with --remote); default $AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL, the AWS config file or AWS.",
+)
 @click.option("--region", default=None, help="S3 region (with --remote).")
 @cache_option
 @json_option

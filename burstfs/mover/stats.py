@@ -42,7 +42,7 @@ class MoverStats:
     #: attempt started, how many, and the latest reason (None: it answered the last one).
     retrying_since: float | None = None
     retries: int = 0
-    last_retry: tuple[float, str] | None = None
+    last_retry: tuple[float, str, bool] | None = None  # when, why, and whether the store throttled
     drain_latencies: collections.deque[float] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=1024)
     )
@@ -103,13 +103,13 @@ class MoverStats:
         if self.trouble_since is None or self.trouble_since <= last_progress:  # a new run of failures
             self.trouble_since = now
 
-    def retried(self, reason: str, first_attempt: float) -> None:
+    def retried(self, reason: str, first_attempt: float, throttled: bool = False) -> None:
         """A drain request failed for now and is tried again: status says so at once, not only
         once its retries are spent (a silent remote costs a read timeout per attempt)."""
         if self.retrying_since is None:
             self.retrying_since = first_attempt
         self.retries += 1
-        self.last_retry = (time.time(), reason)
+        self.last_retry = (time.time(), reason, throttled)
 
     def answered(self) -> None:
         """A drain request got its answer: the remote is not silent."""

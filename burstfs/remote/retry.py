@@ -42,7 +42,7 @@ async def retrying(
     max_delay: float = 10.0,
     attempt_timeout: float | None = None,
     budget: float | None = None,
-    on_retry: Callable[[str, float], None] | None = None,
+    on_retry: Callable[[str, float, bool], None] | None = None,
     **kw: Any,
 ) -> T:
     """``await fn(*args, **kw)``, retrying temporary failures of ``remote``.
@@ -55,8 +55,9 @@ async def retrying(
     temporary failure (for small requests: a connection that went silent is not
     waited for the whole read timeout).  ``budget``: no retry starts after this
     many seconds in all (a black-holed remote costs a read timeout per attempt).
-    ``on_retry(reason, first_attempt)``: called before each retry, with the epoch time
-    the first attempt started (status reports trouble before the retries are spent).
+    ``on_retry(reason, first_attempt, throttled)``: called before each retry, with the epoch
+    time the first attempt started (status reports trouble before the retries are spent) and
+    whether the store asked for fewer requests (it answers: not unreachable).
     """
     if attempts < 1:
         raise ValueError(f"attempts must be at least 1, not {attempts}")
@@ -90,7 +91,9 @@ async def retrying(
                 "event=remote_retry what=%r attempt=%d delay=%.2f error=%r", what, attempt, delay, describe_error(exc)
             )
             if on_retry is not None:
-                on_retry(f"{what}: {describe_error(exc)}", time.time() - (loop.time() - started))
+                on_retry(
+                    f"{what}: {describe_error(exc)}", time.time() - (loop.time() - started), remote.is_throttling(exc)
+                )
             await asyncio.sleep(delay)
 
 
@@ -123,7 +126,7 @@ class RetryPolicy:
         fn: Callable[..., Awaitable[T]],
         *args: Any,
         what: str,
-        on_retry: Callable[[str, float], None] | None = None,
+        on_retry: Callable[[str, float, bool], None] | None = None,
         **kw: Any,
     ) -> T:
         """:func:`retrying` with this policy."""
