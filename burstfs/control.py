@@ -96,6 +96,7 @@ class ControlServer:
             "status": self._status,
             "ls": self._ls,
             "drain_now": self._drain_now,
+            "probe": self._probe,
             "retry": self._retry,
             "evict": self._evict,
             "refresh_listings": self._refresh_listings,
@@ -347,6 +348,10 @@ class ControlServer:
     async def _drain_now(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:
         self._drain().drain_now()
         log.info("event=control_drain_now")
+        return {"schema": SCHEMA}
+
+    async def _probe(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:
+        self._drain().probe_now()
         return {"schema": SCHEMA}
 
     async def _retry(self, request: dict[str, Any], progress: Any) -> dict[str, Any]:

@@ -142,6 +142,11 @@ class DrainService:
         """Skip the drain delay and any retry backoff (``burstfs-admin drain --now``, fsync)."""
         self.call_soon(self.mover.drain_now)
 
+    def probe_now(self) -> None:
+        """A halted drain looks at the remote now, not at its next HALT_PROBE_S (a wait that
+        finds it halted: the remote may have been fixed since)."""
+        self.call_soon(self.mover.wake)
+
     async def retry_failed(self) -> int:
         """Requeue failed files and lift a halt, on the mover's loop; how many were requeued."""
 

@@ -279,13 +279,22 @@ def wait_durable(
             raise
 
     outage: list[dict[str, Any] | None] = [None]  # the last status answer's
+    probed = [False]
 
     def halted() -> str | None:
         answer = ask("status")
         if answer is None:
             return None
         outage[0] = answer["drain"].get("outage")  # absent from an older daemon's document
-        return answer["drain"]["halted"]
+        reason: str | None = answer["drain"]["halted"]
+        if reason is not None and not probed[0]:
+            # Halted when the wait began: the remote may have been fixed since (its next look
+            # is up to 15 s away).  It looks now; the next poll says what it found.
+            probed[0] = True
+            with contextlib.suppress(AdminError):  # an older daemon without the op
+                ask("probe")
+            return None
+        return reason
 
     def with_outage(state: Durability) -> Durability:
         return dataclasses.replace(state, outage=outage[0])
