@@ -244,7 +244,7 @@ class DataPath:
         the tier's, and the drain tells a writer it has not seen yet from bit rot by a data
         file newer than its close (``mover/upload.py``).  Never a time ahead of now (a utime
         into the future): recovery takes a data file newer than its record for one written
-        after its close (``recovery._written_after_close``).  One futimens, no commit."""
+        after its close (``recovery.written_after_close``).  One futimens, no commit."""
         if not self.kernel_times or not inode.local:
             return
         mtime = min(inode.mtime_ns, now_ns())

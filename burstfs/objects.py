@@ -244,6 +244,7 @@ class ObjectStore:
             await self._call(self.remote.put_object, key, b"", what=f"put {key}")
             return []
         info, data = await asyncio.to_thread(reader.read, 0)
+        await _check_cancel(cancel_check, key)  # the bytes just read are still the version to send
         await self._call(self.remote.put_object, key, data, what=f"put {key}")
         return [info]
 

@@ -192,7 +192,7 @@ def _incomplete_reason(
         return None
     if _held_open(held.get(row.ino), row, last_alive):
         return "open for writing when the daemon stopped (a close of one of its descriptors was journaled)"
-    if _written_after_close(tier, row):
+    if written_after_close(tier.path(row.ino), row):
         return "written after its last close when the daemon stopped"
     return None
 
@@ -229,7 +229,7 @@ def flag_incomplete(journal: Journal, tier: LocalTier) -> list[tuple[InodeRow, i
     return found
 
 
-def _written_after_close(tier: LocalTier, row: InodeRow) -> bool:
+def written_after_close(data_file: Path, row: InodeRow) -> bool:
     """The data file of a closed file changed after its last record: a descriptor of it
     stayed open for writing past a close of another one (``cmd > file``, a forked child)
     or past an fsync, and with passthrough the kernel went on writing there without the
@@ -238,7 +238,7 @@ def _written_after_close(tier: LocalTier, row: InodeRow) -> bool:
     later than it (the kernel's file times are coarse, never ahead of the clock); the slack
     keeps a clock stepped back between a write and its close from flagging a closed file."""
     try:
-        st = os.stat(tier.path(row.ino), follow_symlinks=False)
+        st = os.stat(data_file, follow_symlinks=False)
     except FileNotFoundError:
         return False
     return st.st_size != row.size or st.st_mtime > row.updated + CLOCK_SLACK_S

@@ -307,6 +307,34 @@ def test_a_file_still_written_through_a_dup_drains_only_once_released(burst: Mou
     assert (burst.remote_dir / "out.log").read_bytes() == whole == (burst.remote_dir / "out.link").read_bytes()
 
 
+def test_an_fsynced_file_written_on_drains_only_its_closed_versions(
+    remote_mount: MountedFS, remote: RemoteTarget
+) -> None:
+    """With passthrough the kernel writes the data file without the daemon: an fsync'd file
+    written on (a log, a streamed checkpoint) went to the remote with the bytes written after
+    the fsync, recorded as the fsync'd generation (a version never fsync'd nor closed, kept
+    on the remote after a crash).  The drain sends only what a close or fsync journaled."""
+    if remote.proxy is None:
+        pytest.skip("the S3 proxy holds the drain while the file is written on")
+    target = remote_mount.path / "train.log"
+    fsynced, later = b"a" * 100_000, b"b" * 100_000
+    remote.proxy.pause()  # the remote is slow: the drain reads the file after the later writes
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, fsynced)
+        os.fsync(fd)
+        os.write(fd, later)
+        remote.proxy.resume()
+        (remote_mount.path / "sentinel").write_bytes(b"closed after the fsync")
+        wait_for(lambda: durable(remote_mount, "sentinel"), timeout=60, what="the drain ran past train.log")
+        time.sleep(1.0)
+        assert remote.read("train.log") in (None, fsynced)
+    finally:
+        os.close(fd)
+    wait_for(lambda: durable(remote_mount, "train.log"), timeout=60, what="train.log after its close")
+    assert remote.read("train.log") == fsynced + later
+
+
 def test_temporary_faults_retry_and_bytes_stay_identical(remote_mount: MountedFS, remote: RemoteTarget) -> None:
     if remote.proxy is None:
         pytest.skip("faults come from the S3 proxy")

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import HALT, OBJECT, CorruptDataError, RemoteError, UploadCancelled, error_scope
 from ..journal import InodeRow
 from ..objects import FileDigests
+from ..recovery import written_after_close
 from . import timing
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ class FileDrain:
                 mode=row.mode,
                 concurrency=self.mover.options.concurrency,
                 compress=self.mover.options.compress,
-                cancel_check=functools.partial(self._superseded, ino, generation),
+                cancel_check=functools.partial(self._cancelled, row),
                 pace=self._yield_to_writers,
                 sent=functools.partial(self.mover.stats.sent, ino),
             )
@@ -107,6 +108,25 @@ class FileDrain:
         # Polled: the writers are stamped by the FUSE thread, which has no event to set here.
         while not self.mover.stopping and self.mover.bursts.recent_writer():  # noqa: ASYNC110
             await asyncio.sleep(timing.WRITER_POLL_S)
+
+    async def _cancelled(self, row: InodeRow) -> bool:
+        """The upload's cancel check, between its reads and before its object becomes visible:
+        superseded in the journal, or its data file written since ``row``'s record.  With
+        passthrough the kernel writes the data file without the daemon: an fsync'd file that
+        is written on (a log, a streamed checkpoint) holds no closed version until its next
+        close, and the drain sent the fsync'd generation with the later bytes in it."""
+        if await self._superseded(row.ino, row.generation):
+            return True
+        if not written_after_close(self.mover.tier_paths.path(row.data_ino), row):  # one stat of the local tier
+            return False
+        self.mover.not_before[row.ino] = time.time() + timing.REQUEUE_BACKOFF_S
+        log.info(
+            "event=drain_deferred ino=%d generation=%d reason=%r",
+            row.ino,
+            row.generation,
+            "written after its journaled close or fsync: drains at its next close",
+        )
+        return True
 
     async def _superseded(self, ino: int, generation: int) -> bool:
         """A newer close, a writer or an unlink since ``generation`` (the upload's cancel check too)."""
