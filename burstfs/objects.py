@@ -239,12 +239,12 @@ class ObjectStore:
     async def _put_whole(
         self, key: str, reader: _ChunkReader, cancel_check: Callable[[], Awaitable[bool]] | None
     ) -> list[ChunkInfo]:
-        await _check_cancel(cancel_check, key)
         if not reader.count:
+            await _check_cancel(cancel_check, key)
             await self._call(self.remote.put_object, key, b"", what=f"put {key}")
             return []
         info, data = await asyncio.to_thread(reader.read, 0)
-        await _check_cancel(cancel_check, key)  # the bytes just read are still the version to send
+        await _check_cancel(cancel_check, key)  # after the read: the bytes read are the version to send
         await self._call(self.remote.put_object, key, data, what=f"put {key}")
         return [info]
 
