@@ -30,7 +30,7 @@ from .commitgroups import (
     round_started_ms,
 )
 from .config import RemoteURL
-from .errors import CorruptDataError, RemoteError, RemoteNotFound
+from .errors import CorruptDataError, RemoteNotFound
 from .objects import Manifest, manifest_key
 from .remote import Remote, RetryPolicy
 
@@ -66,7 +66,7 @@ async def _check_file(remote: Remote, entry: dict[str, Any], rewritable: bool = 
     try:
         data = await LATEST_RETRY.call(remote, remote.get_object, manifest_key(path), what=f"get manifest {path}")
         manifest = Manifest.from_json(data)
-    except RemoteError as exc:
+    except RemoteNotFound as exc:
         return f"{path}: no manifest ({exc})"
     except CorruptDataError as exc:
         return f"{path}: bad manifest ({exc})"
@@ -210,8 +210,10 @@ async def _find_once(remote: Remote, subdir: str) -> tuple[Checkpoint | None, li
                 problem, late = await late_parts(remote, doc, commit_written_ms(key.removesuffix(".commit")))
         except RemoteNotFound as exc:  # a record gone since the listing: a newer one replaced it
             problem, replaced = str(exc), True
-        except (RemoteError, CorruptDataError) as exc:
+        except CorruptDataError as exc:
             problem = str(exc)
+        # Any other RemoteError (denied, unavailable) goes up: whether this checkpoint is
+        # complete is not known, and skipping it could answer "none" over a good one.
         if problem is None:
             marker = doc["marker"]["path"]
             files = len(doc.get("files", [])) + 1 + late

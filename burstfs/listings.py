@@ -9,6 +9,7 @@ brought back; entries that vanished from the remote are forgotten, never deleted
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -120,6 +121,7 @@ class RemoteListings:
         self.timeout = LISTING_TIMEOUT
         self.backoff = LISTING_BACKOFF
         self._slow_until = 0.0  # until then, requests wait for no listing (the last one failed or was slow)
+        self._failed_at: dict[int, float] = {}  # directory -> when its last listing failed (monotonic)
         # directory -> listing in flight: (done, [merged], trio time it started, how long requests wait)
         self._in_flight: dict[int, tuple[trio.Event, list[bool], float, float]] = {}
         self._skipped_logged: set[str] = set()  # listed keys already logged as skipped
@@ -261,7 +263,9 @@ class RemoteListings:
             own_durable = await trio.to_thread.run_sync(self.journal.keys.durable_at_path_in, directory.ino, dir_key)
             files, subdirs = await self.links.fetcher.list_dir(dir_key)
         except Exception as exc:
+            self._failed_at[directory.ino] = time.monotonic()
             return self._list_failed(dir_key, exc)
+        self._failed_at.pop(directory.ino, None)
         prefix = f"{dir_key}/" if dir_key else ""
         at_root = directory.ino == ROOT_INO
         # Filter first (yielding on huge listings), then apply in one synchronous pass.
@@ -331,7 +335,7 @@ class RemoteListings:
         for part in filter(None, rel.split("/")):
             name = os.fsencode(part)
             if inode.kind == "dir" and name not in (inode.children or {}):
-                listed += await self.refresh(inode, force=True)
+                listed += await self._list_afresh(inode, rel)
             try:
                 inode = self.namespace.child(inode.ino, name)
             except FsError as exc:
@@ -341,9 +345,19 @@ class RemoteListings:
             directory = pending.pop()
             if directory.kind != "dir":
                 continue
-            listed += await self.refresh(directory, force=True)
+            listed += await self._list_afresh(directory, rel)
             pending += [child for _, child in self.namespace.entries(directory) if child.kind == "dir"]
         return top, listed
+
+    async def _list_afresh(self, directory: Inode, rel: str) -> int:
+        """One forced listing of ``refresh_path``: EIO if the remote could not be listed (its
+        caller is told, not handed the old listing as a fresh one: a prune would then leave
+        the shards other nodes drained since on the remote, and the step would come back)."""
+        started = time.monotonic()
+        merged = await self.refresh(directory, force=True)
+        if self._failed_at.get(directory.ino, -1.0) >= started:
+            raise FsError(errno.EIO, f"/{rel}: the remote could not be listed (see burstfs-admin status)")
+        return int(merged)
 
     def _note_lost(self, key: str, now: float) -> None:
         """This node's object ``key`` is missing from a listing and its manifest is not: logged

@@ -54,7 +54,8 @@ def prune_checkpoints(checkpoints: Sequence[Path], keep_last: int) -> list[Path]
     for checkpoint in reversed(checkpoints):
         if durable >= keep_last:
             if checkpoint.is_dir():
-                _list_afresh(checkpoint)
+                if not _list_afresh(checkpoint):
+                    continue  # kept this time: the next prune tries again
                 _remove_markers(checkpoint, patterns)
                 shutil.rmtree(checkpoint)
             else:
@@ -106,10 +107,15 @@ def _remove_markers(checkpoint: Path, patterns: tuple[str, ...]) -> None:
                 (Path(directory) / name).unlink()
 
 
-def _list_afresh(checkpoint: Path) -> None:
+def _list_afresh(checkpoint: Path) -> bool:
     """Merge the remote's listing of ``checkpoint`` first: the shards other nodes drained since
-    this node listed it are deleted with it (left behind, they would bring the step back)."""
+    this node listed it are deleted with it (left behind, they would bring the step back).
+    False (the checkpoint stays for now) when the remote could not be listed."""
     try:
         client.refresh_listings(checkpoint)
-    except client.ClientError as exc:  # no daemon to ask (or not allowed): what is listed goes
+    except (client.NotAMountError, client.DaemonGoneError) as exc:  # no daemon: what is listed goes
         log.warning("event=checkpoint_listing_not_refreshed path=%s error=%s", checkpoint, exc)
+    except client.ClientError as exc:
+        log.warning("event=checkpoint_kept path=%s reason=%r", checkpoint, f"not listed afresh: {exc}")
+        return False
+    return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sqlite3
@@ -177,6 +178,32 @@ def test_prune_checkpoints_keeps_newer_ones_until_they_are_durable(fs: MountedFS
     assert prune_checkpoints(checkpoints_in(run, "step_*"), keep_last=1) == [run / "step_2"]
     fs.unmount("--wait", "--wait-timeout", "60")
     assert sorted(p.name for p in (fs.remote_dir / "run").iterdir()) == ["step_3"]
+
+
+def test_a_step_the_remote_cannot_list_afresh_is_kept_by_prune(fs: MountedFS) -> None:
+    """refresh_listings (and user.burstfs.listed) answered "0 listed" when the remote could
+    not be listed, and prune_checkpoints deleted the step without the fresh listing it
+    promises: the shards other nodes drained there since would bring the step back."""
+    from burstfs.retention import checkpoints_in, prune_checkpoints
+
+    run = fs.path / "run"
+    for step in (1, 2):
+        (run / f"step_{step}").mkdir(parents=True)
+        (run / f"step_{step}" / "shard0").write_bytes(os.urandom(10_000))
+    client.wait_durable(run, timeout=60)
+    away = fs.remote_dir.with_name("remote.away")
+    fs.remote_dir.rename(away)
+    try:
+        with pytest.raises(client.ClientError, match="could not be listed"):
+            client.refresh_listings(run / "step_1")
+        with pytest.raises(OSError) as caught:
+            os.getxattr(run / "step_1", "user.burstfs.listed")
+        assert caught.value.errno == errno.EIO
+        assert prune_checkpoints(checkpoints_in(run, "step_*"), keep_last=1) == []
+        assert sorted(p.name for p in run.iterdir()) == ["step_1", "step_2"]
+    finally:
+        away.rename(fs.remote_dir)
+    assert prune_checkpoints(checkpoints_in(run, "step_*"), keep_last=1) == [run / "step_1"]
 
 
 def test_wait_by_xattrs_for_users_without_the_control_socket(fs: MountedFS) -> None:

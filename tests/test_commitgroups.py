@@ -1117,6 +1117,36 @@ def test_a_pointers_commit_lists_the_step_files_whose_done_went_out_during_the_g
     assert raced, "no gate listing raced the done record"
 
 
+def test_latest_fails_rather_than_skip_a_checkpoint_it_may_not_read(tmp_path: Path) -> None:
+    """A job's user asking ``latest --remote file://...`` may not read the commit records
+    (root's, mode 0600): each was skipped as a bad checkpoint and the answer was "no complete
+    checkpoint" (exit 1), so a restart script started over.  Not knowing is an error (exit 5)."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    node = Node(tmp_path, "a", remote_dir)
+    remote = FileRemote(parse_remote_url(f"file://{remote_dir}"))
+
+    async def scenario() -> None:
+        node.write("ck/step_1/__0_0.distcp", b"shard")
+        marker = node.write("ck/step_1/.metadata", b"m")
+        await until(lambda: node.durable(marker), "the marker")
+        await until(lambda: keys(remote_dir, COMMITS_PREFIX), "its commit record")
+        found, _ = await find_latest(remote, "ck")
+        assert found is not None and found.dir == "ck/step_1"
+        readable = remote.get_object
+
+        async def denied(key: str) -> bytes:
+            if key.startswith(COMMITS_PREFIX):
+                raise RemoteError(f"{key}: permission denied", kind="access_denied")
+            return await readable(key)
+
+        remote.get_object = denied  # type: ignore[method-assign]
+        with pytest.raises(RemoteError, match="permission denied"):
+            await find_latest(remote, "ck")
+
+    run_nodes([node], scenario)
+
+
 def _dcp_metadata(*files: str) -> bytes:
     """A pickle shaped like DCP's ``.metadata``: its storage data names each shard file."""
     return pickle.dumps({"storage_data": {f"t{i}": (name, 0, 1000) for i, name in enumerate(files)}})
