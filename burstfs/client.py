@@ -17,7 +17,10 @@ socket client).  No torch import: safe in any process.  Every failure is a
 from __future__ import annotations
 
 import dataclasses
+import errno
+import json
 import os
+import stat
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,9 +38,9 @@ from .admin.common import (
     resolve,
 )
 from .admin.common import wait_durable as _wait_durable
-from .journal import BROKEN, DONE, MOVING, FileState
+from .journal import BROKEN, DONE, MOVING, WRITING, FileState
 from .status import wait_state
-from .xattrs import LISTED_XATTR
+from .xattrs import LISTED_XATTR, MARKERS_XATTR
 
 STATE_XATTR = "user.burstfs.state"  # every file's drain state, readable by anyone who may read the file
 XATTR_POLL_S = 0.1
@@ -303,6 +306,16 @@ def refresh_listings(path: PathLike | Sequence[PathLike]) -> None:
                 raise ClientError(f"{top}: listing it afresh failed: {exc.strerror}") from None
 
 
+def commit_markers(directory: PathLike) -> list[str] | None:
+    """The commit-marker patterns of the mount ``directory`` is in, read through the mount
+    (``user.burstfs.markers``: any user who may read the directory); None where it cannot say."""
+    try:
+        patterns = json.loads(os.getxattr(directory, MARKERS_XATTR.decode()))
+    except (OSError, ValueError):
+        return None
+    return [str(p) for p in patterns] if isinstance(patterns, list) else None
+
+
 def is_durable(path: PathLike | Sequence[PathLike]) -> bool:
     """Whether the file at ``path``, or everything under the directory, is on the remote
     now (no waiting).  Raises DrainFailedError when a file failed or is incomplete."""
@@ -318,11 +331,25 @@ def _files_by_xattr(paths: Sequence[PathLike]) -> list[tuple[str, str, int]]:
     durable, its object still at an older name)."""
     found = []
     for top in map(Path, paths):
-        files = [top] if not top.is_dir() else sorted(Path(d) / f for d, _, names in os.walk(top) for f in names)
+        try:
+            is_dir = stat.S_ISDIR(os.stat(top).st_mode)  # a symlink named: its target, as with the socket
+        except OSError as exc:
+            raise ClientError(f"{top}: {exc.strerror}") from None
+        files = [top] if not is_dir else sorted(Path(d) / f for d, _, names in os.walk(top) for f in names)
         for file in files:
-            value = os.getxattr(file, STATE_XATTR).decode()
+            try:
+                st = os.stat(file) if file is top else os.lstat(file)
+                if not stat.S_ISREG(st.st_mode):
+                    continue  # symlinks, FIFOs, sockets in a directory: nothing of them drains
+                value = os.getxattr(file, STATE_XATTR).decode()
+            except FileNotFoundError:
+                continue  # removed since the walk (a tmp file renamed into place): gone, not pending
+            except OSError as exc:
+                if exc.errno != errno.ENODATA:
+                    raise ClientError(f"{file}: {exc.strerror}") from None
+                value = WRITING  # not journaled yet: a file just created
             state = value if value == MOVING else FileState(value)
-            found.append((str(file), state, file.stat().st_size))
+            found.append((str(file), state, st.st_size))
     return found
 
 

@@ -259,6 +259,9 @@ class DrainService:
             self.mover.stats.read_failed(f"read of inode {ino}", str(exc))
             raise
 
+    def commit_markers(self) -> tuple[str, ...]:
+        return tuple(self.mover.options.commit_markers)  # immutable options: read from any thread
+
     async def latest_under(self, dir_key: str) -> str:
         remote = self.mover.remote
         if remote is None:

@@ -49,6 +49,9 @@ class DrainHooks(Protocol):
     def release_drain(self, ino: int) -> None:
         """No writable open of ``ino`` is left (RELEASE), or it was fsync'd: a held generation drains."""
 
+    def commit_markers(self) -> tuple[str, ...]:
+        """The mount's commit-marker patterns (``--commit-marker``; ``user.burstfs.markers``)."""
+
     async def latest_under(self, dir_key: str) -> str:
         """The newest complete checkpoint under ``dir_key`` as a JSON document (``dir`` null:
         none), read from the remote by the daemon (``user.burstfs.latest``); bounded, raises

@@ -80,6 +80,8 @@ def _commit_markers(checkpoints: Sequence[Path]) -> tuple[str, ...]:
         return ()
     try:
         patterns = client.status(checkpoints[0]).document.get("commit_markers")
+    except client.AccessDeniedError:  # a job's user under a mount root made: ask through the mount
+        patterns = client.commit_markers(checkpoints[0].parent)
     except client.ClientError:
         patterns = None
     return tuple(patterns) if patterns is not None else DEFAULT_COMMIT_MARKERS

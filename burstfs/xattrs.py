@@ -28,6 +28,10 @@ LATEST_XATTR = XATTR_RESERVED + b"latest"
 #: a user who may not use the socket: a job's user under a mount root made); the value is
 #: how many directories were listed.  Not listed either.
 LISTED_XATTR = XATTR_RESERVED + b"listed"
+#: Of a directory: the mount's commit-marker patterns (``--commit-marker``), a JSON list, for
+#: a user who may not ask ``status`` (``retention.prune_checkpoints`` counts only complete
+#: checkpoints by them).  Not listed.
+MARKERS_XATTR = XATTR_RESERVED + b"markers"
 #: One answer serves a directory's getxattr calls this long: a caller asks for the size,
 #: then the value, and the two must agree.
 LATEST_MEMO_S = 1.0
@@ -65,6 +69,10 @@ class ExtendedAttributes:
         newest complete checkpoint (``latest``), read from the remote."""
         if inode.kind == "dir" and name in (LATEST_XATTR, LISTED_XATTR):
             return await self._memoized(inode, name)
+        if inode.kind == "dir" and name == MARKERS_XATTR:
+            if self.links.drain is None:
+                raise FsError(errno.ENODATA)
+            return json.dumps(list(self.links.drain.commit_markers())).encode()
         await self.committer.settle()  # a new file's row may still be deferred
         row, moving = await trio.to_thread.run_sync(self._state_of, inode.ino)
         if row is None or inode.kind != "file":

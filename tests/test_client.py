@@ -214,8 +214,13 @@ def test_wait_by_xattrs_for_users_without_the_control_socket(fs: MountedFS) -> N
 
     (fs.path / "ck").mkdir()
     (fs.path / "ck" / "a").write_bytes(os.urandom(50_000))
+    # Nothing of these drains: they raised a raw OSError (ENODATA, ENOENT) here, not for root.
+    os.mkfifo(fs.path / "ck" / "pipe")
+    os.symlink("gone.ckpt", fs.path / "ck" / "last.ckpt")
     durable = _wait_by_xattrs([fs.path / "ck"], 60, time.monotonic())
     assert (durable.files, durable.bytes) == (1, 50_000)
+    with pytest.raises(client.ClientError, match="No such file"):
+        _wait_by_xattrs([fs.path / "ck" / "missing"], 1, time.monotonic())
     writer = subprocess.Popen(
         [sys.executable, "-c", WRITER, str(fs.path / "ck" / "b")],
         stdin=subprocess.PIPE,
@@ -336,3 +341,34 @@ def test_refresh_listings_for_a_user_without_the_control_socket_lists_through_th
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"listed": ["__0_0.distcp", "__1_0.distcp"]}
+
+
+_MARKERS_AS_NOBODY = """
+import encodings.idna, encodings.latin_1, encodings.unicode_escape, json, os, sys
+from pathlib import Path
+from burstfs import retention
+os.chdir(sys.argv[1])
+os.setegid(65534)
+os.seteuid(65534)
+print(json.dumps(list(retention._commit_markers([Path("run/step_1")]))))
+"""
+
+
+def test_prune_as_a_user_without_the_control_socket_counts_by_the_mounts_commit_markers(
+    mounted_factory: type[MountedFS],
+) -> None:
+    """A job's user pruning under a mount with ``--commit-marker done.txt``: status was refused,
+    so the default markers were used, a step without done.txt counted as complete, and a
+    complete checkpoint was deleted that root's prune keeps.  They come through the mount."""
+    import json
+
+    fs = mounted_factory("n", None, ("--allow-other", "--commit-marker", "done.txt"))  # type: ignore[call-arg]
+    fs.mount()
+    os.chmod(fs.path, 0o755)
+    (fs.path / "run/step_1").mkdir(parents=True)
+    assert client.commit_markers(fs.path / "run") == ["done.txt"]
+    result = subprocess.run(
+        [sys.executable, "-c", _MARKERS_AS_NOBODY, str(fs.path)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == ["done.txt"]
