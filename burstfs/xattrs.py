@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import os
 import time
 from collections.abc import Awaitable, Callable
 
@@ -23,6 +24,10 @@ XATTR_RESERVED = b"user.burstfs."  # computed, read-only attributes (drain state
 #: daemon (client.latest for a user without the cache's journal).  Not listed: ``cp -a``
 #: and ``rsync -X`` would read the remote for every directory they copy.
 LATEST_XATTR = XATTR_RESERVED + b"latest"
+#: ``user.burstfs.latest/SUB/DIR`` of a directory: ``latest`` of its subdirectory SUB/DIR as the
+#: remote has it, which this mount may not have listed yet (another node made it within
+#: ``--list-ttl``): a path that does not exist here has no attributes to ask.
+LATEST_BELOW = LATEST_XATTR + b"/"
 #: Of a directory: reading it lists the directory and every one below it afresh from the
 #: remote, whatever ``--list-ttl`` (what the control socket's ``refresh_listings`` does, for
 #: a user who may not use the socket: a job's user under a mount root made); the value is
@@ -35,6 +40,15 @@ MARKERS_XATTR = XATTR_RESERVED + b"markers"
 #: One answer serves a directory's getxattr calls this long: a caller asks for the size,
 #: then the value, and the two must agree.
 LATEST_MEMO_S = 1.0
+
+
+def _below(dir_key: str, sub: bytes) -> str:
+    """``dir_key``'s subdirectory ``sub`` (``a/b``): plain names only, else EINVAL."""
+    parts = sub.split(b"/")
+    if not all(parts) or any(part in (b".", b"..") or b"\0" in part for part in parts):
+        raise FsError(errno.EINVAL, f"not a relative directory path: {sub!r}")
+    rel = "/".join(os.fsdecode(part) for part in parts)
+    return f"{dir_key}/{rel}" if dir_key else rel
 
 
 class ExtendedAttributes:
@@ -67,7 +81,7 @@ class ExtendedAttributes:
     async def reserved(self, inode: Inode, name: bytes) -> bytes:
         """``user.burstfs.*``: the file's drain state, read from the journal; a directory's
         newest complete checkpoint (``latest``), read from the remote."""
-        if inode.kind == "dir" and name in (LATEST_XATTR, LISTED_XATTR):
+        if inode.kind == "dir" and (name in (LATEST_XATTR, LISTED_XATTR) or name.startswith(LATEST_BELOW)):
             return await self._memoized(inode, name)
         if inode.kind == "dir" and name == MARKERS_XATTR:
             if self.links.drain is None:
@@ -103,7 +117,9 @@ class ExtendedAttributes:
         dir_key = self.path_of(directory)
         if dir_key is None:
             raise FsError(errno.ENODATA)
-        answer = await (self.latest(dir_key) if name == LATEST_XATTR else self.listed(dir_key))
+        if name.startswith(LATEST_BELOW):
+            dir_key = _below(dir_key, name[len(LATEST_BELOW) :])
+        answer = await (self.listed(dir_key) if name == LISTED_XATTR else self.latest(dir_key))
         self._memo = {key: m for key, m in self._memo.items() if now - m[0] < LATEST_MEMO_S}
         self._memo[(directory.ino, name)] = (time.monotonic(), answer)
         return answer

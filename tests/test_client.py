@@ -372,3 +372,52 @@ def test_prune_as_a_user_without_the_control_socket_counts_by_the_mounts_commit_
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == ["done.txt"]
+
+
+_LATEST_OF_AS_NOBODY = """
+import encodings.idna, encodings.latin_1, encodings.unicode_escape, json, os, sys
+import burstfs.admin.checkpoints, burstfs.latest, burstfs.remote
+from burstfs import client
+os.chdir(sys.argv[1])
+os.setegid(65534)
+os.seteuid(65534)
+try:
+    found = client.latest(sys.argv[2])
+    opens = found is not None and os.path.isdir(os.path.relpath(found, sys.argv[1]))  # nobody: below the mount
+    print(json.dumps({"latest": str(found), "opens": opens}))
+except client.ClientError as exc:
+    print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+"""
+
+
+def test_latest_as_a_user_without_the_control_socket_of_a_run_made_elsewhere_since_the_listing(
+    mounted_factory: type[MountedFS], tmp_path: Path
+) -> None:
+    """A job's user asking ``latest`` of a run another node made since this mount listed its
+    parent: the path is not here, so its attribute could not be asked (exit 5) while root's
+    answer came from the remote.  Its nearest directory here asks for it by name."""
+    import json
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    n0 = mounted_factory("n0", f"file://{shared}", ("--allow-other", "--list-ttl", "3600"))  # type: ignore[call-arg]
+    n0.mount()
+    os.chmod(n0.path, 0o755)
+    (n0.path / "runs").mkdir()
+    os.listdir(n0.path / "runs")  # listed here: empty, for the next hour
+    n1 = mounted_factory("n1", f"file://{shared}", ("--node-id", "n1"))  # type: ignore[call-arg]
+    n1.mount()
+    (n1.path / "runs/run9/step_1").mkdir(parents=True)
+    (n1.path / "runs/run9/step_1/__0_0.distcp").write_bytes(b"shard")
+    (n1.path / "runs/run9/step_1/.metadata").write_bytes(b"metadata")
+    client.wait_durable(n1.path / "runs")
+    wait_for(lambda: client.latest(n1.path / "runs/run9") is not None, what="the step published")
+    assert not (n0.path / "runs/run9").exists()
+    result = subprocess.run(
+        [sys.executable, "-c", _LATEST_OF_AS_NOBODY, str(n0.path), "runs/run9"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"latest": str(n0.path / "runs/run9/step_1"), "opens": True}

@@ -16,7 +16,7 @@ from ..config import S3Options, parse_remote_url
 from ..errors import BurstfsError, ConfigError
 from ..mountinfo import find_burstfs_mount
 from ..status import SCHEMA
-from ..xattrs import LATEST_XATTR
+from ..xattrs import LATEST_BELOW, LATEST_XATTR
 from .common import (
     EXIT_ERROR,
     EXIT_UNKNOWN,
@@ -199,8 +199,15 @@ def latest_through_mount(path: Path) -> Latest:
     if found is None:
         raise AdminError(f"{path} is not inside a burstfs mount", EXIT_USAGE)
     mountpoint = found[0]
+    # A directory another node made since this mount listed its parent is not here yet: its
+    # nearest ancestor here asks for it by name (user.burstfs.latest/SUB), the remote answers.
+    asked, below = Path(path), list[str]()  # as given: a relative path needs no look above the mount
+    while not os.path.lexists(asked) and mountpoint in Path(os.path.abspath(asked)).parents:
+        below.insert(0, asked.name)
+        asked = asked.parent
+    name = (LATEST_BELOW + os.fsencode("/".join(below))) if below else LATEST_XATTR
     try:
-        doc = json.loads(os.getxattr(path, LATEST_XATTR.decode()))
+        doc = json.loads(os.getxattr(asked, name.decode(errors="surrogateescape")))
     except OSError as exc:
         problem = os.strerror(exc.errno) if exc.errno else str(exc)
         raise AdminError(
