@@ -189,8 +189,10 @@ class RemoteTarget:
     def read(self, path: str) -> bytes | None:
         """The object for ``path`` (relative to the prefix), or None."""
         if self.directory is not None:
-            file = self.directory / path
-            return file.read_bytes() if file.exists() else None
+            try:  # the drain may delete it between a check and the read
+                return (self.directory / path).read_bytes()
+            except FileNotFoundError:
+                return None
         try:
             return self._client().get_object(Bucket=self.bucket, Key=self.key(path))["Body"].read()
         except self._client().exceptions.NoSuchKey:
