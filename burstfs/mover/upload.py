@@ -114,12 +114,15 @@ class FileDrain:
         superseded in the journal, or its data file written since ``row``'s record.  With
         passthrough the kernel writes the data file without the daemon: an fsync'd file that
         is written on (a log, a streamed checkpoint) holds no closed version until its next
-        close, and the drain sent the fsync'd generation with the later bytes in it."""
+        close, and the drain sent the fsync'd generation with the later bytes in it.  Such a
+        generation waits, like one closed while another writer stays open, for that writer's
+        next fsync or last close (which journal its later bytes): not re-read and logged again
+        every retry while a log stays open."""
         if await self._superseded(row.ino, row.generation):
             return True
         if not written_after_close(self.mover.tier_paths.path(row.data_ino), row):  # one stat of the local tier
             return False
-        self.mover.not_before[row.ino] = time.time() + timing.REQUEUE_BACKOFF_S
+        self.mover.hold_drain(row.data_ino, row.generation)
         log.info(
             "event=drain_deferred ino=%d generation=%d reason=%r",
             row.ino,
