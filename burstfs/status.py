@@ -24,6 +24,7 @@ from .journal import (
     BROKEN,
     CLOSED_UNDRAINED,
     DONE,
+    DRAINING,
     DURABLE,
     EVICTED,
     FAILED,
@@ -32,6 +33,7 @@ from .journal import (
     MOVING,
     QUEUED,
     ROOT_INO,
+    STAGED,
     WRITING,
     FileState,
     InodeRow,
@@ -88,12 +90,19 @@ def files_at(journal: Journal, rels: list[str]) -> list[tuple[str, InodeRow]]:
     return list(seen.values())
 
 
-def file_info(path: str, row: InodeRow) -> dict[str, Any]:
+def shown_state(state: FileState, uploads_live: bool) -> FileState:
+    """``state`` as an operator should read it: with no process holding the cache, an upload
+    journaled as in flight is not (its drain was killed): the file is staged, and drains at
+    the next start."""
+    return STAGED if state == DRAINING and not uploads_live else state
+
+
+def file_info(path: str, row: InodeRow, uploads_live: bool = True) -> dict[str, Any]:
     """One file of ``ls`` (docs/ADMIN.md: ls)."""
     return {
         "path": path,
         "ino": row.ino,
-        "state": row.state,
+        "state": shown_state(row.state, uploads_live),
         "size": row.size,
         "generation": row.generation,
         "durable_generation": row.durable_generation,
@@ -105,8 +114,10 @@ def file_info(path: str, row: InodeRow) -> dict[str, Any]:
     }
 
 
-def list_files(journal: Journal, rel: str) -> dict[str, Any]:
-    return {"schema": SCHEMA, "files": [file_info(path, row) for path, row in files_under(journal, rel)]}
+def list_files(journal: Journal, rel: str, uploads_live: bool = True) -> dict[str, Any]:
+    """``ls`` of the files under ``rel``; ``uploads_live`` false: no process holds the cache."""
+    files = [file_info(path, row, uploads_live) for path, row in files_under(journal, rel)]
+    return {"schema": SCHEMA, "files": files}
 
 
 def _closed_at(journal: Journal, ino: int, fallback: float) -> float:
@@ -222,11 +233,14 @@ def drain_eta(
     return max(queued - landed, 0) / throughput_bps if throughput_bps else None
 
 
-def journal_status(journal: Journal, cache_dir: Path) -> dict[str, Any]:
-    """Everything status can tell from the journal and the cache dir alone (no daemon)."""
+def journal_status(journal: Journal, cache_dir: Path, uploads_live: bool = True) -> dict[str, Any]:
+    """Everything status can tell from the journal and the cache dir alone (no daemon);
+    ``uploads_live`` false: no process holds the cache (:func:`shown_state`)."""
     states = {state: {"files": 0, "bytes": 0} for state in FILE_STATES}
     for state, (files, nbytes) in journal.state_counts().items():
-        states.setdefault(state, {"files": 0, "bytes": 0}).update(files=files, bytes=nbytes)
+        shown = states.setdefault(shown_state(state, uploads_live), {"files": 0, "bytes": 0})
+        shown["files"] += files
+        shown["bytes"] += nbytes
     local_bytes = _held_bytes(journal, cache_dir / "data")
     oldest = journal.oldest_closed_undrained()
     oldest_closed = _closed_at(journal, *oldest) if oldest else None

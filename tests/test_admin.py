@@ -452,6 +452,29 @@ def test_stopped_mount_reads_the_journal(burst: MountedFS) -> None:
     assert "burstfs mount" in admin("retry", burst.cache, expect=1).stderr
 
 
+def test_a_stopped_cache_shows_an_upload_whose_drain_was_killed_as_staged(mounted_factory: Any) -> None:
+    """An upload journaled as in flight when its process died (``burstfs drain --cache``
+    killed) is not in flight: status and ls of the stopped cache said ``draining``."""
+    if not FUSE_OK:
+        pytest.skip("needs /dev/fuse, fusermount3 and root")
+    fs: MountedFS = mounted_factory("killed", extra_args=("--drain-delay", "3600"))
+    fs.mount()
+    (fs.path / "ck").mkdir()
+    (fs.path / "ck" / "a").write_bytes(b"abc")
+    (fs.path / "ck" / "b").write_bytes(b"defg")
+    time.sleep(DEFER_S + 2.5)  # the closes' records land (a crash within 2 s of a close cannot tell it)
+    fs.kill()
+    with sqlite3.connect(fs.cache / "journal.db") as db:  # what a drain killed mid-upload leaves
+        db.execute("UPDATE inodes SET state='draining' WHERE name=?", (b"a",))
+    files = admin_json("ls", fs.path / "ck", "--cache", fs.cache)["files"]
+    assert sorted((f["path"], f["state"]) for f in files) == [("ck/a", "staged"), ("ck/b", "staged")]
+    states = admin_json("status", fs.cache)["states"]
+    assert states["staged"] == {"files": 2, "bytes": 7} and states["draining"]["files"] == 0
+    fs.mount()  # and it drains at the next start
+    admin("drain", fs.path, "--now")
+    assert admin_json("wait", fs.path / "ck", "--timeout", "60")["result"] == "durable"
+
+
 def test_a_path_that_does_not_exist_is_exit_1(burst: MountedFS) -> None:
     """docs/ADMIN.md: exit 1 when a path does not exist, live or stopped: no command reports
     on nothing (status) or claims to have steered it (abandon)."""

@@ -57,8 +57,9 @@ def _status_doc(target: Target) -> dict[str, Any]:
             return target.daemon.call("status", timeout=STATUS_ANSWER_S)
         except DaemonLost as exc:
             click.echo(f"warning: {exc} (stopped or hung?); showing the journal", err=True)
-    doc = journal_call(target, journal_status, target.cache_dir)
-    doc["pid"] = CacheLock(target.cache_dir).owner_pid()
+    pid = CacheLock(target.cache_dir).owner_pid()
+    doc = journal_call(target, journal_status, target.cache_dir, pid is not None)
+    doc["pid"] = pid
     return doc
 
 
@@ -182,7 +183,10 @@ def ls_command(path: Path, cache: Path | None, as_json: bool) -> None:
     """Per-file state, size, generation, digest and remote key."""
     target = resolve([path], cache)
     rel = target.rels[0]
-    doc = target.daemon.call("ls", path=rel) if target.daemon else journal_call(target, list_files, rel)
+    if target.daemon:
+        doc = target.daemon.call("ls", path=rel)
+    else:
+        doc = journal_call(target, list_files, rel, CacheLock(target.cache_dir).owner_pid() is not None)
     if as_json:
         emit_json(doc)
         return
