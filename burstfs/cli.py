@@ -24,7 +24,7 @@ from .cachelock import CacheLock
 from .config import DEFAULT_COMMIT_MARKERS, check_seconds, config_from_meta
 from .errors import BurstfsError, ConfigError
 from .mountinfo import UnexaminedPath, find_burstfs_mount
-from .progress import be, count
+from .progress import be, count, they
 
 log = logging.getLogger("burstfs.cli")
 
@@ -270,7 +270,7 @@ def _fail_on_left_behind(cache_dir: Path) -> None:
     if files:
         click.echo(
             f"burstfs: {count(files, 'file')} ({nbytes} bytes) {be(files)} incomplete (open for writing at a crash): "
-            f"they never drain (see: burstfs-admin ls {cache_dir})",
+            f"{they(files, 'it never drains', 'they never drain')} (see: burstfs-admin ls {cache_dir})",
             err=True,
         )
     problems = []
@@ -280,8 +280,9 @@ def _fail_on_left_behind(cache_dir: Path) -> None:
     if stuck:
         problems.append(f"{stuck} renamed files' objects could not be moved to their new names")
     if problems:
+        stay = they(files + stuck, "it stays", "they stay")
         raise BurstfsError(
-            "; ".join(problems) + f": they stay in {cache_dir} (see: burstfs-admin ls {cache_dir}; "
+            "; ".join(problems) + f": {stay} in {cache_dir} (see: burstfs-admin ls {cache_dir}; "
             "`burstfs-admin retry` on the next mount drains failed files again)"
         )
 
@@ -411,8 +412,9 @@ def unmount(
     files, nbytes = left.get("drains", (0, 0))
     if files:
         click.echo(
-            f"{count(files, 'file')} ({nbytes} bytes) {be(files)} not durable yet: they stay staged in {cache_dir}; "
-            f"the next mount or `burstfs drain --cache {cache_dir}` drains them"
+            f"{count(files, 'file')} ({nbytes} bytes) {be(files)} not durable yet: "
+            f"{they(files, 'it stays', 'they stay')} staged in {cache_dir}; "
+            f"the next mount or `burstfs drain --cache {cache_dir}` drains {they(files, 'it', 'them')}"
         )
     if work["moving"] or work["deletes"]:
         click.echo(
@@ -422,20 +424,22 @@ def unmount(
     files, nbytes = left.get("failed", (0, 0))
     if files:
         click.echo(
-            f"{count(files, 'file')} ({nbytes} bytes) failed to drain: they drain after `burstfs-admin retry` "
+            f"{count(files, 'file')} ({nbytes} bytes) failed to drain: "
+            f"{they(files, 'it drains', 'they drain')} after `burstfs-admin retry` "
             f"on the next mount (see: burstfs-admin ls {cache_dir})"
         )
     files, nbytes = left.get("incomplete", (0, 0))
     if files:
         click.echo(
             f"{count(files, 'file')} ({nbytes} bytes) {be(files)} incomplete (open for writing at a crash, or a write "
-            "failed): they will not drain; rewrite or delete them"
+            f"failed): {they(files, 'it will not drain', 'they will not drain')}; "
+            f"rewrite or delete {they(files, 'it', 'them')}"
         )
     files, _ = left.get("abandoned", (0, 0))
     if files:
         click.echo(
             f"{count(files, 'marker')} of abandoned checkpoints (burstfs-admin abandon) stay in {cache_dir}: "
-            f"{'they are' if files > 1 else 'it is'} never published"
+            f"{they(files, 'it is', 'they are')} never published"
         )
 
 
@@ -525,7 +529,7 @@ def drain(cache_dir: Path, endpoint_url: str | None, now: bool, timeout: float |
             files = sum(n for fate, (n, _) in left.items() if fate not in ("incomplete", "abandoned"))
             click.echo(
                 f"burstfs: drain stopped after {timeout:g}s: {count(files, 'file')} {be(files)} not durable yet; "
-                f"they stay in {cache_dir} (burstfs-admin status {cache_dir} says why)",
+                f"{they(files, 'it stays', 'they stay')} in {cache_dir} (burstfs-admin status {cache_dir} says why)",
                 err=True,
             )
             sys.exit(EXIT_TIMEOUT)

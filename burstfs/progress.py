@@ -16,6 +16,11 @@ def count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
+def they(n: int, singular: str, plural: str) -> str:
+    """What is said of a count of ``n``: ``they(1, "it stays", "they stay")`` is ``it stays``."""
+    return singular if n == 1 else plural
+
+
 def be(n: int) -> str:
     """The verb for a count of ``n``: ``1 file is``, ``2 files are``."""
     return "is" if n == 1 else "are"

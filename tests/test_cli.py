@@ -738,10 +738,10 @@ def test_unmount_after_a_crash_counts_incomplete_files_apart(mounted_factory: ty
         writer.kill()
         writer.wait()
     result = burstfs("unmount", str(fs.path))
-    assert "1 file (1000 bytes) is not durable yet" in result.stdout, result.stdout
+    assert "1 file (1000 bytes) is not durable yet: it stays staged" in result.stdout, result.stdout
     (incomplete,) = [line for line in result.stdout.splitlines() if " incomplete (" in line]
     # the bytes its data file holds: passthrough wrote them past the journal, which said 0
-    assert incomplete.startswith("1 file (100 bytes)") and "will not drain" in incomplete, result.stdout
+    assert incomplete.startswith("1 file (100 bytes)") and "it will not drain" in incomplete, result.stdout
 
 
 def test_a_slow_start_up_names_the_step_it_waits_in(caplog: pytest.LogCaptureFixture) -> None:
