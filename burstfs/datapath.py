@@ -254,6 +254,19 @@ class DataPath:
         except OSError as exc:
             log.warning("event=tier_times_not_set ino=%d error=%s", inode.ino, exc)
 
+    @staticmethod
+    def _direct_stamp(inode: Inode) -> tuple[int, int] | None:
+        """The data file's (size, mtime_ns) as last seen (:meth:`adopt_direct_writes`), while the
+        kernel writes it directly: what a close or fsync journaling it now records."""
+        direct = inode.direct
+        return direct.seen if direct is not None and direct.writers else None
+
+    def _stamp_close(self, inode: Inode, stamp: tuple[int, int] | None) -> None:
+        """Tell the drain what the data file looked like when this generation was journaled
+        (``DrainHooks.stamp_close``): bytes written after it are not that generation's."""
+        if stamp is not None:
+            self.links.stamp_close(inode.ino, inode.generation, stamp)
+
     def _has_writer(self, inode: Inode) -> bool:
         return any(h.writable and h.inode is inode for h in self.handles.values())
 
@@ -467,6 +480,7 @@ class DataPath:
         inode = handle.inode
         self._check_created(inode)
         self.adopt_direct_writes(inode)  # passthrough writes since the last close make it dirty
+        stamp = self._direct_stamp(inode)
         if not inode.named:  # unlinked while open: nothing to publish
             inode.dirty = inode.new = False
             return
@@ -481,6 +495,7 @@ class DataPath:
             ops.append(held_close_op(inode.ino, inode.generation))
             self.links.hold_drain(inode.ino, inode.generation)
             await self.committer.commit(ops, undo=undo)
+            self._stamp_close(inode, stamp)
         # Even with nothing left to publish (an fsync did it: DCP's writer syncs each shard),
         # the close joins this node's round: the one begun at open may be done without the
         # file, decided while it was being written.
@@ -505,6 +520,7 @@ class DataPath:
         last_writer = handle.writable and not self._has_writer(inode)
         try:
             self.adopt_direct_writes(inode)
+            stamp = self._direct_stamp(inode)
             self.io_paths.close(inode, handle)
             if last_writer:
                 if self.publisher.unpublished(inode) and inode.named:
@@ -512,6 +528,7 @@ class DataPath:
                     ops = [*self.publisher.publish_ops(inode, undo, writer_left=False), released_op(inode.ino)]
                     self._tier_times_follow(inode)
                     await self.committer.commit(ops, undo=undo)
+                    self._stamp_close(inode, stamp)
                     self.links.file_closed()
                 else:  # rides with the next commit: a crash before it lands is within RELEASE_GRACE_S
                     self._journal_released(inode.ino, inode.generation)
@@ -534,6 +551,7 @@ class DataPath:
         assert fd is not None
         await trio.to_thread.run_sync(os.fdatasync if datasync else os.fsync, fd)
         self.adopt_direct_writes(inode)
+        stamp = self._direct_stamp(inode)
         publish = inode.dirty or (handle.writable and self.publisher.unpublished(inode))
         undo = Undo()
         ops = []
@@ -542,6 +560,7 @@ class DataPath:
             self._tier_times_follow(inode)
         await self.committer.commit([*ops, released_op(inode.ino)], sync=True, undo=undo)
         if ops:
+            self._stamp_close(inode, stamp)
             self.links.file_closed()
         self.links.release_drain(inode.ino)  # fsync asks for this version: it drains while still open
         if self.fsync_remote and self.links.drain is not None and inode.named:

@@ -167,6 +167,9 @@ class DrainService:
         self.mover.bursts.released(ino)
         self.mover.release_drain(ino)
 
+    def stamp_close(self, ino: int, generation: int, stamp: tuple[int, int]) -> None:
+        self.mover.close_stamps[ino] = (generation, stamp)
+
     async def closed_in(self, ino: int, dir_key: str, name: bytes) -> None:
         """close(2) of ``ino`` in ``dir_key``: it joins this node's round there, and the close
         gives the round's intent record up to ``intent_wait`` to land, so that a marker written

@@ -49,6 +49,11 @@ class DrainHooks(Protocol):
     def release_drain(self, ino: int) -> None:
         """No writable open of ``ino`` is left (RELEASE), or it was fsync'd: a held generation drains."""
 
+    def stamp_close(self, ino: int, generation: int, stamp: tuple[int, int]) -> None:
+        """``generation`` of ``ino`` was journaled while the kernel writes its data file directly
+        (passthrough): ``stamp`` is that file's (size, mtime_ns) then.  Any later write moves it,
+        so the drain can tell the journaled bytes from bytes written since."""
+
     def commit_markers(self) -> tuple[str, ...]:
         """The mount's commit-marker patterns (``--commit-marker``; ``user.burstfs.markers``)."""
 
@@ -112,3 +117,7 @@ class DrainLinks:
     def release_drain(self, ino: int) -> None:
         if self.drain is not None:
             self.drain.release_drain(ino)
+
+    def stamp_close(self, ino: int, generation: int, stamp: tuple[int, int]) -> None:
+        if self.drain is not None:
+            self.drain.stamp_close(ino, generation, stamp)

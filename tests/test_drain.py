@@ -336,6 +336,39 @@ def test_an_fsynced_file_written_on_drains_only_its_closed_versions(
     assert remote.read("train.log") == fsynced + later
 
 
+def test_an_fsynced_file_rewritten_in_place_drains_only_its_closed_versions(
+    remote_mount: MountedFS, remote: RemoteTarget
+) -> None:
+    """An in-place write a moment after an fsync (same size, within the record's 1 s of time
+    slack) passed the drain's check: the remote got a mix of the fsync'd and later bytes, as
+    durable, and its manifest did not match it.  The drain compares the data file with what it
+    was when the fsync journaled it."""
+    if remote.proxy is None:
+        pytest.skip("the S3 proxy holds the drain while the file is written on")
+    target = remote_mount.path / "model.bin"
+    fsynced = b"x" * 4_000_000
+    remote.proxy.pause()  # the drain reads the file after the in-place writes
+    fd = os.open(target, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, fsynced)
+        os.fsync(fd)
+        for offset in range(0, len(fsynced), 500_000):
+            os.pwrite(fd, b"Y" * 4096, offset)
+        remote.proxy.resume()
+        (remote_mount.path / "sentinel").write_bytes(b"closed after the fsync")
+        wait_for(lambda: durable(remote_mount, "sentinel"), timeout=60, what="the drain ran past model.bin")
+        time.sleep(1.0)
+        assert remote.read("model.bin") in (None, fsynced)
+        assert os.getxattr(target, "user.burstfs.state") != b"durable"
+    finally:
+        os.close(fd)
+    wait_for(lambda: durable(remote_mount, "model.bin"), timeout=60, what="model.bin after its close")
+    final = bytearray(fsynced)
+    for offset in range(0, len(fsynced), 500_000):
+        final[offset : offset + 4096] = b"Y" * 4096
+    assert remote.read("model.bin") == bytes(final)
+
+
 def test_temporary_faults_retry_and_bytes_stay_identical(remote_mount: MountedFS, remote: RemoteTarget) -> None:
     if remote.proxy is None:
         pytest.skip("faults come from the S3 proxy")

@@ -120,7 +120,7 @@ class FileDrain:
         every retry while a log stays open."""
         if await self._superseded(row.ino, row.generation):
             return True
-        if not written_after_close(self.mover.tier_paths.path(row.data_ino), row):  # one stat of the local tier
+        if not self._written_since(row):
             return False
         self.mover.hold_drain(row.data_ino, row.generation)
         log.info(
@@ -130,6 +130,21 @@ class FileDrain:
             "written after its journaled close or fsync: drains at its next close",
         )
         return True
+
+    def _written_since(self, row: InodeRow) -> bool:
+        """Whether ``row``'s data file changed after its generation was journaled: one stat of the
+        local tier.  Exact while the daemon that journaled it lives (the file's size and mtime then,
+        ``Mover.close_stamps``: an in-place write a moment after an fsync moves neither the size nor
+        the mtime past the record's slack); else by the record's size and time, as recovery does."""
+        data_file = self.mover.tier_paths.path(row.data_ino)
+        stamped = self.mover.close_stamps.get(row.data_ino)
+        if stamped is None or stamped[0] != row.generation:
+            return written_after_close(data_file, row)
+        try:
+            st = os.stat(data_file, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return (st.st_size, st.st_mtime_ns) != stamped[1]
 
     async def _superseded(self, ino: int, generation: int) -> bool:
         """A newer close, a writer or an unlink since ``generation`` (the upload's cancel check too)."""
@@ -208,6 +223,9 @@ class FileDrain:
         for listener in self.mover.durable_listeners:
             listener(size, latency)
         self.mover.not_before.pop(row.ino, None)
+        stamped = self.mover.close_stamps.pop(row.data_ino, None)  # the FUSE thread may stamp a newer one
+        if stamped is not None and stamped[0] != row.generation:
+            self.mover.close_stamps.setdefault(row.data_ino, stamped)
         log.info("event=durable key=%s generation=%d bytes=%d seconds=%.3f", key, row.generation, size, latency)
 
     async def _requeue(self, ino: int, generation: int, exc: BaseException | None) -> None:
