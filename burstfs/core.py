@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import os
 import stat
 import time
 from collections.abc import Iterator
@@ -308,6 +309,9 @@ class BurstCore:
 
     async def open(self, ino: int, flags: int) -> int:
         await self._revalidate_listed(self.namespace.inode(ino))
+        inode = self.namespace.inode(ino)
+        if not flags & os.O_TRUNC and self.plans.reads_whole(inode, (flags & os.O_ACCMODE) != os.O_RDONLY):
+            await self.data.fetch_whole_if_it_fits(inode, "open_whole")
         fh = await self.data.open(ino, flags)
         handle = self.data.handles[fh]
         self.plans.opened(handle.inode, handle.writable)

@@ -16,9 +16,11 @@ rank reads the index and then only its own shards, so each node would fetch the
 whole checkpoint.  Ranks of one node open their shards side by side, without
 closing one first, so they fetch nothing ahead; a walker costs at most
 ``AHEAD_FILES`` files it may not read.  A plan never makes room on the tier (it
-fetches only what fits without evicting or waiting) and never delays a request:
-opens and closes only note names; planning (reading a ``weight_map`` index) and
-the fetches run in :meth:`ReadPlans.run`, a task of the daemon's nursery.
+fetches only what fits without evicting or waiting) and never delays another
+request: opens and closes only note names; planning (reading a ``weight_map``
+index) and the fetches run in :meth:`ReadPlans.run`, a task of the daemon's
+nursery.  The open of a file a plan fetches whole waits for that file
+(:meth:`ReadPlans.reads_whole`): its reads then go through passthrough.
 """
 
 from __future__ import annotations
@@ -109,6 +111,18 @@ class ReadPlans:
             self._note("walk", inode)
         elif plan.kind == "dcp":  # a rank's own data file: it reads all of it
             self._note("open", inode)
+
+    def reads_whole(self, inode: Inode, writable: bool) -> bool:
+        """Whether this open is of a file a plan fetches whole anyway: a planned DCP data file (a
+        rank reads all of its own) or a walker's next one.  Such an open waits for the whole
+        file, and its reads then go through passthrough, the kernel reading the local tier
+        (a cold read through the daemon costs two more copies and a request per MiB)."""
+        if writable or not self.running or not inode.parent or inode.local or inode.kind != "file":
+            return False
+        plan = self.plans.get(inode.parent)
+        if plan is None or inode.name not in plan.position:
+            return False
+        return plan.kind == "dcp" or plan.walked_to(inode.name)
 
     def closed(self, inode: Inode) -> None:
         """A handle of a file was released: a named file closed is a step of a walk."""

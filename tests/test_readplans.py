@@ -162,6 +162,33 @@ def test_ranks_opening_their_own_shards_side_by_side_fetch_them_whole_and_nothin
 
 
 @pytest.mark.fuse
+def test_an_open_of_a_planned_dcp_file_returns_with_it_whole_and_reads_it_through_passthrough(
+    mounted_factory: type[MountedFS],
+) -> None:
+    """A rank reads all of its own DCP data file: its open waits for the whole file, so that
+    the kernel reads it from the local tier (passthrough) instead of asking the daemon for
+    every MiB.  A file no plan names is opened at once and fetched as it is read."""
+    writer = mounted_factory("w")
+    writer.mount()
+    shards = write_checkpoint(writer)
+    notes = os.urandom(2 * MiB)
+    (writer.path / "ckpt" / "step5" / "notes.bin").write_bytes(notes)
+    wait_for(lambda: os.getxattr(writer.path / "ckpt" / "step5" / "notes.bin", "user.burstfs.state") == b"durable")
+    reader = mounted_factory("r", writer.remote_url)  # type: ignore[call-arg]
+    reader.mount()
+    directory = reader.path / "ckpt" / "step5"
+    (directory / ".metadata").read_bytes()
+    wait_for(lambda: "event=read_plan " in reader.log_text(), what="the plan")
+    with open(directory / os.fsdecode(SHARDS[5]), "rb") as shard:
+        assert states(directory, [SHARDS[5]]) == {SHARDS[5]: "durable"}  # whole before its first read
+        assert shard.read() == shards[SHARDS[5]]
+    assert "event=open_whole_fetched" in reader.log_text()
+    with open(directory / "notes.bin", "rb") as other:
+        assert os.getxattr(directory / "notes.bin", "user.burstfs.state") == b"remote"
+        assert other.read() == notes
+
+
+@pytest.mark.fuse
 def test_a_corrupt_shard_fetched_ahead_fails_only_its_own_read(mounted_factory: type[MountedFS]) -> None:
     writer = mounted_factory("w")
     writer.mount()
