@@ -88,7 +88,7 @@ class Mover:
         self.in_flight: dict[int, str] = {}  # ino -> key its upload holds
         self.not_before: dict[int, float] = {}  # ino -> earliest retry time
         self.held_open: dict[int, int] = {}  # ino -> generation closed while another writer stays open
-        # ino -> (generation, its data file's (size, mtime_ns) when journaled): FileDrain.written_since
+        # ino -> (generation, its data file's (size, mtime_ns) when journaled): FileDrain._written_since
         self.close_stamps: dict[int, tuple[int, tuple[int, int]]] = {}
         self._skip_delay = False
         self._small_uploads: set[asyncio.Task[None]] = set()  # run()'s small-file pool, for upload_ended
